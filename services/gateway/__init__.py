@@ -1,0 +1,1 @@
+"""Gateway: the OpenAI/Anthropic-compatible HTTP front door; owns each request's life."""

@@ -1,0 +1,97 @@
+"""The `deepinfer` command: a registry of subcommands, each importing what it needs only when it runs.
+
+`deepinfer --help` and `deepinfer config` never import torch. A later subcommand (`serve`, `up`, `generate`)
+is one more `Subcommand` in `SUBCOMMANDS` whose `run` function imports its heavy modules inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One `deepinfer <name>` command: its arguments and the function that runs it (returns the exit code)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.config import SERVICE_SETTINGS
+
+    parser.add_argument("--json", action="store_true", help="machine-readable output (a JSON list of settings)")
+    parser.add_argument(
+        "--service", choices=["common", *SERVICE_SETTINGS], help="only the settings of this group"
+    )
+
+
+def _config_run(args: argparse.Namespace) -> int:
+    from deepinfer.config import ALL_SETTINGS, describe_settings, load_settings
+
+    loaded = [load_settings(cls) for cls in ALL_SETTINGS]  # exits 2 with one line on a bad env value
+    rows = describe_settings(loaded)
+    known = {row.env for row in rows}
+    for name in sorted(os.environ):
+        if name.startswith("DEEPINFER_") and name not in known:  # most likely a typo
+            print(f"deepinfer: warning: unknown setting {name} is ignored", file=sys.stderr)
+    rows = [row for row in rows if args.service in (None, row.group)]
+    if args.json:
+        print(json.dumps([row.to_dict() for row in rows], indent=2))
+        return 0
+    table = [("ENV", "TYPE", "DEFAULT", "VALUE", "DESCRIPTION")]
+    table += [(r.env, r.type, r.default, r.value or "", r.description) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(4)]
+    for line in table:
+        cells = [cell.ljust(width) for cell, width in zip(line[:4], widths, strict=True)]
+        print("  ".join([*cells, line[4]]).rstrip())
+    return 0
+
+
+#: Every subcommand, by name. Later issues add `serve`, `up`, `generate` here.
+SUBCOMMANDS: dict[str, Subcommand] = {
+    command.name: command
+    for command in (
+        Subcommand(
+            name="config",
+            help="print every setting (env name, type, default, current value) and validate the environment",
+            add_arguments=_config_arguments,
+            run=_config_run,
+        ),
+    )
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand."""
+    from deepinfer import __version__
+
+    parser = argparse.ArgumentParser(prog="deepinfer", description="Prefix-cache-first, disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in SUBCOMMANDS.values():
+        sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `deepinfer` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

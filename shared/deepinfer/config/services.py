@@ -1,0 +1,200 @@
+"""One settings class per service, env prefix `DEEPINFER_<SERVICE>_`, each carrying the CommonSettings.
+
+Default ports (each overridable; 0 = pick a free port, for internal and data-plane ports only):
+
+| service   | API  | internal (/health /ready /metrics) | data plane |
+|-----------|------|------------------------------------|------------|
+| gateway   | 8000 | 8001                               | -          |
+| scheduler | -    | 8002                               | -          |
+| prefill   | -    | 8003                               | 8103       |
+| decode    | -    | 8004                               | 8104       |
+| kvcache   | -    | 8005                               | 8105       |
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import ByteSize, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode
+
+from deepinfer import subjects
+from deepinfer.config.common import CommonSettings, default_id, settings_config
+
+MiB = 1024**2
+GiB = 1024**3
+
+#: A listening port; 0 lets the OS pick one (advertised in heartbeats once bound).
+AnyPort = Annotated[int, Field(ge=0, le=65535)]
+
+
+def _check_subject_id(value: str, info: Any) -> str:
+    return subjects.check_id(value, info.field_name)
+
+
+class ServiceSettings(BaseSettings):
+    """Base of the per-service settings: the shared settings ride along as `common`."""
+
+    service: ClassVar[str] = ""
+
+    common: CommonSettings = Field(
+        default_factory=CommonSettings, description="Shared settings (DEEPINFER_*), built from the environment."
+    )
+    internal_port: AnyPort = Field(0, description="Port of /health, /ready and /metrics (0 = any free port).")
+
+
+class GatewaySettings(ServiceSettings):
+    """The OpenAI/Anthropic-compatible HTTP front door."""
+
+    service: ClassVar[str] = "gateway"
+    model_config = settings_config("DEEPINFER_GATEWAY_")
+
+    host: str = Field("127.0.0.1", description="Interface the API listens on (0.0.0.0 in a pod).")
+    port: int = Field(8000, ge=1, le=65535, description="API port.")
+    internal_port: AnyPort = Field(8001, description="Port of /health, /ready and /metrics (0 = any free port).")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted API keys, comma-separated or a JSON list; empty = no auth.",
+        repr=False,
+        json_schema_extra={"secret": True},
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take end to end.")
+    max_request_bytes: ByteSize = Field(
+        ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
+    )
+    gateway_id: str = Field(
+        default_factory=partial(default_id, "gateway"), description="This gateway's id in subjects (a-z0-9_-)."
+    )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [key.strip() for key in text.split(",") if key.strip()]
+        return value
+
+    _gateway_id = field_validator("gateway_id")(_check_subject_id)
+
+
+class SchedulerSettings(ServiceSettings):
+    """The router: KV index, worker membership, admission."""
+
+    service: ClassVar[str] = "scheduler"
+    model_config = settings_config("DEEPINFER_SCHEDULER_")
+
+    internal_port: AnyPort = Field(8002, description="Port of /health, /ready and /metrics (0 = any free port).")
+    scheduler_id: str = Field(
+        default_factory=partial(default_id, "scheduler"), description="This replica's id (a-z0-9_-)."
+    )
+    worker_lease_s: float = Field(3.0, gt=0, description="A worker is dropped after this long without a heartbeat.")
+    max_queue_len: int = Field(
+        1024, ge=0, description="Requests queued while every worker is saturated; beyond it: overloaded."
+    )
+
+    _scheduler_id = field_validator("scheduler_id")(_check_subject_id)
+
+
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise ValueError(f"block_size must be a power of two, got {value}")
+    return value
+
+
+class WorkerSettings(ServiceSettings):
+    """Engine settings shared by prefill and decode workers."""
+
+    worker_id: str = Field(default_factory=partial(default_id, "worker"), description="This worker's id (a-z0-9_-).")
+    data_plane_host: str = Field(
+        "127.0.0.1", description="Interface the KV data plane binds and advertises (the pod IP in Kubernetes)."
+    )
+    data_plane_port: AnyPort = Field(0, description="KV data-plane port (0 = any free port).")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between WorkerLoad heartbeats.")
+    device: str = Field("auto", description="torch device, e.g. cuda:0, npu:0, cpu; auto = the best available.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and KV dtype; auto = the model's (float32 on CPU)."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (a power of two).")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one batch.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens computed in one step (chunked prefill).")
+    max_model_len: int | None = Field(None, ge=1, description="Context length limit; unset = the model's.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of device memory this worker may use (weights + KV)."
+    )
+    kv_cache_bytes: ByteSize | None = Field(
+        None, ge=1, description="KV cache budget in bytes (e.g. 2GiB); overrides gpu_memory_utilization, used on CPU."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
+
+    _worker_id = field_validator("worker_id")(_check_subject_id)
+    _block_size = field_validator("block_size")(_power_of_two)
+
+
+class PrefillSettings(WorkerSettings):
+    """A prefill worker: prompt compute, KV handed off under a lease."""
+
+    service: ClassVar[str] = "prefill"
+    model_config = settings_config("DEEPINFER_PREFILL_")
+
+    worker_id: str = Field(default_factory=partial(default_id, "prefill"), description="This worker's id (a-z0-9_-).")
+    internal_port: AnyPort = Field(8003, description="Port of /health, /ready and /metrics (0 = any free port).")
+    data_plane_port: AnyPort = Field(8103, description="KV data-plane port (0 = any free port).")
+    kv_lease_s: float = Field(
+        30.0, gt=0, description="How long handed-off KV stays pinned waiting for the decode worker's pull."
+    )
+
+
+class DecodeSettings(WorkerSettings):
+    """A decode worker: the running batch and token generation."""
+
+    service: ClassVar[str] = "decode"
+    model_config = settings_config("DEEPINFER_DECODE_")
+
+    worker_id: str = Field(default_factory=partial(default_id, "decode"), description="This worker's id (a-z0-9_-).")
+    internal_port: AnyPort = Field(8004, description="Port of /health, /ready and /metrics (0 = any free port).")
+    data_plane_port: AnyPort = Field(8104, description="KV data-plane port (0 = any free port).")
+
+
+class KvCacheSettings(ServiceSettings):
+    """One shard of the content-addressed KV store (RAM, then disk)."""
+
+    service: ClassVar[str] = "kvcache"
+    model_config = settings_config("DEEPINFER_KVCACHE_")
+
+    shard: str = Field("0", description="This shard's name (a-z0-9_-); stable across restarts.")
+    internal_port: AnyPort = Field(8005, description="Port of /health, /ready and /metrics (0 = any free port).")
+    data_plane_host: str = Field(
+        "127.0.0.1", description="Interface the data plane binds and advertises (the pod IP in Kubernetes)."
+    )
+    data_plane_port: AnyPort = Field(8105, description="Data-plane port (0 = any free port).")
+    ram_bytes: ByteSize = Field(ByteSize(4 * GiB), ge=0, description="RAM tier capacity (e.g. 4GiB).")
+    disk_dir: Path | None = Field(None, description="Disk tier directory; unset = <data_dir>/kvcache/<shard>.")
+    disk_bytes: ByteSize = Field(ByteSize(64 * GiB), ge=0, description="Disk tier capacity; 0 = no disk tier.")
+    ttl_s: float = Field(72 * 3600.0, gt=0, description="Blocks unused for this long expire.")
+
+    @field_validator("shard")
+    @classmethod
+    def _safe_shard(cls, value: str) -> str:
+        subjects.kvcache_events(value)  # raises ValueError on an unsafe or reserved shard name
+        return value
+
+    @field_validator("disk_dir")
+    @classmethod
+    def _expand_user(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    def resolved_disk_dir(self) -> Path:
+        """The disk tier's directory: disk_dir, else <data_dir>/kvcache/<shard>."""
+        return self.disk_dir or self.common.data_dir / "kvcache" / self.shard
+
+
+#: Service name -> its settings class (the order `deepinfer config` prints them in).
+SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {
+    cls.service: cls
+    for cls in (GatewaySettings, SchedulerSettings, PrefillSettings, DecodeSettings, KvCacheSettings)
+}

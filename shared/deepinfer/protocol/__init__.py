@@ -1,0 +1,64 @@
+"""Typed messages of every internal boundary (ARCHITECTURE §3), msgpack on the wire."""
+
+from deepinfer.protocol.base import PROTOCOL_MAJOR, PROTOCOL_MINOR, Message, ProtocolError
+from deepinfer.protocol.kv import KvHandle, KvLayout
+from deepinfer.protocol.kv_events import (
+    MAX_SNAPSHOT_PAGE_SIZE,
+    KvEvent,
+    KvEventBatch,
+    KvEventKind,
+    KvTier,
+    SnapshotPage,
+    SnapshotRequest,
+)
+from deepinfer.protocol.requests import (
+    Cancel,
+    DecodeAccepted,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    Release,
+)
+from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
+from deepinfer.protocol.sampling import SamplingParams
+from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch
+from deepinfer.protocol.tokens import FinishReason, TokenBatch, TokenChunk, TokenLogprobs
+from deepinfer.protocol.types import BLOCK_HASH_BYTES, BlockHash
+from deepinfer.protocol.workers import WorkerLoad, WorkerRole
+
+__all__ = [
+    "BLOCK_HASH_BYTES",
+    "MAX_SNAPSHOT_PAGE_SIZE",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "BlockHash",
+    "Cancel",
+    "DecodeAccepted",
+    "DecodeRequest",
+    "FinishReason",
+    "KvEvent",
+    "KvEventBatch",
+    "KvEventKind",
+    "KvHandle",
+    "KvLayout",
+    "KvLookupReply",
+    "KvLookupRequest",
+    "KvStoreEventBatch",
+    "KvTier",
+    "Message",
+    "PrefillRequest",
+    "PrefillResult",
+    "ProtocolError",
+    "Release",
+    "RouteDecision",
+    "RouteRequest",
+    "RouteStatus",
+    "SamplingParams",
+    "SnapshotPage",
+    "SnapshotRequest",
+    "TokenBatch",
+    "TokenChunk",
+    "TokenLogprobs",
+    "WorkerLoad",
+    "WorkerRole",
+]

@@ -1,0 +1,69 @@
+"""Wire format: pydantic models encoded as msgpack, each carrying a schema version `v`.
+
+Rules (ARCHITECTURE §3): receivers ignore unknown fields, so a newer writer can add fields during a rolling
+upgrade; a message whose major version is newer than ours is refused with a clear error; a wrong type is a
+`ProtocolError`, never a crash. Never pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Self
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+#: Major version of the wire schema this build speaks. Bump on incompatible changes only.
+PROTOCOL_MAJOR = 1
+#: Minor version: additive changes (new optional fields) that older readers can ignore.
+PROTOCOL_MINOR = 0
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded: bad msgpack, wrong type, or an unsupported schema version."""
+
+
+class Message(BaseModel):
+    """Base of every message that crosses a process boundary."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False, arbitrary_types_allowed=False)
+
+    #: Schema version "major.minor" of the writer.
+    v: str = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+
+    kind: ClassVar[str] = "message"
+
+    def to_bytes(self) -> bytes:
+        """Encode as msgpack (bytes fields stay raw bytes)."""
+        return msgpack.packb(self.model_dump(mode="python"), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Self:
+        """Decode and validate; raises ProtocolError with the message type and the reason."""
+        try:
+            raw: Any = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"{cls.__name__}: not valid msgpack ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ProtocolError(f"{cls.__name__}: expected a map, got {type(raw).__name__}")
+        check_version(cls.__name__, raw.get("v"))
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "<root>"
+            raise ProtocolError(f"{cls.__name__}: field {where!r}: {first['msg']}") from exc
+
+
+def check_version(type_name: str, version: Any) -> None:
+    """Refuse a message written by a newer major version of the schema."""
+    if version is None:
+        raise ProtocolError(f"{type_name}: missing schema version 'v'")
+    try:
+        major = int(str(version).split(".", 1)[0])
+    except ValueError as exc:
+        raise ProtocolError(f"{type_name}: bad schema version {version!r}") from exc
+    if major > PROTOCOL_MAJOR:
+        raise ProtocolError(
+            f"{type_name}: schema version {version} is newer than this reader's {PROTOCOL_MAJOR}.x; "
+            "upgrade this service"
+        )

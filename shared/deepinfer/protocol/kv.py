@@ -1,0 +1,63 @@
+"""KV layout and the handle that names a request's KV blocks on their owner (ARCHITECTURE §4)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+from pydantic import Field, model_validator
+
+from deepinfer.protocol.base import Message
+from deepinfer.protocol.types import BlockHash, NonNegativeInt
+
+#: Fields of KvLayout that decide whether two caches can exchange blocks; `v` is not one of them.
+LAYOUT_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout", "latent_dim")
+
+
+class KvLayout(Message):
+    """Shape and dtype of one KV block; the same tokens under another layout are another object."""
+
+    kind = "kv_layout"
+
+    dtype: str
+    block_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=0)
+    head_dim: int = Field(ge=0)
+    #: Memory order of one block, e.g. "nhd" = [block_size, num_kv_heads, head_dim].
+    kv_layout: str = "nhd"
+    #: Set for latent-attention models (MLA), whose cache holds a latent vector instead of heads.
+    latent_dim: int | None = Field(None, ge=1)
+
+    def layout_id(self) -> str:
+        """Short stable id: sha256 of the canonical msgpack of the layout fields, first 8 bytes as hex."""
+        canonical = {name: getattr(self, name) for name in sorted(LAYOUT_FIELDS)}
+        packed = msgpack.packb(canonical, use_bin_type=True)
+        return hashlib.sha256(packed).digest()[:8].hex()
+
+
+class KvHandle(Message):
+    """Self-describing reference to KV blocks held (and leased) by their owner worker."""
+
+    kind = "kv_handle"
+
+    request_id: str
+    block_hashes: list[BlockHash] = Field(default_factory=list)
+    #: Block ids in the owner's pool; meaningless anywhere else.
+    block_ids: list[int] = Field(default_factory=list)
+    num_tokens: NonNegativeInt
+    owner_worker_id: str
+    #: "host:port" of the owner's data plane.
+    data_plane_address: str
+    layout: KvLayout
+    layout_id: str
+    #: Owner's clock; receivers treat it as advisory (an expired lease means recompute).
+    lease_expires_at_unix_s: float
+
+    @model_validator(mode="after")
+    def _layout_id_matches(self) -> KvHandle:
+        if self.layout_id != self.layout.layout_id():
+            raise ValueError(f"layout_id {self.layout_id!r} does not match layout ({self.layout.layout_id()})")
+        if len(self.block_ids) != len(self.block_hashes):
+            raise ValueError(f"{len(self.block_ids)} block_ids for {len(self.block_hashes)} block_hashes")
+        return self

@@ -1,0 +1,86 @@
+"""The hops of one request: gateway -> prefill, gateway -> decode, decode -> prefill, gateway -> all."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from deepinfer.protocol.base import Message
+from deepinfer.protocol.kv import KvHandle
+from deepinfer.protocol.sampling import SamplingParams
+from deepinfer.protocol.tokens import FinishReason, TokenLogprobs
+from deepinfer.protocol.types import BlockHash, NonNegativeInt
+
+
+class PrefillRequest(Message):
+    """Compute a prompt's KV (reusing every cached prefix) and sample the first token."""
+
+    kind = "prefill_request"
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    #: Isolates tenants: part of the first block hash, so salts never share blocks.
+    cache_salt: str = ""
+    block_hashes: list[BlockHash] = Field(default_factory=list)
+
+
+class PrefillResult(Message):
+    """First token plus a handle to the prompt's KV, leased on the prefill worker."""
+
+    kind = "prefill_result"
+
+    request_id: str
+    first_token_id: int | None = None
+    first_logprobs: TokenLogprobs | None = None
+    kv_handle: KvHandle | None = None
+    num_cached_tokens: NonNegativeInt = 0
+    #: e.g. {"device": 512, "store": 1024}: where the cached tokens came from.
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+    #: Set when the first token already ends the request (stop token, max_tokens=1).
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+class DecodeRequest(Message):
+    """Continue a request on a decode worker, pulling its KV by handle (or recomputing without one)."""
+
+    kind = "decode_request"
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    #: Tokens already produced (the first token, or everything sent before a migration).
+    output_token_ids: list[int] = Field(default_factory=list)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    cache_salt: str = ""
+    kv_handle: KvHandle | None = None
+    #: Where to send Release once the KV is pulled; None when prefill was skipped.
+    prefill_worker_id: str | None = None
+
+
+class DecodeAccepted(Message):
+    """A decode worker's answer: took the request, or refused it (full, draining, layout mismatch)."""
+
+    kind = "decode_accepted"
+
+    request_id: str
+    accepted: bool
+    reason: str | None = None
+
+
+class Release(Message):
+    """Decode -> prefill: the KV was pulled (or is no longer needed), the lease can end."""
+
+    kind = "release"
+
+    request_id: str
+
+
+class Cancel(Message):
+    """Gateway -> every worker: abort the request and drop its references."""
+
+    kind = "cancel"
+
+    request_id: str
+    reason: str = "client disconnected"

@@ -1,0 +1,41 @@
+"""The kvcache store's control plane: lookups and the stored/expired/evicted event stream."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from deepinfer.protocol.base import Message
+from deepinfer.protocol.types import BlockHash, NonNegativeInt
+
+
+class KvLookupRequest(Message):
+    """Which of these blocks (under this layout) does the shard hold?"""
+
+    kind = "kv_lookup_request"
+
+    # The store keys blocks by (layout_id, hash): the same tokens under another dtype are another object.
+    layout_id: str = Field(min_length=1)
+    block_hashes: list[BlockHash] = Field(default_factory=list)
+
+
+class KvLookupReply(Message):
+    """One flag per requested hash, in request order."""
+
+    kind = "kv_lookup_reply"
+
+    present: list[bool] = Field(default_factory=list)
+
+
+class KvStoreEventBatch(Message):
+    """Changes to one shard's set of blocks of one layout; `seq` increases by one per batch."""
+
+    kind = "kv_store_event_batch"
+
+    shard: str
+    seq: NonNegativeInt
+    layout_id: str = Field(min_length=1)
+    stored_block_hashes: list[BlockHash] = Field(default_factory=list)
+    expired_block_hashes: list[BlockHash] = Field(default_factory=list)
+    evicted_block_hashes: list[BlockHash] = Field(default_factory=list)
+    #: Unix seconds on the shard's clock.
+    ts: float

@@ -1,0 +1,60 @@
+"""Generated tokens flowing from decode workers to gateways."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from deepinfer.protocol.base import Message
+from deepinfer.protocol.types import NonNegativeInt
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended (OpenAI's words where they exist)."""
+
+    STOP = "stop"  # an EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the client or the gateway
+    ERROR = "error"  # the worker failed; `error` says why
+
+
+class TokenLogprobs(Message):
+    """Logprob of one sampled token and of the top alternatives at that position."""
+
+    kind = "token_logprobs"
+
+    token_id: int
+    logprob: float
+    #: [(token_id, logprob), ...] best first; tuples become 2-element msgpack arrays.
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class TokenChunk(Message):
+    """The tokens one request gained since the previous chunk (a diff, never the whole output)."""
+
+    kind = "token_chunk"
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list)
+    #: One entry per token id when logprobs were asked for.
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    #: Set on the first chunk of a request so the gateway can report cached tokens in usage.
+    num_cached_tokens: NonNegativeInt | None = None
+    error: str | None = None
+
+
+class TokenBatch(Message):
+    """All of one gateway's new tokens from one decode step.
+
+    Batched because a message per token would cap a node far below its GPUs (nats-py does ~67k small
+    messages/s end to end): a decode worker publishes one TokenBatch per step per gateway, carrying only the
+    tokens produced since the last step (diffs).
+    """
+
+    kind = "token_batch"
+
+    worker_id: str
+    step: NonNegativeInt
+    chunks: list[TokenChunk] = Field(default_factory=list)

@@ -1,0 +1,41 @@
+"""Worker heartbeats: membership, load and endpoints for the scheduler and gateways."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from deepinfer.protocol.base import Message
+from deepinfer.protocol.types import NonNegativeInt
+
+
+class WorkerRole(StrEnum):
+    """What a worker does."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+    KVCACHE = "kvcache"
+
+
+class WorkerLoad(Message):
+    """Heartbeat, published every ~1 s; a worker is a member while these keep arriving."""
+
+    kind = "worker_load"
+
+    worker_id: str
+    role: WorkerRole
+    model: str
+    model_fingerprint: bytes
+    layout_id: str
+    num_running: NonNegativeInt = 0
+    num_waiting: NonNegativeInt = 0
+    num_free_blocks: NonNegativeInt = 0
+    num_total_blocks: NonNegativeInt = 0
+    #: "host:port" of the KV data plane (in Kubernetes, the pod IP).
+    data_plane_address: str
+    #: "host:port" of /health, /ready, /metrics.
+    internal_address: str
+    #: Stops taking new work, finishing what it has.
+    draining: bool = False
+    #: Unix seconds on the worker's clock.
+    ts: float

@@ -1,0 +1,62 @@
+"""OpenTelemetry traces: one tracer provider per service, W3C traceparent carried in NATS headers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from deepinfer.config import CommonSettings
+
+
+class TelemetryError(RuntimeError):
+    """Telemetry was configured in a way this installation cannot honour."""
+
+
+def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerProvider:
+    """A provider exporting as `common.otel_exporter` says; call `shutdown()` on it when the service stops."""
+    provider = TracerProvider(resource=Resource.create({"service.name": f"deepinfer-{service_name}"}))
+    if common.otel_exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
+    elif common.otel_exporter == "otlp":
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(common.otel_endpoint)))
+    return provider
+
+
+def setup_tracing(common: CommonSettings, service_name: str) -> Tracer:
+    """A tracer for `service_name`; exporter none (spans dropped) unless configured."""
+    return setup_tracer_provider(common, service_name).get_tracer(f"deepinfer.{service_name}")
+
+
+def _otlp_exporter(endpoint: str | None) -> SpanExporter:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise TelemetryError(
+                "otel_exporter=otlp needs the opentelemetry-exporter-otlp package "
+                "(pip install opentelemetry-exporter-otlp), or set DEEPINFER_OTEL_EXPORTER=none|console"
+            ) from exc
+    return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+
+
+def inject_trace_headers(headers: dict[str, str] | None = None, context: Context | None = None) -> dict[str, str]:
+    """Add W3C `traceparent` (and `tracestate`) of the current span to NATS message headers."""
+    carrier = dict(headers or {})
+    TraceContextTextMapPropagator().inject(carrier, context=context)
+    return carrier
+
+
+def extract_trace_context(headers: Mapping[str, str] | None) -> Context:
+    """The remote span context from received NATS headers (an empty context without them)."""
+    return TraceContextTextMapPropagator().extract(dict(headers or {}))

@@ -1,0 +1,81 @@
+"""`deepinfer config` in a real subprocess: every setting listed, bad env -> exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from deepinfer.cli import SUBCOMMANDS, build_parser
+from deepinfer.config import ALL_SETTINGS, env_name
+from deepinfer.config.describe import setting_fields
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "deepinfer.cli", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def all_env_names() -> set[str]:
+    return {env_name(cls, name) for cls in ALL_SETTINGS for name in setting_fields(cls)}
+
+
+def test_config_table_lists_every_setting():
+    result = run_cli("config")
+    assert result.returncode == 0, result.stderr
+    listed = {line.split()[0] for line in result.stdout.splitlines()[1:]}
+    assert listed == all_env_names()
+
+
+def test_config_json_with_current_values_and_masked_secrets():
+    result = run_cli("config", "--json", DEEPINFER_GATEWAY_PORT="9000", DEEPINFER_NATS_TOKEN="tok-123")
+    assert result.returncode == 0, result.stderr
+    rows = {row["env"]: row for row in json.loads(result.stdout)}
+    assert set(rows) == all_env_names()
+    assert rows["DEEPINFER_GATEWAY_PORT"]["default"] == "8000"
+    assert rows["DEEPINFER_GATEWAY_PORT"]["value"] == "9000"
+    assert rows["DEEPINFER_NATS_TOKEN"]["value"] == "***"
+    assert "tok-123" not in result.stdout
+
+
+def test_unknown_setting_is_warned_about():
+    result = run_cli("config", "--json", DEEPINFER_GATEWAY_PROT="9000")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == ["deepinfer: warning: unknown setting DEEPINFER_GATEWAY_PROT is ignored"]
+
+
+def test_config_service_filter():
+    result = run_cli("config", "--json", "--service", "kvcache")
+    assert {row["group"] for row in json.loads(result.stdout)} == {"kvcache"}
+
+
+@pytest.mark.parametrize(
+    ("env", "value"), [("DEEPINFER_GATEWAY_PORT", "abc"), ("DEEPINFER_LOG_FORMAT", "xml")]
+)
+def test_bad_env_exits_2_with_one_line(env: str, value: str):
+    result = run_cli("config", **{env: value})
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and env in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_help_and_registry():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name in result.stdout
+    assert build_parser().parse_args(["config", "--json"]).json is True
+
+
+def test_no_command_prints_help_and_fails():
+    result = run_cli()
+    assert result.returncode == 2 and "usage: deepinfer" in result.stdout

@@ -1,0 +1,184 @@
+"""Settings: env names, defaults, validation (one line, exit 2), and the generated description."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from deepinfer import subjects
+from deepinfer.config import (
+    ALL_SETTINGS,
+    SERVICE_SETTINGS,
+    CommonSettings,
+    DecodeSettings,
+    GatewaySettings,
+    KvCacheSettings,
+    PrefillSettings,
+    SchedulerSettings,
+    describe_settings,
+    env_name,
+    load_settings,
+    to_camel,
+)
+from deepinfer.config.describe import setting_fields
+from pydantic import ValidationError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("DEEPINFER_"):
+            monkeypatch.delenv(key)
+
+
+def test_env_names_follow_the_prefixes(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_NATS_URL", "nats://nats:4222")
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_PREFILL_MAX_NUM_SEQS", "99")  # another service's: must not leak
+    monkeypatch.setenv("DEEPINFER_DECODE_NATS_URL", "nats://wrong:1")  # common fields only under DEEPINFER_
+    decode = load_settings(DecodeSettings)
+    assert decode.common.nats_url == "nats://nats:4222"
+    assert decode.max_num_seqs == 8
+    assert env_name(DecodeSettings, "max_num_seqs") == "DEEPINFER_DECODE_MAX_NUM_SEQS"
+    assert env_name(CommonSettings, "nats_url") == "DEEPINFER_NATS_URL"
+
+
+def test_defaults():
+    gateway, scheduler, prefill = GatewaySettings(), SchedulerSettings(), PrefillSettings()
+    assert (gateway.host, gateway.port, gateway.api_keys) == ("127.0.0.1", 8000, [])
+    assert scheduler.worker_lease_s == 3.0
+    assert (prefill.block_size, prefill.max_num_seqs, prefill.max_num_batched_tokens) == (16, 256, 2048)
+    assert (prefill.gpu_memory_utilization, prefill.enable_prefix_caching) == (0.9, True)
+    assert KvCacheSettings().ttl_s == 72 * 3600
+    common = CommonSettings()
+    assert (common.model, common.log_prompts, common.otel_exporter) == ("smollm2-135m-instruct", False, "none")
+
+
+def test_default_ports_are_distinct():
+    ports = [GatewaySettings().port]
+    for cls in SERVICE_SETTINGS.values():
+        settings = cls()
+        ports.append(settings.internal_port)
+        if hasattr(settings, "data_plane_port"):
+            ports.append(settings.data_plane_port)
+    assert len(ports) == len(set(ports)) and 0 not in ports
+
+
+def test_default_ids_are_subject_safe_and_per_role():
+    ids = [GatewaySettings().gateway_id, SchedulerSettings().scheduler_id]
+    ids += [PrefillSettings().worker_id, DecodeSettings().worker_id]
+    assert all(subjects.is_safe_id(i) for i in ids)
+    assert len(set(ids)) == 4
+    assert str(os.getpid()) in ids[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "cls"),
+    [
+        ("DEEPINFER_GATEWAY_PORT", "abc", GatewaySettings),
+        ("DEEPINFER_GATEWAY_PORT", "70000", GatewaySettings),
+        ("DEEPINFER_PREFILL_BLOCK_SIZE", "24", PrefillSettings),
+        ("DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION", "1.5", DecodeSettings),
+        ("DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION", "0", DecodeSettings),
+        ("DEEPINFER_DECODE_WORKER_ID", "decode.1", DecodeSettings),
+        ("DEEPINFER_KVCACHE_SHARD", "events", KvCacheSettings),
+        ("DEEPINFER_LOG_LEVEL", "loud", SchedulerSettings),
+        ("DEEPINFER_SERVED_MODEL_NAME", "kvcache", SchedulerSettings),
+    ],
+)
+def test_bad_value_exits_2_with_one_line(monkeypatch, capsys, env: str, value: str, cls):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit) as info:
+        load_settings(cls)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"deepinfer: invalid setting {env}={value!r}: ")
+
+
+def test_secret_values_never_printed(monkeypatch, capsys):
+    monkeypatch.setenv("DEEPINFER_NATS_TOKEN", "s3cret-token")
+    monkeypatch.setenv("DEEPINFER_GATEWAY_API_KEYS", "key-one,key-two")
+    gateway = load_settings(GatewaySettings)
+    assert gateway.api_keys == ["key-one", "key-two"]
+    assert gateway.common.nats_token.get_secret_value() == "s3cret-token"
+    text = repr(gateway) + str([r.to_dict() for r in describe_settings([gateway])])
+    assert "s3cret-token" not in text and "key-one" not in text
+
+
+def test_api_keys_json_list(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_GATEWAY_API_KEYS", '["a,b", "c"]')
+    assert load_settings(GatewaySettings).api_keys == ["a,b", "c"]
+
+
+def test_sizes_and_paths(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("DEEPINFER_KVCACHE_RAM_BYTES", "1GiB")
+    monkeypatch.setenv("DEEPINFER_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("DEEPINFER_KVCACHE_SHARD", "s2")
+    kvcache = load_settings(KvCacheSettings)
+    assert kvcache.ram_bytes == 2**30
+    assert kvcache.resolved_disk_dir() == tmp_path / "kvcache" / "s2"
+
+
+def test_xdg_dirs(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "d"))
+    common = CommonSettings()
+    assert common.model_cache_dir == tmp_path / "c" / "deepinfer" / "models"
+    assert common.data_dir == tmp_path / "d" / "deepinfer"
+
+
+@pytest.mark.parametrize(
+    ("model", "served"),
+    [("smollm2-135m-instruct", "smollm2-135m-instruct"), ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"), ("/m/Foo.Bar", "Foo.Bar")],
+)
+def test_served_model_name_is_derived(monkeypatch, model: str, served: str):
+    monkeypatch.setenv("DEEPINFER_MODEL", model)
+    common = load_settings(CommonSettings)
+    assert common.served_model_name == served
+    assert common.model_token == subjects.model_token(served)
+
+
+def test_explicit_served_model_name_wins(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_MODEL", "/m/x")
+    monkeypatch.setenv("DEEPINFER_SERVED_MODEL_NAME", "chat")
+    assert load_settings(CommonSettings).served_model_name == "chat"
+
+
+def test_settings_are_frozen():
+    with pytest.raises(ValidationError):
+        GatewaySettings().port = 1  # type: ignore[misc]
+
+
+def test_empty_env_value_means_unset(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PREFILL_MAX_MODEL_LEN", "")
+    assert load_settings(PrefillSettings).max_model_len is None
+
+
+def test_describe_covers_every_field_once():
+    rows = describe_settings()
+    expected = {env_name(cls, name) for cls in ALL_SETTINGS for name in setting_fields(cls)}
+    assert {r.env for r in rows} == expected
+    assert len(rows) == len(expected)
+    assert all(r.description for r in rows)
+    assert "DEEPINFER_GATEWAY_COMMON" not in expected
+
+
+def test_describe_defaults_and_secrets():
+    rows = {r.env: r for r in describe_settings()}
+    assert rows["DEEPINFER_GATEWAY_PORT"].default == "8000"
+    assert rows["DEEPINFER_NATS_TOKEN"].secret and rows["DEEPINFER_NATS_TOKEN"].default == "unset"
+    assert rows["DEEPINFER_GATEWAY_API_KEYS"].secret
+    assert rows["DEEPINFER_KVCACHE_RAM_BYTES"].default == "4.0GiB"
+    assert rows["DEEPINFER_ACCELERATOR"].type == "auto|cuda|ascend|cpu"
+    assert rows["DEEPINFER_PREFILL_MAX_MODEL_LEN"].type == "int | None"
+    assert rows["DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION"].helm_key == "gpuMemoryUtilization"
+
+
+@pytest.mark.parametrize(
+    ("name", "camel"),
+    [("port", "port"), ("gpu_memory_utilization", "gpuMemoryUtilization"), ("ttl_s", "ttlS"), ("nats_tls_ca", "natsTlsCa")],
+)
+def test_to_camel(name: str, camel: str):
+    assert to_camel(name) == camel
