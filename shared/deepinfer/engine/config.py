@@ -1,0 +1,43 @@
+"""Scheduler and KV-cache knobs of one engine, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What the scheduler needs: cache geometry, batch limits and prefix-cache switches."""
+
+    #: KV blocks in the pool, block 0 (the padding block) included.
+    num_blocks: int
+    #: Longest sequence (prompt + output) in tokens.
+    max_model_len: int
+    block_size: int = 16
+    #: Most requests in the running batch.
+    max_num_seqs: int = 256
+    #: Token budget of one step, shared by decodes and prefill chunks.
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    #: Cap on one prefill chunk, so a long prompt cannot take a whole step; None = only the budget caps it.
+    long_prefill_token_threshold: int | None = None
+    #: Identity of the model in block hashes (deepinfer.kvcache.hashing.model_fingerprint).
+    model_fingerprint: bytes = b""
+    #: Buffer Stored/Removed events for take_kv_events; turn off when nobody takes them (offline use).
+    enable_kv_events: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold <= 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}"
+            )
+        min_blocks = -(-self.max_model_len // self.block_size) + 1
+        if self.num_blocks < min_blocks:
+            # A request that cannot fit even alone would preempt itself forever.
+            raise ValueError(
+                f"num_blocks={self.num_blocks} cannot hold one max_model_len={self.max_model_len} sequence: "
+                f"it needs {min_blocks} blocks of {self.block_size} tokens (block 0 is reserved)"
+            )

@@ -1,0 +1,168 @@
+"""The engine's view of one sequence: its tokens, progress through the KV cache and lifecycle status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from deepinfer.kvcache.hashing import hash_blocks, root_hash
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three terminal statuses."""
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, as the OpenAI API spells it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Request:
+    """One sequence: prompt and output token ids, KV progress, and the hashes of its full blocks.
+
+    sampling_params is duck-typed: any object with max_tokens (None = up to max_model_len), min_tokens,
+    ignore_eos and stop_token_ids. Token ids of all_token_ids are prompt then output; the output includes the
+    token that stopped the request (eos or a stop token), as vLLM does.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any,
+        eos_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids: set[int] = set(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        #: Prompt tokens found in the prefix cache at first admission (not updated after a preemption).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        #: The stop token id that ended the request (None for eos, length or abort).
+        self.stop_reason: int | None = None
+        # One list appended in place, so slicing the next tokens each step costs O(new tokens), not O(context).
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._block_size: int | None = None
+        self._hash_root: bytes = b""
+        self._block_hashes: list[bytes] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output token ids (the live list: read it, never mutate it)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has a terminal status."""
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: Iterable[int]) -> None:
+        """Append sampled tokens (their KV is computed by the next step)."""
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)
+
+    def bind_block_hashing(self, block_size: int, model_fingerprint: bytes) -> None:
+        """Fix how block_hashes are computed; the scheduler calls it on add_request."""
+        root = root_hash(model_fingerprint, self.cache_salt)
+        if self._block_size is not None and (self._block_size, self._hash_root) != (block_size, root):
+            raise ValueError(
+                f"request {self.request_id}: block hashing already bound to another configuration"
+            )
+        self._block_size, self._hash_root = block_size, root
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Hashes of the full blocks of all_token_ids, extended incrementally as tokens are appended."""
+        block_size = self._block_size
+        if block_size is None:
+            raise RuntimeError(
+                f"request {self.request_id}: block hashing not bound (Scheduler.add_request does it)"
+            )
+        num_hashed = len(self._block_hashes)
+        num_full_blocks = self.num_tokens // block_size
+        if num_full_blocks > num_hashed:
+            parent = self._block_hashes[-1] if num_hashed else self._hash_root
+            new_tokens = self._all_token_ids[num_hashed * block_size : num_full_blocks * block_size]
+            self._block_hashes.extend(hash_blocks(new_tokens, block_size, b"", "", start_parent=parent))
+        return self._block_hashes
+
+    def finish(self, status: RequestStatus, reason: FinishReason, stop_reason: int | None = None) -> None:
+        """Move to a terminal status."""
+        assert status.is_finished, status
+        self.status, self.finish_reason, self.stop_reason = status, reason, stop_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Finish the request if its last token ends it; True when it did.
+
+    Order: eos (unless ignore_eos), stop_token_ids — both only once min_tokens are out — then max_tokens and
+    max_model_len ("length").
+    """
+    params = request.sampling_params
+    last_token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
+        if not getattr(params, "ignore_eos", False) and last_token_id in request.eos_token_ids:
+            request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+            return True
+        if last_token_id in (getattr(params, "stop_token_ids", None) or ()):
+            request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP, stop_reason=last_token_id)
+            return True
+    max_tokens = getattr(params, "max_tokens", None)
+    if (
+        max_tokens is not None and request.num_output_tokens >= max_tokens
+    ) or request.num_tokens >= max_model_len:
+        request.finish(RequestStatus.FINISHED_LENGTH, FinishReason.LENGTH)
+        return True
+    return False

@@ -1,0 +1,295 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute. No torch.
+
+One step, one token budget (max_num_batched_tokens), spent in this order:
+
+    1. running decodes         1 token each                      (decode-first: inter-token latency holds)
+    2. running prefills        the next chunk each               (min(remaining, budget, threshold))
+    3. waiting requests, FCFS  prefix-cache lookup, then a chunk (only in a step that preempted nobody)
+
+When the pool is out of blocks for a running request, the most recently arrived running request is preempted
+by recompute — blocks freed, num_computed_tokens reset, back to the FRONT of the waiting queue with its output
+tokens kept — until the allocation fits or the request preempts itself. Its full blocks stay in the prefix
+cache, so resuming usually recomputes only what was evicted meanwhile.
+
+n > 1: add one Request per sequence with the same prompt. A sibling shares a block once the first request has
+computed it (blocks enter the prefix cache in update()); siblings admitted in the same step share nothing yet.
+
+The engine loop: `out = scheduler.schedule(); sampled = runner.execute(out); updates = scheduler.update(out, sampled)`.
+abort_requests() is called between steps, never between schedule() and the runner's execute().
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from deepinfer.engine.block_pool import BlockPool, KvCacheEvent
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.request import FinishReason, Request, RequestStatus, check_stop
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: which tokens to feed and where their KV goes."""
+
+    request_id: str
+    #: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    token_ids: list[int]
+    #: Tokens whose KV is already in the cache, before this step.
+    num_computed_tokens: int
+    num_new_tokens: int
+    #: The request's whole block table after this step's allocation.
+    block_ids: list[int]
+    #: True when this step reaches the end of the known tokens, so a token is sampled (False: a prefill chunk).
+    sample: bool
+    #: First step since admission (a new request or one resumed after preemption): the runner (re)builds its state.
+    is_new: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes; the runner drops state of preempted and finished requests before running it."""
+
+    #: Decodes first, then prefill chunks of running requests, then newly admitted requests.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    #: Requests finished (stopped, length or aborted) since the previous step.
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """Result of a step for one request: tokens it gained and, when it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    #: The stop token id that ended the request, if one did.
+    stop_reason: int | None = None
+
+
+class _Step:
+    """Bookkeeping of one schedule() call: the budget left and the requests taken so far."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        # request_id → (request, num_new_tokens, is_new), in scheduling order
+        self.entries: dict[str, tuple[Request, int, bool]] = {}
+        self.preempted_request_ids: list[str] = []
+
+    def add(self, request: Request, num_new_tokens: int, is_new: bool) -> None:
+        self.entries[request.request_id] = (request, num_new_tokens, is_new)
+        self.token_budget -= num_new_tokens
+
+    def drop(self, request: Request) -> None:
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self.token_budget += entry[1]
+        self.preempted_request_ids.append(request.request_id)
+
+
+class Scheduler:
+    """Decides each step's batch over a block pool; owns the waiting queue and the running batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_events)
+        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        #: Sorted by arrival, so the last one is the preemption victim and is never scheduled before it.
+        self.running: list[Request] = []
+        self._arrival_key: dict[str, tuple[float, int]] = {}
+        self._add_order = itertools.count()
+        self._finished_request_ids: list[str] = []
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Running plus waiting requests."""
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request is running or waiting."""
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """True when finished request ids wait to be reported by the next schedule()."""
+        return bool(self._finished_request_ids)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError when it is empty, duplicate or longer than max_model_len."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} already exists")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a new request ({request.status.name})")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
+        self.requests[request.request_id] = request
+        self._arrival_key[request.request_id] = (request.arrival_time, next(self._add_order))
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests as aborted and drop every block reference (cached blocks stay reusable)."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
+            self._retire(request)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating (or preempting for) their blocks."""
+        step = _Step(self.config.max_num_batched_tokens)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if step.token_budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new_tokens = self._chunk_size(request, request.num_computed_tokens, step.token_budget)
+            if self._allocate_or_preempt(request, num_new_tokens, step):
+                step.add(request, num_new_tokens, is_new=False)
+        if not step.preempted_request_ids:
+            self._admit_waiting(step)
+        return self._build_output(step)
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[RequestUpdate]:
+        """Apply a step's results: advance KV progress, append sampled tokens, cache full blocks, finish."""
+        missing = [
+            s.request_id for s in output.scheduled if s.sample and not sampled_token_ids.get(s.request_id)
+        ]
+        if missing:  # checked before any change, so a bad runner result leaves the scheduler as it was
+            raise ValueError(f"no sampled token for requests {missing}, which had to sample")
+        updates = []
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted since schedule()
+            assert request.num_computed_tokens == scheduled.num_computed_tokens, "update() without schedule()"
+            request.num_computed_tokens += scheduled.num_new_tokens
+            new_token_ids: list[int] = []
+            if scheduled.sample:
+                for token_id in sampled_token_ids[scheduled.request_id]:
+                    request.append_output_token_ids((token_id,))
+                    new_token_ids.append(token_id)
+                    if check_stop(request, self.config.max_model_len):
+                        break
+            self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.is_finished:
+                self.running.remove(request)
+                self._retire(request)
+            if new_token_ids or request.is_finished:
+                updates.append(
+                    RequestUpdate(
+                        request.request_id,
+                        new_token_ids,
+                        request.finish_reason,
+                        request.num_cached_tokens,
+                        request.stop_reason,
+                    )
+                )
+        return updates
+
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """Prefix-cache events (Stored / Removed / AllCleared) since the last call."""
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False while requests hold blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _chunk_size(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = min(request.num_tokens - num_computed_tokens, token_budget)
+        threshold = self.config.long_prefill_token_threshold
+        return num_new_tokens if threshold is None else min(num_new_tokens, threshold)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> bool:
+        while self.kv_manager.allocate_slots(request, num_new_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.running.pop(self.running.index(request))
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        step.drop(request)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
+            num_new_tokens = self._chunk_size(request, num_hit_tokens, step.token_budget)
+            if self.kv_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
+            step.add(request, num_new_tokens, is_new=True)
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        output = SchedulerOutput(
+            preempted_request_ids=step.preempted_request_ids,
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = []
+        for request, num_new_tokens, is_new in step.entries.values():
+            start = request.num_computed_tokens
+            output.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + num_new_tokens],
+                    num_computed_tokens=start,
+                    num_new_tokens=num_new_tokens,
+                    block_ids=self.kv_manager.get_block_ids(request),
+                    sample=start + num_new_tokens == request.num_tokens,
+                    is_new=is_new,
+                )
+            )
+            output.num_batched_tokens += num_new_tokens
+        return output
+
+    def _retire(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        del self._arrival_key[request.request_id]
+        self._finished_request_ids.append(request.request_id)

@@ -1,0 +1,1 @@
+"""KV block identity shared by every service: `deepinfer.kvcache.hashing` (torch-free)."""
