@@ -1,0 +1,112 @@
+"""Kernel ops behind one small interface, chosen once at start from the accelerator.
+
+Models receive a `KernelOps` and never branch on the device. The torch twins (`torch_ops`) define the
+semantics; faster implementations plug in through `_accelerated_overrides`, the one place that knows them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from deepinfer.kernels import torch_ops
+from deepinfer.kernels.metadata import AttentionMetadata, build_attention_metadata
+
+__all__ = [
+    "ACCELERATORS",
+    "AttentionMetadata",
+    "KernelOps",
+    "build_attention_metadata",
+    "get_ops",
+    "resolve_accelerator",
+]
+
+logger = logging.getLogger(__name__)
+
+ACCELERATORS = ("cpu", "cuda", "ascend")
+
+#: accelerator -> module that may provide faster ops through `overrides() -> dict[op name, callable]`.
+_ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops"}
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The ops a model calls; every field has the signature of its torch twin in `torch_ops`."""
+
+    accelerator: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    fused_add_rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[..., Any]
+    silu_and_mul: Callable[..., Any]
+
+    def implementations(self) -> dict[str, str]:
+        """Op name -> 'module.function' that implements it (for logs and start-up banners)."""
+        return {
+            f.name: f"{getattr(self, f.name).__module__}.{getattr(self, f.name).__name__}"
+            for f in fields(self)
+            if f.name != "accelerator"
+        }
+
+
+def _torch_twins(accelerator: str) -> KernelOps:
+    return KernelOps(
+        accelerator=accelerator,
+        reshape_and_cache=torch_ops.reshape_and_cache,
+        paged_attention=torch_ops.paged_attention,
+        rms_norm=torch_ops.rms_norm,
+        fused_add_rms_norm=torch_ops.fused_add_rms_norm,
+        rotary_embedding=torch_ops.rotary_embedding,
+        silu_and_mul=torch_ops.silu_and_mul,
+    )
+
+
+def _accelerated_overrides(accelerator: str) -> dict[str, Callable[..., Any]]:
+    """Faster ops for this accelerator, imported lazily; {} while none exist (twins are used)."""
+    module_name = _ACCELERATED_MODULES.get(accelerator)
+    if module_name is None:
+        return {}
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only "no such module" or "no triton installed" fall back; any other missing import is a bug to show.
+        if exc.name not in (module_name, "triton"):
+            raise
+        logger.warning("%s kernels unavailable (%s); using the torch twins", accelerator, exc)
+        return {}
+    return dict(module.overrides())
+
+
+def get_ops(accelerator: str) -> KernelOps:
+    """KernelOps for "cpu" | "cuda" | "ascend": accelerated ops where they exist, torch twins otherwise."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}; expected one of {', '.join(ACCELERATORS)}")
+    ops = _torch_twins(accelerator)
+    overrides = _accelerated_overrides(accelerator)
+    unknown = set(overrides) - {f.name for f in fields(KernelOps)} - {"accelerator"}
+    if unknown or "accelerator" in overrides:
+        raise ValueError(f"{accelerator} kernels override unknown ops: {sorted(unknown)}")
+    return replace(ops, **overrides)
+
+
+def resolve_accelerator(setting: str, device: Any = None) -> str:
+    """Map a setting ("auto" | "cpu" | "cuda" | "ascend") and a device to the accelerator to use."""
+    if setting != "auto":
+        if setting not in ACCELERATORS:
+            raise ValueError(f"unknown accelerator {setting!r}; expected auto or one of {', '.join(ACCELERATORS)}")
+        return setting
+    import torch
+
+    if device is not None:
+        device_type = torch.device(device).type
+        return {"cuda": "cuda", "npu": "ascend"}.get(device_type, "cpu")
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)  # present once torch_npu is imported
+    if npu is not None and npu.is_available():
+        return "ascend"
+    return "cpu"

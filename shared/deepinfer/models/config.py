@@ -1,0 +1,124 @@
+"""`ModelConfig`: our own view of a Hugging Face config.json (no transformers, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: rope_type values we implement; "default" means plain RoPE.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and geometry of a decoder-only model, parsed from config.json."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    #: None for plain RoPE; otherwise the HF scaling dict, always carrying "rope_type".
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    #: the raw config.json, for fields only one architecture reads.
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer (the cache's head count)."""
+        return self.num_key_value_heads
+
+    @property
+    def rope_type(self) -> str:
+        """"default", "linear", "llama3" or "yarn"."""
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """Bytes of K and V that one token occupies over all layers, for a torch dtype or its name."""
+        itemsize = getattr(dtype, "itemsize", None)
+        if itemsize is None:
+            name = str(dtype).removeprefix("torch.")
+            if name not in _DTYPE_BYTES:
+                raise ValueError(f"unknown KV cache dtype {dtype!r}")
+            itemsize = _DTYPE_BYTES[name]
+        return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse a config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters` style)."""
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        rope_theta, rope_scaling = _parse_rope(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return cls(
+            architecture=architectures[0],
+            model_type=hf.get("model_type", ""),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            sliding_window=_parse_sliding_window(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            hf_config=dict(hf),
+        )
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config style."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:  # transformers 5.x
+        theta, scaling = float(params["rope_theta"]), dict(params)
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
+    if scaling is None:
+        return theta, None
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _parse_sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window if the model uses one on every layer; Qwen's opt-in per-layer windows are refused."""
+    window = hf.get("sliding_window")
+    if "use_sliding_window" in hf:  # Qwen2/Qwen3: the field is present but off unless this flag is set
+        if hf["use_sliding_window"] and window:
+            raise ValueError("Qwen sliding-window attention (use_sliding_window=true) is not supported yet")
+        return None
+    return int(window) if window else None

@@ -1,0 +1,160 @@
+"""Building blocks shared by the Llama-family models; all heavy math goes through `KernelOps`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.kernels import AttentionMetadata, KernelOps
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.rope import compute_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; with a residual it is the fused add-then-norm."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(x), or (rms_norm(x + residual), x + residual) when a residual is given."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin cache of one model (shared by all its layers) and applies RoPE through the ops."""
+
+    def __init__(self, config: ModelConfig, rotary_dim: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary_dim = rotary_dim
+        self.ops = ops
+        # float32 whatever the model dtype: positions up to ~1e5 need the mantissa.
+        self.register_buffer("cos_sin_cache", compute_cos_sin_cache(config, rotary_dim), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(bfloat16)` casts every float buffer; the cache must stay float32.
+        super()._apply(fn, recurse)
+        if self.cos_sin_cache.dtype != torch.float32:
+            if self.cos_sin_cache.is_meta:
+                self.cos_sin_cache = self.cos_sin_cache.float()
+            else:
+                self.rebuild_cache()
+        return self
+
+    def rebuild_cache(self) -> None:
+        """Recompute the cache on the current device (after building on "meta" and materialising)."""
+        device = self.cos_sin_cache.device
+        self.cos_sin_cache = compute_cos_sin_cache(self.config, self.rotary_dim).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, Hq, D] and key [T, Hkv, D] by their positions [T]."""
+        return self.ops.rotary_embedding(positions, query, key, self.cos_sin_cache, True)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the family's attention blocks."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    sliding_window: int | None = None
+
+
+class Attention(nn.Module):
+    """Fused-QKV self-attention over the paged KV cache."""
+
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding, options: AttentionOptions
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = options.sliding_window
+        self.ops = ops
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if options.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; writes this step's K/V into kv_cache first."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = self.rotary(positions, q, k)
+        self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block; carries the residual stream apart so norms can fuse the add."""
+
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding, options: AttentionOptions
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, ops, rotary, options)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (this block's output, residual stream before it); their sum is the true hidden state."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual

@@ -1,0 +1,105 @@
+"""Llama 1-3.x (incl. llama3 RoPE scaling): the family's reference layout the other architectures reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from deepinfer.kernels import AttentionMetadata, KernelOps
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.layers import AttentionOptions, DecoderLayer, RMSNorm, RotaryEmbedding
+from deepinfer.models.weights import FusedShards, load_hf_weights
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, options: AttentionOptions) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, config.head_dim, ops)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, rotary, options) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder over the paged KV cache; subclasses change only `attention_options`."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.model = DecoderModel(config, ops, self.attention_options(config))
+        # Tied models read the embedding matrix directly: no second parameter to keep tied.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def attention_options(cls, config: ModelConfig) -> AttentionOptions:
+        """Llama: optional bias on q/k/v/o (`attention_bias`), full attention."""
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] int64 -> hidden states [T, hidden]; writes this step's K/V into kv_caches."""
+        assert input_ids.dim() == 1 and input_ids.shape == positions.shape, (
+            f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both be [T]"
+        )
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def fused_shards(self) -> FusedShards:
+        """Our fused projections and the HF tensors stacked into each, in row order."""
+        c = self.config
+        q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return {
+            "qkv_proj": (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)),
+            "gate_up_proj": (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+        }
+
+    def ignores_weight(self, name: str) -> bool:
+        """Checkpoint tensors that carry nothing we load (RoPE tables, a tied model's lm_head copy)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.lm_head is None and name == "lm_head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; unknown names, shape mismatches and missing tensors raise ValueError."""
+        load_hf_weights(self, weights, self.fused_shards(), self.ignores_weight)
+
+    def rebuild_buffers(self) -> None:
+        """Recompute non-persistent buffers (the RoPE cache) after materialising from the "meta" device."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.rebuild_cache()
