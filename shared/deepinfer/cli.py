@@ -55,7 +55,43 @@ def _config_run(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Every subcommand, by name. Later issues add `serve`, `up`, `generate` here.
+#: Services `deepinfer serve` runs: `services.<name>.main:main`.
+SERVICE_NAMES = ("gateway", "scheduler", "prefill", "decode", "kvcache")
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.engine.cli_generate import add_arguments
+
+    add_arguments(parser)
+
+
+def _generate_run(args: argparse.Namespace) -> int:
+    from deepinfer.engine.cli_generate import run
+
+    return run(args)
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "service", choices=SERVICE_NAMES, help="the service to run (settings from the environment)"
+    )
+
+
+def _serve_run(args: argparse.Namespace) -> int:
+    import importlib
+
+    module_name = f"services.{args.service}.main"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (module_name, f"services.{args.service}"):
+            raise
+        print(f"deepinfer: service {args.service!r} is not available in this installation", file=sys.stderr)
+        return 2
+    return module.main()
+
+
+#: Every subcommand, by name. Later issues add `up` here.
 SUBCOMMANDS: dict[str, Subcommand] = {
     command.name: command
     for command in (
@@ -64,6 +100,18 @@ SUBCOMMANDS: dict[str, Subcommand] = {
             help="print every setting (env name, type, default, current value) and validate the environment",
             add_arguments=_config_arguments,
             run=_config_run,
+        ),
+        Subcommand(
+            name="generate",
+            help="generate text offline with the engine in this process (no services)",
+            add_arguments=_generate_arguments,
+            run=_generate_run,
+        ),
+        Subcommand(
+            name="serve",
+            help="run one service (gateway, scheduler, prefill, decode, kvcache) until SIGTERM",
+            add_arguments=_serve_arguments,
+            run=_serve_run,
         ),
     )
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from deepinfer.engine.block_pool import AllCleared, BlockPool, Removed, Stored
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from deepinfer.cli import SUBCOMMANDS, build_parser
 from deepinfer.config import ALL_SETTINGS, env_name
 from deepinfer.config.describe import setting_fields

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from deepinfer import subjects
 from deepinfer.config import (
     ALL_SETTINGS,
@@ -22,7 +24,6 @@ from deepinfer.config import (
     to_camel,
 )
 from deepinfer.config.describe import setting_fields
-from pydantic import ValidationError
 
 
 @pytest.fixture(autouse=True)

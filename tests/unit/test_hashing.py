@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+
 from deepinfer.kvcache.hashing import (
     BLOCK_HASH_BYTES,
     hash_block,

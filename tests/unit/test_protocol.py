@@ -7,9 +7,10 @@ import hashlib
 import inspect
 import pathlib
 
-import deepinfer.protocol as p
 import msgpack
 import pytest
+
+import deepinfer.protocol as p
 
 H = [hashlib.sha256(bytes([i])).digest()[:16] for i in range(4)]
 LAYOUT = p.KvLayout(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)

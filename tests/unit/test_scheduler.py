@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+
 from deepinfer.engine.block_pool import Removed, Stored
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import FinishReason, Request, RequestStatus

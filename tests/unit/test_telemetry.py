@@ -11,6 +11,8 @@ import socket
 
 import httpx
 import pytest
+from opentelemetry import trace
+
 from deepinfer.config import CommonSettings
 from deepinfer.telemetry import (
     JsonFormatter,
@@ -31,7 +33,6 @@ from deepinfer.telemetry import (
     setup_tracer_provider,
     setup_tracing,
 )
-from opentelemetry import trace
 
 
 @pytest.fixture

@@ -1,0 +1,79 @@
+"""`EngineArgs`: everything needed to build one engine, with the defaults in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """How to build an engine: which model, where, and the cache/batch knobs (vLLM's names)."""
+
+    #: A Hugging Face directory, a .gguf file, or a known name (None = the default model).
+    model: str | Path | None = None
+    #: "auto" = bfloat16 on a GPU, float32 on the CPU.
+    dtype: str | torch.dtype = "auto"
+    #: "auto" = the GPU when there is one, else the CPU.
+    device: str = "auto"
+    #: "auto" | "cpu" | "cuda" | "ascend": which kernels to use (deepinfer.kernels).
+    accelerator: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    #: None = the model's max_position_embeddings, capped at 8192 so the CPU default budget holds it.
+    max_model_len: int | None = None
+    #: Fraction of GPU memory the engine may use (weights + activations + KV).
+    gpu_memory_utilization: float = 0.9
+    #: KV budget in bytes; None = derived from gpu_memory_utilization on a GPU, 1 GiB on the CPU.
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
+    #: Pins the model fingerprint in block hashes (else computed from the files).
+    model_revision: str | None = None
+    #: Where prepared models live (None = the XDG default, ~/.cache/deepinfer/models).
+    cache_dir: Path | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+    def resolve_device(self) -> torch.device:
+        """The torch device to run on."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of weights and KV cache."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        try:
+            return _DTYPES[self.dtype.lower()]
+        except KeyError:
+            raise ValueError(f"dtype must be auto or one of {', '.join(sorted(_DTYPES))}, got {self.dtype!r}") from None

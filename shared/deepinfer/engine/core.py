@@ -1,0 +1,189 @@
+"""`EngineCore`: one engine's step loop — schedule → execute → update — over a loaded model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, kv_bytes_per_block, plan_kv_cache
+from deepinfer.engine.request import Request
+from deepinfer.engine.runner import ModelRunner, SampledToken
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.kernels import get_ops, resolve_accelerator
+from deepinfer.kvcache.hashing import model_fingerprint
+from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
+from deepinfer.model_store import default_cache_dir, resolve_model
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.seeds import draw_seed
+from deepinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Default cap on max_model_len when the model's own limit is larger.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+class EngineCore:
+    """Loads a model, plans its KV cache and runs the continuous-batching loop."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        cache_dir = args.cache_dir or default_cache_dir()
+        self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
+        self.model_config = load_model_config(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.generation_config = load_generation_config(self.model_dir)
+        self.device = args.resolve_device()
+        self.dtype = args.resolve_dtype(self.device)
+        self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
+        model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        self.max_model_len = self._max_model_len()
+        self.kv_plan = self._plan_kv_cache(model)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.fingerprint = model_fingerprint(self.model_dir, args.model_revision)
+        self.scheduler = Scheduler(
+            EngineConfig(
+                num_blocks=self.kv_plan.num_blocks,
+                max_model_len=self.max_model_len,
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching,
+                model_fingerprint=self.fingerprint,
+                enable_kv_events=args.enable_kv_events,
+            )
+        )
+        self.runner = ModelRunner(
+            model,
+            self._allocate_kv_caches(),
+            block_size=args.block_size,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+        )
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
+            self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
+            args.block_size, self.kv_plan.num_tokens, self.max_model_len,
+        )
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        cache_salt: str = "",
+    ) -> None:
+        """Queue a request; ValueError (naming what is wrong) for an empty, too long or out-of-vocab prompt."""
+        self.check_prompt(prompt_token_ids, sampling_params)
+        if sampling_params.seed is None:
+            sampling_params = sampling_params.clone(seed=draw_seed())
+        request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
+        """Validate a prompt against this engine's limits without queueing it."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        bias = sampling_params.logit_bias or {}
+        bad = next((t for t in bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests now and drop every block reference they hold."""
+        self.scheduler.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is running or waiting."""
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """One engine step: schedule → execute → update."""
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled.scheduled, self.scheduler.requests)
+        updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
+        return [
+            EngineOutput(
+                request_id=u.request_id,
+                new_token_ids=u.new_token_ids,
+                new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
+                finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
+                stop_reason=u.stop_reason,
+                num_cached_tokens=u.num_cached_tokens,
+            )
+            for u in updates
+        ]
+
+    # -- start-up -----------------------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        model_limit = self.model_config.max_position_embeddings
+        if self.args.max_model_len is None:
+            return min(model_limit, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.args.max_model_len > model_limit:
+            raise ValueError(
+                f"max_model_len={self.args.max_model_len} exceeds the model's max_position_embeddings={model_limit}"
+            )
+        return self.args.max_model_len
+
+    def _plan_kv_cache(self, model: torch.nn.Module) -> KvCachePlan:
+        cfg = self.model_config
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        per_block = kv_bytes_per_block(
+            cfg.num_hidden_layers, cfg.num_kv_heads, cfg.head_dim, self.args.block_size, dtype_bytes
+        )
+        budget = self.args.kv_cache_bytes
+        if budget is None:
+            budget = self._device_kv_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
+        return plan_kv_cache(
+            budget_bytes=budget,
+            bytes_per_block=per_block,
+            block_size=self.args.block_size,
+            max_model_len=self.max_model_len,
+            what=str(self.device),
+        )
+
+    def _device_kv_budget(self) -> int:
+        """GPU bytes left for KV: utilisation share minus what is in use now, minus activation headroom."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        tokens = self.args.max_num_batched_tokens
+        # Peak activations of one step: the MLP's gate/up pair dominates; logits are float32 per sampled row.
+        activations = tokens * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
+        logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
+        used = total - free
+        return int(total * self.args.gpu_memory_utilization) - used - activations - logits - (256 << 20)
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        cfg = self.model_config
+        shape = (2, self.kv_plan.num_blocks, self.args.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]

@@ -1,0 +1,194 @@
+"""`LLM`: the offline API, familiar to vLLM users — `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore, EngineOutput
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.seeds import derive_seed, draw_seed
+from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+#: A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" for display), as in vLLM.
+PromptType = str | dict[str, Any]
+Message = dict[str, Any]
+
+
+@dataclass
+class _Sequence:
+    """Host-side state of one generated sequence: detokenizer, stop strings, accumulated output."""
+
+    index: int
+    request_id: str
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class LLM:
+    """An engine in this process: load a model once, then generate for batches of prompts."""
+
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
+        self.tokenizer: Tokenizer = self.engine.tokenizer
+        self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (with its chat template)."""
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in the order of the prompts."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        texts = [p if isinstance(p, str) else p.get("prompt") for p in prompt_list]
+        return self._run(texts, token_lists, self._params_per_prompt(sampling_params, len(prompt_list)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = chat_template_kwargs or {}
+        texts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt, **kwargs)
+            for c in conversations
+        ]
+        token_lists = [
+            self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt, **kwargs)
+            for c in conversations
+        ]
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        return self._run(texts, token_lists, params, use_tqdm)
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+        raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.default_sampling_params] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(f"sampling_params: {len(params)} given for {num_prompts} prompts")
+        return params
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        # Validate everything first, so a bad prompt rejects the call without leaving half of it queued.
+        for token_ids, params in zip(token_lists, params_list, strict=True):
+            self.engine.check_prompt(token_ids, params)
+        outputs: list[RequestOutput] = []
+        sequences: dict[str, tuple[RequestOutput, _Sequence]] = {}
+        for text, token_ids, params in zip(texts, token_lists, params_list, strict=True):
+            output = RequestOutput(str(next(self._request_counter)), text, token_ids)
+            outputs.append(output)
+            seed = params.seed if params.seed is not None else draw_seed()
+            for index in range(params.n):
+                seq = self._add_sequence(output, index, params.clone(seed=derive_seed(seed, index)))
+                sequences[seq.request_id] = (output, seq)
+        self._drive(sequences, outputs, use_tqdm)
+        return outputs
+
+    def _add_sequence(self, output: RequestOutput, index: int, params: SamplingParams) -> _Sequence:
+        request_id = f"{output.request_id}-{index}"
+        self.engine.add_request(request_id, output.prompt_token_ids, params)
+        return _Sequence(
+            index=index,
+            request_id=request_id,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, output.prompt_token_ids, params.skip_special_tokens),
+            stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def _drive(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], outputs, use_tqdm: bool) -> None:
+        bar = tqdm(total=len(outputs), desc="Processed prompts", disable=not use_tqdm or len(outputs) < 2)
+        remaining = {id(o): 0 for o in outputs}  # unfinished sequences per prompt
+        for output, _ in sequences.values():
+            remaining[id(output)] += 1
+        while self.engine.has_unfinished_requests():
+            for engine_output in self.engine.step():
+                output, seq = sequences[engine_output.request_id]
+                if self._apply(seq, engine_output, output):
+                    remaining[id(output)] -= 1
+                    if remaining[id(output)] == 0:
+                        output.outputs = sorted(output.outputs, key=lambda c: c.index)
+                        output.finished = True
+                        bar.update(1)
+        bar.close()
+
+    def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+        """Fold one step's output into a sequence; True when the sequence finished."""
+        request_output.num_cached_tokens = max(request_output.num_cached_tokens, out.num_cached_tokens)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
+        text, stopped = seq.stop_checker.step(seq.detokenizer.step(out.new_token_ids))
+        seq.text += text
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if stopped:
+            if finish_reason is None:
+                self.engine.abort_requests([seq.request_id])
+            finish_reason, stop_reason = "stop", seq.stop_checker.matched_stop
+        if finish_reason is None:
+            return False
+        if not stopped:
+            tail, stopped = seq.stop_checker.step(seq.detokenizer.flush())
+            seq.text += tail if stopped else tail + seq.stop_checker.flush()
+            if stopped:
+                finish_reason, stop_reason = "stop", seq.stop_checker.matched_stop
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        request_output.outputs.append(
+            CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, stop_reason)
+        )
+        return True
+
+    def _logprobs_entry(self, sampled) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        for rank, (token_id, logprob) in enumerate(sampled.top_logprobs or (), start=1):
+            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+        if sampled.token_id not in entry:
+            entry[sampled.token_id] = Logprob(
+                sampled.logprob, None, self.tokenizer.decode([sampled.token_id], skip_special_tokens=False)
+            )
+        return entry

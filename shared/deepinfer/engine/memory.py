@@ -1,0 +1,60 @@
+"""KV-cache memory planning: how many blocks fit, decided once at start, with the numbers on failure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: CPU budget when none is configured: enough for tests and local chat, small beside 24 GB of RAM.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class KvCacheTooSmall(ValueError):
+    """The model leaves too little memory for the minimum KV cache (one max_model_len sequence)."""
+
+
+@dataclass(frozen=True)
+class KvCachePlan:
+    """Outcome of planning: blocks, bytes and the per-token cost they came from."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    budget_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the cache holds (block 0 is the reserved padding block)."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """K and V of every layer for one block."""
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+
+
+def plan_kv_cache(
+    *,
+    budget_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    what: str,
+) -> KvCachePlan:
+    """Turn a byte budget into a block count; fail with the numbers when one full-length sequence cannot fit."""
+    num_blocks = max(budget_bytes, 0) // bytes_per_block
+    min_blocks = -(-max_model_len // block_size) + 1  # + the reserved padding block
+    if num_blocks < min_blocks:
+        raise KvCacheTooSmall(
+            f"KV cache too small on {what}: {_gib(budget_bytes)} left for KV gives {num_blocks} blocks of "
+            f"{bytes_per_block} bytes ({block_size} tokens), but max_model_len={max_model_len} needs at least "
+            f"{min_blocks} blocks ({_gib(min_blocks * bytes_per_block)}). Lower max_model_len, raise the KV budget "
+            "(kv_cache_bytes / gpu_memory_utilization) or use a smaller dtype."
+        )
+    return KvCachePlan(num_blocks, block_size, bytes_per_block, budget_bytes)
+
+
+def _gib(num_bytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):.2f} {unit}"
+    return f"{num_bytes} bytes"

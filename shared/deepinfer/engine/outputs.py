@@ -1,0 +1,48 @@
+"""What the offline API returns: vLLM-shaped request and completion outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's raw distribution, with its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One dict per generated token: token id → Logprob (the sampled token plus the top-k asked for).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with n > 1 has several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    #: The stop string or stop token id that ended the sequence, if any.
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        """True once the sequence has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: its token ids and the generated sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    #: Prompt tokens served from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
+    finished: bool = False
