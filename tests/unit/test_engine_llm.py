@@ -81,10 +81,21 @@ def test_seeded_request_same_alone_and_in_batch(llm):
     assert different != alone
 
 
-def test_n_sequences_share_prompt_and_differ(llm):
+def test_n_sequences_share_prompt_and_differ(tiny_dir):
+    llm = LLM(str(tiny_dir), block_size=4, progress=False)
+    hits = []
+    add_request = llm.engine.scheduler.add_request
+
+    def spy(request):
+        add_request(request)
+        hits.append(request)
+
+    llm.engine.scheduler.add_request = spy
     out = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    # Siblings 1 and 2 reuse the 8 full prompt blocks sequence 0 computed.
+    assert [r.num_cached_tokens for r in hits] == [0, 32, 32]
     again = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)
     assert tokens(again)[0] == [c.token_ids for c in out.outputs]
 

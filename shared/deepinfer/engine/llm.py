@@ -28,6 +28,7 @@ class _Sequence:
 
     index: int
     request_id: str
+    params: SamplingParams
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
     text: str = ""
@@ -35,6 +36,7 @@ class _Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    submitted: bool = False
 
 
 class LLM:
@@ -125,23 +127,30 @@ class LLM:
             outputs.append(output)
             seed = params.seed if params.seed is not None else draw_seed()
             for index in range(params.n):
-                seq = self._add_sequence(output, index, params.clone(seed=derive_seed(seed, index)))
+                seq = self._new_sequence(output, index, params.clone(seed=derive_seed(seed, index)))
                 sequences[seq.request_id] = (output, seq)
+            self._submit(sequences[f"{output.request_id}-0"])
         self._drive(sequences, outputs, use_tqdm)
         return outputs
 
-    def _add_sequence(self, output: RequestOutput, index: int, params: SamplingParams) -> _Sequence:
-        request_id = f"{output.request_id}-{index}"
-        self.engine.add_request(request_id, output.prompt_token_ids, params)
+    def _new_sequence(self, output: RequestOutput, index: int, params: SamplingParams) -> _Sequence:
         return _Sequence(
             index=index,
-            request_id=request_id,
+            request_id=f"{output.request_id}-{index}",
+            params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, output.prompt_token_ids, params.skip_special_tokens),
             stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
         )
 
+    def _submit(self, entry: tuple[RequestOutput, _Sequence]) -> None:
+        output, seq = entry
+        self.engine.add_request(seq.request_id, output.prompt_token_ids, seq.params)
+        seq.submitted = True
+
     def _drive(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], outputs, use_tqdm: bool) -> None:
+        """Step until every sequence finished. The siblings of an n > 1 request are submitted once sequence 0
+        has computed the prompt, so they take its full blocks from the prefix cache instead of recomputing."""
         bar = tqdm(total=len(outputs), desc="Processed prompts", disable=not use_tqdm or len(outputs) < 2)
         remaining = {id(o): 0 for o in outputs}  # unfinished sequences per prompt
         for output, _ in sequences.values():
@@ -149,6 +158,10 @@ class LLM:
         while self.engine.has_unfinished_requests():
             for engine_output in self.engine.step():
                 output, seq = sequences[engine_output.request_id]
+                if seq.index == 0 and engine_output.new_token_ids:
+                    for entry in sequences.values():
+                        if entry[0] is output and not entry[1].submitted:
+                            self._submit(entry)
                 if self._apply(seq, engine_output, output):
                     remaining[id(output)] -= 1
                     if remaining[id(output)] == 0:
@@ -159,7 +172,8 @@ class LLM:
 
     def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
         """Fold one step's output into a sequence; True when the sequence finished."""
-        request_output.num_cached_tokens = max(request_output.num_cached_tokens, out.num_cached_tokens)
+        if seq.index == 0:
+            request_output.num_cached_tokens = out.num_cached_tokens
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
