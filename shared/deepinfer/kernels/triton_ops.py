@@ -1,0 +1,51 @@
+"""Triton implementations of the kernel interface, with the torch twins' signatures (see torch_ops)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.triton_activation import silu_and_mul
+from deepinfer.kernels.triton_attention import paged_decode_attention, prefill_attention
+from deepinfer.kernels.triton_cache import reshape_and_cache
+from deepinfer.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from deepinfer.kernels.triton_rotary import rotary_embedding
+
+__all__ = [
+    "fused_add_rms_norm",
+    "overrides",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Decode-only batches (max_query_len <= 1) take the split-K decode kernel, all others the prefill one."""
+    # the choice reads only host ints, so it never waits for the device
+    if meta.max_query_len <= 1:
+        return paged_decode_attention(query, kv_cache, meta, scale, sliding_window)
+    return prefill_attention(query, kv_cache, meta, scale, sliding_window)
+
+
+def overrides() -> dict[str, Callable[..., Any]]:
+    """Op name -> Triton implementation, for `deepinfer.kernels.get_ops("cuda")`."""
+    return {
+        "reshape_and_cache": reshape_and_cache,
+        "paged_attention": paged_attention,
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+    }
