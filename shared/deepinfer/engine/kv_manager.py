@@ -102,6 +102,11 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request but keep its block references: the caller now owns them (a prefill lease)."""
+        self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
     def get_block_ids(self, request: Request) -> list[int]:
         """The request's block table."""
         return [block.block_id for block in self.req_to_blocks.get(request.request_id, ())]

@@ -66,6 +66,8 @@ class Request:
         #: Prompt tokens found in the prefix cache at first admission (not updated after a preemption).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        #: Keep the KV blocks referenced after finishing (a prefill worker's lease); Scheduler.release_held ends it.
+        self.hold_blocks = False
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         #: The stop token id that ended the request (None for eos, length or abort).

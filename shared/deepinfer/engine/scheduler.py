@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from deepinfer.engine.block_pool import BlockPool, KvCacheEvent
+from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import FinishReason, Request, RequestStatus, check_stop
@@ -108,6 +108,8 @@ class Scheduler:
         self._arrival_key: dict[str, tuple[float, int]] = {}
         self._add_order = itertools.count()
         self._finished_request_ids: list[str] = []
+        #: Finished requests whose blocks stay referenced until release_held (prefill leases).
+        self._held: dict[str, list[KVCacheBlock]] = {}
 
     @property
     def num_running(self) -> int:
@@ -135,13 +137,13 @@ class Scheduler:
         """Queue a new request; ValueError when it is empty, duplicate or longer than max_model_len."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} already exists")
-        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+        if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id!r} is not a new request ({request.status.name})")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.num_prompt_tokens > self.config.max_model_len:
+        if request.num_tokens > self.config.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"request {request.request_id!r}: {request.num_tokens} tokens are longer than "
                 f"max_model_len={self.config.max_model_len}"
             )
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
@@ -221,6 +223,54 @@ class Scheduler:
                 )
         return updates
 
+    def add_prefilled_request(self, request: Request, num_prefilled_tokens: int) -> list[int] | None:
+        """Admit a request whose first `num_prefilled_tokens` tokens were computed elsewhere (disaggregated
+        prefill): allocate their blocks now and return the ids of the blocks the caller must fill with the
+        pulled KV, in token order; local prefix-cache hits are reused and not returned. None = no room now.
+
+        The request's output may already hold tokens (the prefill worker's first token); they are computed
+        by the next step like any decode. Call `commit_prefilled` once the blocks hold the KV.
+        """
+        if not 0 < num_prefilled_tokens < request.num_tokens or len(self.running) >= self.config.max_num_seqs:
+            return None
+        request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
+        computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
+        num_hit_tokens = min(num_hit_tokens, num_prefilled_tokens)
+        computed_blocks = computed_blocks[: num_hit_tokens // self.config.block_size]
+        new = self.kv_manager.allocate_slots(request, num_prefilled_tokens - num_hit_tokens, computed_blocks)
+        if new is None:
+            return None
+        self.requests[request.request_id] = request
+        self._arrival_key[request.request_id] = (request.arrival_time, next(self._add_order))
+        request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_prefilled_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
+        return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]
+
+    def commit_prefilled(self, request_id: str) -> None:
+        """The pulled KV is in place: register the request's full prompt blocks in the prefix cache."""
+        request = self.requests[request_id]
+        self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        """Block ids kept for a finished request that asked to hold its blocks (a prefill lease)."""
+        blocks = self._held.get(request_id)
+        return None if blocks is None else [b.block_id for b in blocks]
+
+    def release_held(self, request_id: str) -> bool:
+        """End a lease: drop the held block references (cached ones stay reusable). False if none held."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.block_pool.free_blocks(reversed(blocks))
+        return True
+
+    @property
+    def num_held(self) -> int:
+        """Finished requests whose blocks are still held under a lease."""
+        return len(self._held)
+
     def take_kv_events(self) -> list[KvCacheEvent]:
         """Prefix-cache events (Stored / Removed / AllCleared) since the last call."""
         return self.block_pool.take_events()
@@ -289,7 +339,10 @@ class Scheduler:
         return output
 
     def _retire(self, request: Request) -> None:
-        self.kv_manager.free(request)
+        if request.hold_blocks and request.finish_reason is not FinishReason.ABORT:
+            self._held[request.request_id] = self.kv_manager.detach(request)
+        else:
+            self.kv_manager.free(request)
         del self.requests[request.request_id]
         del self._arrival_key[request.request_id]
         self._finished_request_ids.append(request.request_id)
