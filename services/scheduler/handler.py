@@ -1,0 +1,238 @@
+"""The scheduler's handler. One loop, per RouteRequest on `route(model)` (queue group `scheduler`):
+
+    receive RouteRequest → route (policy over live members + in-flight counts) → reply RouteDecision
+    → publish the decision on `decisions(model)` (peers count it as in-flight load)
+
+Beside it: heartbeats on `heartbeat_all(model)` keep the membership table, peers' decisions feed the in-flight
+counts, and a sweeper drops workers whose lease ran out. Everything runs on the event loop and never blocks:
+routing is a few comparisons over the members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+
+from opentelemetry.trace import NoOpTracer, Tracer
+from prometheus_client import CollectorRegistry
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.config import SchedulerSettings
+from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus, WorkerLoad, WorkerRole
+from deepinfer.telemetry import counter, gauge, histogram, request_context
+from services.scheduler.inflight import InFlight
+from services.scheduler.membership import Membership
+from services.scheduler.policy import LeastLoadedPolicy, RoutingPolicy
+
+log = logging.getLogger(__name__)
+
+#: Longest pause between two membership sweeps (a dead worker is gone within lease + this).
+MAX_SWEEP_INTERVAL_S = 0.5
+#: Routing takes tens of microseconds; the reply and publish add a round trip to the server.
+ROUTE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class SchedulerHandler:
+    """Answers route requests for one model; a `deepinfer.service.Handler`."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        scheduler_id: str,
+        bus: MessageBus,
+        membership: Membership,
+        in_flight: InFlight,
+        policy: RoutingPolicy,
+        registry: CollectorRegistry,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.model = model
+        self.scheduler_id = scheduler_id
+        self.bus = bus
+        self.membership = membership
+        self.in_flight = in_flight
+        self.policy = policy
+        self.metrics = SchedulerMetrics(registry)
+        self.tracer = tracer or NoOpTracer()
+        self.sweep_interval_s = min(MAX_SWEEP_INTERVAL_S, membership.lease_s / 4)
+        self._subscriptions: list[Subscription] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        self._started = False
+        self._draining = False
+
+    async def on_route(self, request: RouteRequest, msg: IncomingMsg) -> None:
+        """receive → route → reply → publish decision."""
+        started_s = time.perf_counter()
+        with request_context(request.request_id), self.tracer.start_as_current_span("scheduler.route"):
+            decision = self.route(request)
+            await self.bus.reply(msg, decision)
+            self.metrics.observe(decision, time.perf_counter() - started_s)
+            await self.bus.publish(subjects.decisions(self.model), decision)
+
+    def route(self, request: RouteRequest) -> RouteDecision:
+        """The policy's decision over the live members; an accepted one counts as in-flight at once."""
+        decision = self.policy.pick(request, self.membership.members(), self.in_flight.counts())
+        self.in_flight.add(decision)
+        if decision.status is RouteStatus.OVERLOADED:
+            log.debug("overloaded: %d live workers", len(self.membership))
+        return decision
+
+    async def on_heartbeat(self, load: WorkerLoad, msg: IncomingMsg) -> None:
+        """A worker's WorkerLoad: refresh its membership; its heartbeat now covers older in-flight counts."""
+        member, joined = self.membership.observe(load)
+        self.in_flight.on_heartbeat(member.worker_id)
+        if joined:
+            log.info(
+                "worker joined: %s (%s) at %s",
+                member.worker_id,
+                member.role.value,
+                member.data_plane_address,
+                extra={"worker_id": member.worker_id, "role": member.role.value},
+            )
+            self.metrics.set_members(self.membership.count_by_role())
+
+    async def on_peer_decision(self, decision: RouteDecision, msg: IncomingMsg) -> None:
+        """Another replica's decision: count its workers' in-flight load (our own are counted already)."""
+        if decision.scheduler_id != self.scheduler_id:
+            self.in_flight.add(decision)
+
+    def sweep(self) -> None:
+        """Drop workers whose lease ran out and in-flight counts past their TTL."""
+        for member in self.membership.sweep():
+            self.in_flight.forget_worker(member.worker_id)
+            self.metrics.workers_expired.inc()
+            log.warning(
+                "worker lost: %s (%s), no heartbeat for %.1f s",
+                member.worker_id,
+                member.role.value,
+                self.membership.lease_s,
+                extra={"worker_id": member.worker_id, "role": member.role.value},
+            )
+        self.in_flight.expire()
+        self.metrics.set_members(self.membership.count_by_role())
+        self.metrics.in_flight.set(self.in_flight.total())
+
+    # -- lifecycle (deepinfer.service.Handler) --------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Subscribe to heartbeats and peers' decisions, then to routes; start the sweeper."""
+        model = self.model
+        self._subscriptions.append(
+            await self.bus.subscribe(
+                subjects.heartbeat_all(model), self.on_heartbeat, message_type=WorkerLoad
+            )
+        )
+        self._subscriptions.append(
+            await self.bus.subscribe(
+                subjects.decisions(model), self.on_peer_decision, message_type=RouteDecision
+            )
+        )
+        self._subscriptions.append(
+            await self.bus.subscribe(
+                subjects.route(model),
+                self.on_route,
+                queue=subjects.SCHEDULER_QUEUE,
+                message_type=RouteRequest,
+            )
+        )
+        self._sweeper = asyncio.create_task(
+            self._sweep_forever(), name=f"scheduler-sweep-{self.scheduler_id}"
+        )
+        self._started = True
+        self.metrics.set_members(self.membership.count_by_role())
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop being ready. Each route is answered within its message callback, so nothing is left
+        in flight here; requests already delivered are answered by the bus drain that follows."""
+        self._draining = True
+
+    async def close(self) -> None:
+        """Stop the sweeper and unsubscribe (idempotent)."""
+        self._started = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        subscriptions, self._subscriptions = self._subscriptions, []
+        for subscription in subscriptions:
+            with contextlib.suppress(Exception):  # the bus may be closed already
+                await subscription.unsubscribe()
+
+    def is_ready(self) -> bool:
+        """Subscribed and not draining; zero workers is fine (requests are answered overloaded)."""
+        return self._started and not self._draining
+
+    def not_ready_reason(self) -> str:
+        """Why not ready, for /ready."""
+        if self._draining:
+            return "draining"
+        return "" if self._started else "not subscribed yet"
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                self.sweep()
+            except Exception:  # a bug in one sweep must not stop membership expiry for good
+                log.exception("membership sweep failed")
+
+
+class SchedulerMetrics:
+    """The scheduler's Prometheus metrics on the service's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = counter(registry, "scheduler_decisions", "Route decisions by status.", ["status"])
+        self.members = gauge(registry, "scheduler_members", "Live workers by role.", ["role"])
+        self.route_latency = histogram(
+            registry,
+            "scheduler_route_latency_seconds",
+            "Route request received to decision replied.",
+            buckets=ROUTE_BUCKETS_S,
+        )
+        self.in_flight = gauge(
+            registry, "scheduler_in_flight_decisions", "(worker, request) decisions not yet in heartbeats."
+        )
+        self.workers_expired = counter(
+            registry, "scheduler_workers_expired", "Workers dropped after their heartbeat lease ran out."
+        )
+        for status in RouteStatus:
+            self.decisions.labels(status=status.value)
+
+    def observe(self, decision: RouteDecision, latency_s: float) -> None:
+        """Count one decision and its latency."""
+        self.decisions.labels(status=decision.status.value).inc()
+        self.route_latency.observe(latency_s)
+
+    def set_members(self, counts: dict[WorkerRole, int]) -> None:
+        """Publish live members per role."""
+        for role, num in counts.items():
+            self.members.labels(role=role.value).set(num)
+
+
+def build_handler(
+    settings: SchedulerSettings,
+    bus: MessageBus,
+    registry: CollectorRegistry,
+    *,
+    tracer: Tracer | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> SchedulerHandler:
+    """A SchedulerHandler wired from settings (clock and rng injectable for tests)."""
+    return SchedulerHandler(
+        model=settings.common.served_model_name or settings.common.model,
+        scheduler_id=settings.scheduler_id,
+        bus=bus,
+        membership=Membership(settings.worker_lease_s, clock=clock),
+        in_flight=InFlight(clock=clock),
+        policy=LeastLoadedPolicy(settings.scheduler_id, rng=rng or random.Random()),
+        registry=registry,
+        tracer=tracer,
+    )
