@@ -1,0 +1,251 @@
+"""DataPlaneClient: pulls (and pushes) KV blocks from one peer's data plane over one reused connection.
+
+Requests on one client are serialised: one frame in flight per connection, matched to its reply by
+correlation id. KV pulls are bandwidth-bound (MiB per block), so pipelining would buy little, while one
+request at a time keeps recovery trivial: any failure mid-frame (timeout, connection loss, checksum mismatch,
+bad frame) closes the connection and the next call reconnects, so a half-read stream is never reused. An
+error *reply* is a complete frame and leaves the connection usable. Use one client per peer; callers that
+want parallel streams to one peer make several clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from deepinfer.dataplane.auth import client_handshake, secret_key
+from deepinfer.dataplane.errors import (
+    DataPlaneConnectionError,
+    DataPlaneError,
+    DataPlaneTimeout,
+    FrameError,
+    error_from_code,
+)
+from deepinfer.dataplane.frames import (
+    BytesLike,
+    FrameHeader,
+    FrameLimits,
+    FrameOp,
+    byte_view,
+    frame_buffers,
+    payload_fields,
+    read_header,
+    read_payload,
+    verify_checksums,
+    write_frame,
+)
+from deepinfer.dataplane.metrics import DataPlaneMetrics
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" → (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"data-plane address must be 'host:port', got {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+class DataPlaneClient:
+    """Client of one peer's data plane ("host:port"), authenticated with the shared `secret`.
+
+    Lifecycle: create (no I/O) → `get_blocks` / `put_blocks` / `has_blocks` (connects on first use, reuses
+    the connection, reconnects after a failure) → `close()`. Every call is bounded by `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: str | bytes | None,
+        timeout_s: float = 10.0,
+        *,
+        limits: FrameLimits | None = None,
+        max_blocks_per_request: int = 64,
+    ) -> None:
+        if timeout_s <= 0 or max_blocks_per_request <= 0:
+            raise ValueError("timeout_s and max_blocks_per_request must be positive")
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.timeout_s = timeout_s
+        self.limits = limits or FrameLimits()
+        self.max_blocks_per_request = min(max_blocks_per_request, self.limits.max_blocks)
+        self.metrics = DataPlaneMetrics()
+        self._key = secret_key(secret)
+        self._lock = asyncio.Lock()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._next_correlation_id = 1
+
+    async def __aenter__(self) -> DataPlaneClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def get_blocks(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] = (),
+        *,
+        block_hashes: Sequence[bytes] = (),
+        layout_id: str = "",
+    ) -> list[bytes]:
+        """Pull blocks by owner-local id within the lease `request_id` and/or by hash, every checksum verified.
+
+        Raises LeaseExpired (lease unknown or ended), BlockNotFound, ChecksumError naming the block,
+        DataPlaneTimeout, DataPlaneConnectionError, or DataPlaneError carrying the server's message.
+        """
+        block_ids, block_hashes = list(block_ids), [bytes(h) for h in block_hashes]
+        if block_ids and block_hashes and len(block_ids) != len(block_hashes):
+            raise ValueError(f"{len(block_ids)} block_ids but {len(block_hashes)} block_hashes")
+        num_blocks = len(block_ids) or len(block_hashes)
+        blocks: list[bytes] = []
+        for start in range(0, num_blocks, self.max_blocks_per_request):
+            end = start + self.max_blocks_per_request
+            request = FrameHeader(
+                op=FrameOp.GET,
+                correlation_id=self._new_correlation_id(),
+                request_id=request_id,
+                layout_id=layout_id,
+                block_ids=block_ids[start:end],
+                block_hashes=block_hashes[start:end],
+            )
+            labels = [f"id {i}" for i in block_ids[start:end]] or [
+                f"hash {h.hex()}" for h in block_hashes[start:end]
+            ]
+            reply, chunk = await self._request(request, [], labels)
+            if len(chunk) != len(labels):
+                raise DataPlaneError(f"{self.address} sent {len(chunk)} blocks for {len(labels)} requested")
+            blocks.extend(chunk)
+        return blocks
+
+    async def put_blocks(
+        self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]
+    ) -> None:
+        """Store blocks on the peer by (layout_id, hash); the peer verifies every checksum (ChecksumError)."""
+        if len(block_hashes) != len(payloads):
+            raise ValueError(f"{len(block_hashes)} block_hashes but {len(payloads)} payloads")
+        views = [byte_view(p) for p in payloads]
+        for start in range(0, len(views), self.max_blocks_per_request):
+            chunk = views[start : start + self.max_blocks_per_request]
+            request = FrameHeader(
+                op=FrameOp.PUT,
+                correlation_id=self._new_correlation_id(),
+                layout_id=layout_id,
+                block_hashes=[bytes(h) for h in block_hashes[start : start + len(chunk)]],
+                **payload_fields(chunk),
+            )
+            await self._request(request, chunk, None)
+
+    async def has_blocks(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bool]:
+        """One flag per hash: does the peer hold the block under this layout?"""
+        present: list[bool] = []
+        hashes = [bytes(h) for h in block_hashes]
+        for start in range(0, len(hashes), self.limits.max_blocks):
+            chunk = hashes[start : start + self.limits.max_blocks]
+            request = FrameHeader(
+                op=FrameOp.HAS,
+                correlation_id=self._new_correlation_id(),
+                layout_id=layout_id,
+                block_hashes=chunk,
+            )
+            reply, _ = await self._request(request, [], None)
+            if len(reply.present) != len(chunk):
+                raise DataPlaneError(
+                    f"{self.address} answered {len(reply.present)} flags for {len(chunk)} hashes"
+                )
+            present.extend(reply.present)
+        return present
+
+    async def close(self) -> None:
+        """Close the connection (a later call would reconnect)."""
+        async with self._lock:
+            await self._drop()
+
+    def _new_correlation_id(self) -> int:
+        self._next_correlation_id += 1
+        return self._next_correlation_id - 1
+
+    async def _request(
+        self, request: FrameHeader, payloads: Sequence[memoryview], labels: Sequence[str] | None
+    ) -> tuple[FrameHeader, list[bytes]]:
+        """One round trip under the lock; the connection is dropped on anything but a complete reply."""
+        buffers = frame_buffers(request, payloads, self.limits)  # FrameTooLarge before anything is sent
+        async with self._lock:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    reply, blocks = await self._round_trip(buffers)
+                if reply.correlation_id != request.correlation_id:
+                    raise FrameError(
+                        f"reply for request {reply.correlation_id}, expected {request.correlation_id}"
+                    )
+                if labels is not None and reply.op == FrameOp.REPLY:
+                    verify_checksums(blocks, reply, labels)
+            except BaseException as exc:
+                await self._drop()
+                if isinstance(exc, TimeoutError) and not isinstance(exc, DataPlaneError):
+                    raise DataPlaneTimeout(
+                        f"{request.op} on {self.address} took over {self.timeout_s:g} s"
+                    ) from exc
+                raise
+        self.metrics.requests += 1
+        self.metrics.bytes_sent += request.payload_bytes
+        self.metrics.blocks_sent += request.num_blocks
+        self.metrics.bytes_received += reply.payload_bytes
+        self.metrics.blocks_received += reply.num_blocks
+        if reply.op == FrameOp.ERROR:
+            self.metrics.errors += 1
+            raise error_from_code(reply.error_code, f"{self.address}: {reply.error_message}")
+        return reply, blocks
+
+    async def _round_trip(self, buffers: list[BytesLike]) -> tuple[FrameHeader, list[bytes]]:
+        for attempt in range(2):
+            reused = self._writer is not None
+            reader, writer = await self._connection()
+            try:
+                await write_frame(writer, buffers)
+                reply = await read_header(reader, self.limits)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                await self._drop()
+                # A reused connection may have been closed by the peer while idle: requests are idempotent
+                # (reads, and puts of content-addressed blocks), so retry once on a fresh one.
+                if reused and attempt == 0:
+                    continue
+                raise DataPlaneConnectionError(f"{self.address} closed the connection: {exc!r}") from exc
+            try:
+                return reply, await read_payload(reader, reply)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise DataPlaneConnectionError(
+                    f"{self.address} closed the connection mid-reply: {exc!r}"
+                ) from exc
+        raise AssertionError("unreachable")
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._reader is not None and self._writer is not None and not self._reader.at_eof():
+            return self._reader, self._writer
+        await self._drop()
+        try:
+            reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+        except OSError as exc:
+            raise DataPlaneConnectionError(
+                f"cannot connect to the data plane at {self.address}: {exc}"
+            ) from exc
+        try:
+            await client_handshake(reader, writer, self._key)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            writer.close()
+            raise DataPlaneConnectionError(
+                f"{self.address} closed the connection in the handshake: {exc!r}"
+            ) from exc
+        except BaseException:
+            writer.close()
+            raise
+        self._reader, self._writer = reader, writer
+        return reader, writer
+
+    async def _drop(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()

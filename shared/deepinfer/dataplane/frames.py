@@ -1,0 +1,203 @@
+"""Data-plane frames: a 4-byte big-endian header length, a msgpack header, then the raw block bytes.
+
+    +-----------+----------------------+---------------------------------------------+
+    | u32 BE n  | header (n bytes,     | payload: block 0 ‖ block 1 ‖ ... (sizes[i]  |
+    |           | msgpack FrameHeader) | bytes each, xxh3-64 checksums[i])           |
+    +-----------+----------------------+---------------------------------------------+
+
+Every length a peer sends is checked against FrameLimits before anything is allocated for it. Never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import xxhash
+from pydantic import Field, model_validator
+
+from deepinfer.dataplane.errors import ChecksumError, FrameError, FrameTooLarge
+from deepinfer.protocol.base import Message, ProtocolError
+from deepinfer.protocol.types import BlockHash, NonNegativeInt
+
+#: Anything with the buffer protocol that the data plane accepts as block bytes.
+BytesLike = bytes | bytearray | memoryview
+
+_LENGTH = struct.Struct(">I")
+#: Bytes of the header-length prefix.
+LENGTH_PREFIX_BYTES = _LENGTH.size
+
+
+class FrameOp(StrEnum):
+    """What a frame asks for (get / put / has) or answers (reply / error)."""
+
+    GET = "get"
+    PUT = "put"
+    HAS = "has"
+    REPLY = "reply"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Upper bounds on what a peer may make us read; both ends enforce them on every frame."""
+
+    max_header_bytes: int = 1 << 20
+    #: Sum of the block sizes of one frame (a client splits big pulls into several requests).
+    max_payload_bytes: int = 1 << 30
+    max_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_payload_bytes", "max_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"FrameLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+class FrameHeader(Message):
+    """The msgpack header of one frame; the payload's block sizes and checksums ride in it."""
+
+    kind = "dataplane_frame"
+
+    op: FrameOp
+    #: Echoed by the reply so a client can tell its answer from a stale one.
+    correlation_id: NonNegativeInt
+    #: The lease a `get` by block id reads under (the owner's request id); empty for the store.
+    request_id: str = ""
+    layout_id: str = ""
+    #: Owner-local block ids (get); meaningless on any other worker.
+    block_ids: list[NonNegativeInt] = Field(default_factory=list)
+    block_hashes: list[BlockHash] = Field(default_factory=list)
+    #: Blocks in this frame's payload; sizes and checksums have exactly this many entries.
+    num_blocks: NonNegativeInt = 0
+    sizes: list[NonNegativeInt] = Field(default_factory=list)
+    checksums: list[int] = Field(default_factory=list)
+    #: Reply to `has`: one flag per requested hash.
+    present: list[bool] = Field(default_factory=list)
+    error_code: str = ""
+    error_message: str = ""
+
+    @model_validator(mode="after")
+    def _counts_agree(self) -> FrameHeader:
+        if not len(self.sizes) == len(self.checksums) == self.num_blocks:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} but {len(self.sizes)} sizes and {len(self.checksums)} checksums"
+            )
+        if any(not 0 <= c < 1 << 64 for c in self.checksums):
+            raise ValueError("checksums must be unsigned 64-bit integers")
+        return self
+
+    @property
+    def payload_bytes(self) -> int:
+        """Total bytes of the payload that follows this header."""
+        return sum(self.sizes)
+
+
+def checksum(data: BytesLike) -> int:
+    """xxh3-64 of one block's bytes."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def byte_view(data: BytesLike) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (bytes, bytearray, numpy or memoryview)."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def check_limits(header: FrameHeader, limits: FrameLimits) -> None:
+    """Refuse a header whose block counts or payload size exceed the limits (FrameTooLarge)."""
+    num_listed = max(header.num_blocks, len(header.block_ids), len(header.block_hashes), len(header.present))
+    if num_listed > limits.max_blocks:
+        raise FrameTooLarge(f"frame lists {num_listed} blocks, over the limit of {limits.max_blocks}")
+    if header.payload_bytes > limits.max_payload_bytes:
+        raise FrameTooLarge(
+            f"frame payload of {header.payload_bytes} bytes is over the limit of {limits.max_payload_bytes}"
+        )
+
+
+def encode_header(header: FrameHeader, limits: FrameLimits) -> bytes:
+    """Length prefix + msgpack header, after checking that a peer with the same limits would accept it."""
+    check_limits(header, limits)
+    packed = header.to_bytes()
+    if len(packed) > limits.max_header_bytes:
+        raise FrameTooLarge(
+            f"frame header of {len(packed)} bytes is over the limit of {limits.max_header_bytes}"
+        )
+    return _LENGTH.pack(len(packed)) + packed
+
+
+def header_length(prefix: bytes, limits: FrameLimits) -> int:
+    """Decode the length prefix; FrameTooLarge when it announces more than max_header_bytes."""
+    (length,) = _LENGTH.unpack(prefix)
+    if length > limits.max_header_bytes:
+        raise FrameTooLarge(
+            f"frame header of {length} bytes announced, over the limit of {limits.max_header_bytes}"
+        )
+    return length
+
+
+def decode_header(data: bytes, limits: FrameLimits) -> FrameHeader:
+    """Parse and bound-check a header; FrameError for anything malformed."""
+    try:
+        header = FrameHeader.from_bytes(data)
+    except ProtocolError as exc:
+        raise FrameError(f"bad frame header: {exc}") from exc
+    check_limits(header, limits)
+    return header
+
+
+async def read_header(
+    reader: asyncio.StreamReader, limits: FrameLimits, prefix: bytes | None = None
+) -> FrameHeader:
+    """Read one header (after its already-read length prefix, if given); nothing allocated past the limits."""
+    if prefix is None:
+        prefix = await reader.readexactly(LENGTH_PREFIX_BYTES)
+    length = header_length(prefix, limits)
+    return decode_header(await reader.readexactly(length), limits)
+
+
+async def read_payload(reader: asyncio.StreamReader, header: FrameHeader) -> list[bytes]:
+    """Read the header's blocks, one `readexactly` each (each block is one bytes object, no later slicing)."""
+    return [await reader.readexactly(size) for size in header.sizes]
+
+
+def verify_checksums(blocks: Sequence[BytesLike], header: FrameHeader, labels: Sequence[str]) -> None:
+    """ChecksumError naming the first block whose bytes do not match its checksum."""
+    for i, (block, expected) in enumerate(zip(blocks, header.checksums, strict=True)):
+        actual = checksum(block)
+        if actual != expected:
+            raise ChecksumError(
+                f"block {labels[i]} (#{i} of {len(blocks)}): xxh3-64 {actual:016x} != sent {expected:016x}"
+            )
+
+
+def frame_buffers(
+    header: FrameHeader, payloads: Sequence[memoryview], limits: FrameLimits
+) -> list[BytesLike]:
+    """The buffers of one frame, for write_frame: encoded header then each block, uncopied."""
+    return [encode_header(header, limits), *payloads]
+
+
+async def write_frame(writer: asyncio.StreamWriter, buffers: Sequence[BytesLike]) -> None:
+    """Write one frame buffer by buffer, draining after each.
+
+    Not `writelines`: before Python 3.12 it joins everything into one bytes (a full copy of the payload), and
+    a large write into a busy transport is copied into its buffer. Writing a block once the buffer has
+    drained lets the transport send straight from our memoryview.
+    """
+    for buffer in buffers:
+        writer.write(buffer)
+        await writer.drain()
+
+
+def payload_fields(payloads: Sequence[memoryview]) -> dict[str, object]:
+    """num_blocks, sizes and checksums for a header carrying these blocks."""
+    return {
+        "num_blocks": len(payloads),
+        "sizes": [p.nbytes for p in payloads],
+        "checksums": [checksum(p) for p in payloads],
+    }
