@@ -1,0 +1,7 @@
+"""`python -m services.gateway`."""
+
+import sys
+
+from services.gateway.main import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""Scripted scheduler + prefill + decode responders on any MessageBus, for the gateway's tests (no model).
+
+    workers = FakeWorkers(bus, "tiny", output_token_ids=[5, 6, 7])
+    await workers.start()                    # route, prefill.prefill-0, decode.decode-0, cancel
+    await workers.heartbeat()                # one WorkerLoad per worker, so the gateway sees them alive
+
+Decode streams the script (cut at max_tokens) as one TokenBatch per step, `tokens_per_step` ids each, and stops
+at once on Cancel. Behaviour switches (overloaded, refuse_decode, stall_after, ...) are plain attributes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.protocol import (
+    Cancel,
+    DecodeAccepted,
+    DecodeRequest,
+    FinishReason,
+    PrefillRequest,
+    PrefillResult,
+    RouteDecision,
+    RouteRequest,
+    RouteStatus,
+    SamplingParams,
+    TokenBatch,
+    TokenChunk,
+    TokenLogprobs,
+    WorkerLoad,
+    WorkerRole,
+)
+
+PREFILL_ID = "prefill-0"
+DECODE_ID = "decode-0"
+
+
+@dataclass
+class FakeWorkers:
+    """A scheduler, a prefill and a decode worker that follow a script; every message they got is recorded."""
+
+    bus: MessageBus
+    model: str
+    output_token_ids: list[int]
+    tokens_per_step: int = 2
+    step_delay_s: float = 0.0
+    use_prefill: bool = True
+    num_cached_tokens: int = 0
+    overloaded: bool = False
+    refuse_decode: bool = False
+    #: Stop sending (without finishing) after this many output tokens: a silent stream.
+    stall_after: int | None = None
+    route_requests: list[RouteRequest] = field(default_factory=list)
+    prefill_requests: list[PrefillRequest] = field(default_factory=list)
+    decode_requests: list[DecodeRequest] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    _subs: list[Subscription] = field(default_factory=list)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self) -> None:
+        """Register the responders."""
+        bus, model = self.bus, self.model
+        self._subs = [
+            await bus.subscribe(
+                subjects.route(model), self._route, queue=subjects.SCHEDULER_QUEUE, message_type=RouteRequest
+            ),
+            await bus.subscribe(subjects.prefill(model, PREFILL_ID), self._prefill, message_type=PrefillRequest),
+            await bus.subscribe(subjects.decode(model, DECODE_ID), self._decode, message_type=DecodeRequest),
+            await bus.subscribe(subjects.cancel(model), self._cancel, message_type=Cancel),
+        ]
+        flush = getattr(bus, "flush", None)
+        if flush is not None:
+            await flush()
+
+    async def stop(self) -> None:
+        """Unsubscribe and stop streaming."""
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def heartbeat(self, fingerprint: bytes = b"\x01" * 32) -> None:
+        """One WorkerLoad from each worker."""
+        for worker_id, role in ((PREFILL_ID, WorkerRole.PREFILL), (DECODE_ID, WorkerRole.DECODE)):
+            load = WorkerLoad(
+                worker_id=worker_id, role=role, model=self.model, model_fingerprint=fingerprint,
+                layout_id="layout", data_plane_address="127.0.0.1:1", internal_address="127.0.0.1:2", ts=time.time(),
+            )
+            await self.bus.publish(subjects.heartbeat(self.model, worker_id), load)
+
+    def script(self, sampling: SamplingParams) -> tuple[list[int], FinishReason]:
+        """The output for a request: the script cut at max_tokens (length) or whole (stop)."""
+        ids = list(self.output_token_ids)
+        if sampling.max_tokens is not None and len(ids) > sampling.max_tokens:
+            return ids[: sampling.max_tokens], FinishReason.LENGTH
+        return ids, FinishReason.STOP
+
+    async def _route(self, request: RouteRequest, msg: IncomingMsg) -> None:
+        self.route_requests.append(request)
+        decision = RouteDecision(
+            request_id=request.request_id,
+            status=RouteStatus.OVERLOADED if self.overloaded else RouteStatus.ACCEPTED,
+            prefill_worker_id=PREFILL_ID if self.use_prefill else None,
+            decode_worker_id=None if self.overloaded else DECODE_ID,
+            retry_after_s=2.0 if self.overloaded else None,
+            scheduler_id="scheduler-0",
+        )
+        await self.bus.reply(msg, decision)
+
+    async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
+        self.prefill_requests.append(request)
+        ids, finish = self.script(request.sampling)
+        result = PrefillResult(
+            request_id=request.request_id,
+            first_token_id=ids[0],
+            first_logprobs=_logprobs([ids[0]], request.sampling)[0] if request.sampling.logprobs is not None else None,
+            num_cached_tokens=self.num_cached_tokens,
+            finish_reason=finish if len(ids) == 1 else None,
+        )
+        await self.bus.reply(msg, result)
+
+    async def _decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
+        self.decode_requests.append(request)
+        await self.bus.reply(
+            msg, DecodeAccepted(request_id=request.request_id, accepted=not self.refuse_decode, reason="full")
+        )
+        if not self.refuse_decode:
+            task = asyncio.get_running_loop().create_task(self._stream(request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _stream(self, request: DecodeRequest) -> None:
+        ids, finish = self.script(request.sampling)
+        position = len(request.output_token_ids)
+        step = 0
+        first = True
+        while position < len(ids):
+            if any(c.request_id == request.request_id for c in self.cancels):
+                return
+            if self.stall_after is not None and position >= self.stall_after:
+                return
+            await asyncio.sleep(self.step_delay_s)
+            new_ids = ids[position : position + self.tokens_per_step]
+            position += len(new_ids)
+            chunk = TokenChunk(
+                request_id=request.request_id,
+                token_ids=new_ids,
+                logprobs=_logprobs(new_ids, request.sampling) if request.sampling.logprobs is not None else None,
+                finish_reason=finish if position >= len(ids) else None,
+                num_cached_tokens=self.num_cached_tokens if first else None,
+            )
+            first = False
+            batch = TokenBatch(worker_id=DECODE_ID, step=step, chunks=[chunk])
+            await self.bus.publish(subjects.tokens(self.model, request.gateway_id), batch)
+            step += 1
+
+    async def _cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
+        self.cancels.append(cancel)
+
+
+def _logprobs(token_ids: list[int], sampling: SamplingParams) -> list[TokenLogprobs]:
+    """Deterministic logprobs: the sampled id at -0.5, then `logprobs` alternatives at -1, -2, ..."""
+    k = sampling.logprobs or 0
+    return [
+        TokenLogprobs(token_id=t, logprob=-0.5, top=[(t, -0.5)] + [(t + i, -1.0 * i) for i in range(1, k)])
+        for t in token_ids
+    ]

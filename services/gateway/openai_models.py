@@ -1,0 +1,267 @@
+"""Request and response bodies of the OpenAI API (plus vLLM's sampling extras), as pydantic models.
+
+Requests are validated here, before anything reaches a worker: a bad field is a 400 naming it in `param`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Most choices one request may ask for (each runs as its own request on the workers).
+MAX_N = 16
+#: Most alternatives per position (OpenAI's limit for chat).
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI's API does for forward compatibility.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    """One `{"type": "text", "text": ...}` part of a message's content."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message; extra keys (tool_calls, tool_call_id, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: content parts joined into one string."""
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "\n".join(part.text or "" for part in self.content)
+        return data
+
+
+class StreamOptions(_Body):
+    """`stream_options`: only include_usage is honoured."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM-style extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self) -> SamplingFields:
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        """`stop` as a list (a single string becomes one entry)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (one prompt: a string or a list of token ids)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+# ----------------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: how many prompt tokens came from the KV cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of one response."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    """One alternative at a position (chat shape)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The sampled token at a position and its alternatives (chat shape)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """`choices[i].logprobs` of a chat response or chunk."""
+
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class CompletionLogprobs(BaseModel):
+    """`choices[i].logprobs` of a completions response or chunk (the legacy parallel lists)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    """The message of a non-streamed chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """`delta` of a streamed chat chunk: role on the first chunk, content after."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (streamed or not)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one SSE event of a streamed one (same object type, as OpenAI sends)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "deepinfer"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,166 @@
+"""The recipe of a request: model check, chat template, prompt token ids and wire SamplingParams.
+
+Everything here is CPU work on the gateway (no worker is involved yet); every failure is a 400 naming the
+field, so a bad request never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.protocol import SamplingParams
+from deepinfer.tokenizer import ChatTemplateError, Tokenizer
+from services.gateway.errors import bad_request, not_found
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# config.json keys that give a model's context length, most specific first.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway knows of the model it serves: its name, tokenizer and context length (no weights)."""
+
+    served_model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int | None
+    created: int
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, served_model_name: str, max_model_len: int | None = None) -> ModelInfo:
+        """Load the tokenizer and context length from a Hugging Face model directory."""
+        tokenizer = Tokenizer.from_dir(model_dir)
+        if max_model_len is None:
+            config_path = Path(model_dir) / "config.json"
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+            max_model_len = next((int(config[k]) for k in _CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+        return cls(served_model_name, tokenizer, max_model_len, int(time.time()))
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate: what the workers see of a request (n > 1 becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str
+
+
+def check_model(model: ModelInfo, name: str) -> None:
+    """404 model_not_found unless `name` is the served model."""
+    if name != model.served_model_name:
+        raise not_found(f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+
+def cache_salt_for(api_key: str | None, body: SamplingFields) -> str:
+    """The tenant's salt: the body's cache_salt, else sha256(API key) hex, else "" without auth."""
+    if body.cache_salt is not None:
+        return body.cache_salt
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest() if api_key else ""
+
+
+def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+    """Render the conversation with the model's chat template and tokenize it (template errors are 400)."""
+    try:
+        token_ids = model.tokenizer.encode_chat(
+            [message.template_dict() for message in body.messages],
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            tools=body.tools,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except (ChatTemplateError, TypeError) as exc:  # TypeError: chat_template_kwargs clashing with our keywords
+        raise bad_request(f"chat template: {exc}", param="messages") from exc
+    _check_prompt_length(model, token_ids, "messages")
+    return token_ids
+
+
+def completion_prompt_token_ids(model: ModelInfo, body: CompletionRequest) -> list[int]:
+    """Token ids of a completions prompt: one string or one list of token ids (batches are refused)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = model.tokenizer.encode(prompt)
+    elif all(isinstance(t, int) for t in prompt):
+        token_ids = list(prompt)  # type: ignore[arg-type]
+        vocab_size = model.tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    else:
+        raise bad_request("batched prompts are not supported; send one prompt per request", param="prompt")
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    _check_prompt_length(model, token_ids, "prompt")
+    return token_ids
+
+
+def _check_prompt_length(model: ModelInfo, token_ids: list[int], param: str) -> None:
+    if not token_ids:
+        raise bad_request("the prompt is empty", param=param)
+    if model.max_model_len is not None and len(token_ids) >= model.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {model.max_model_len} tokens; the prompt has "
+            f"{len(token_ids)} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def sampling_params(
+    model: ModelInfo, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """Wire SamplingParams from a request body; max_tokens None = the rest of the context."""
+    room = None if model.max_model_len is None else model.max_model_len - num_prompt_tokens
+    if max_tokens is not None and room is not None and max_tokens > room:
+        raise bad_request(
+            f"max_tokens={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the model's "
+            f"maximum context length of {model.max_model_len}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    fields = {
+        "n": 1,  # each choice is its own request on the workers
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        "seed": body.seed,
+        "max_tokens": max_tokens if max_tokens is not None else room,
+        "min_tokens": body.min_tokens,
+        "stop": body.stop_list,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": body.skip_special_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+    }
+    return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def split_choices(
+    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int
+) -> list[GenerateRequest]:
+    """n independent sequences; with a seed, choice i uses seed + i so choices differ yet stay reproducible."""
+    if n == 1:
+        return [GenerateRequest(request_id, prompt_token_ids, sampling, cache_salt)]
+    requests = []
+    for index in range(n):
+        seed = None if sampling.seed is None else sampling.seed + index
+        choice_sampling = sampling.model_copy(update={"seed": seed})
+        requests.append(GenerateRequest(f"{request_id}-{index}", prompt_token_ids, choice_sampling, cache_salt))
+    return requests

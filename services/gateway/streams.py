@@ -1,0 +1,84 @@
+"""One subscription per gateway on `tokens(model, gateway_id)`, demultiplexed by request_id into per-request queues.
+
+Decode workers send one TokenBatch per engine step per gateway (batched, because a message per token would cap
+a node far below its GPUs); the gateway splits each batch into its requests' chunks here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.protocol import TokenBatch, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The TokenChunks of one request, in arrival order; close it when the request ends."""
+
+    def __init__(self, owner: TokenStreams, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._owner = owner
+
+    async def get(self, timeout_s: float) -> TokenChunk | None:
+        """The next chunk, or None when none arrived within `timeout_s`."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        """Stop routing this request's chunks here (later ones are dropped)."""
+        self._owner.forget(self.request_id)
+
+
+class TokenStreams:
+    """The gateway's token subject and the request streams open on it."""
+
+    def __init__(self, bus: MessageBus, model: str, gateway_id: str) -> None:
+        self.subject = subjects.tokens(model, gateway_id)
+        self._bus = bus
+        self._streams: dict[str, RequestStream] = {}
+        self._subscription: Subscription | None = None
+        self.num_dropped_chunks = 0
+
+    async def start(self) -> None:
+        """Subscribe to this gateway's token subject (once)."""
+        if self._subscription is None:
+            self._subscription = await self._bus.subscribe(self.subject, self.on_batch, message_type=TokenBatch)
+
+    async def stop(self) -> None:
+        """Unsubscribe; open streams receive nothing more."""
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+    def open(self, request_id: str) -> RequestStream:
+        """Start collecting `request_id`'s chunks; open BEFORE asking a worker to decode, or early ones are lost."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} already has an open stream")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's stream (idempotent)."""
+        self._streams.pop(request_id, None)
+
+    @property
+    def num_open(self) -> int:
+        """Requests with an open stream."""
+        return len(self._streams)
+
+    async def on_batch(self, batch: TokenBatch, msg: IncomingMsg | None = None) -> None:
+        """Bus handler: route each chunk to its request's queue; chunks of unknown requests are dropped."""
+        for chunk in batch.chunks:
+            stream = self._streams.get(chunk.request_id)
+            if stream is None:
+                self.num_dropped_chunks += 1  # finished, cancelled or another gateway's id: nothing to do
+                continue
+            stream.queue.put_nowait(chunk)

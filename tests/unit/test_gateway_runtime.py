@@ -1,0 +1,54 @@
+"""The gateway process object: readiness from heartbeats, the API on a real port, drain; torch never imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from deepinfer.telemetry import new_registry
+from deepinfer.testing import FakeBroker, FakeBus
+from services.gateway.fake_workers import FakeWorkers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.recipe import ModelInfo
+from services.gateway.runtime import Gateway
+from services.gateway.testing import ANSWER, MODEL, write_tokenizer_dir
+
+GATEWAY_DIR = Path(__file__).resolve().parents[2] / "services" / "gateway"
+GATEWAY_MODULES = [p.stem for p in GATEWAY_DIR.glob("*.py") if p.stem not in ("__init__", "__main__")]
+
+
+async def test_gateway_ready_serves_and_drains(tmp_path: Path):
+    broker = FakeBroker()
+    model = ModelInfo.from_dir(write_tokenizer_dir(tmp_path), MODEL, max_model_len=96)
+    gateway = Gateway(FakeBus(broker), model, "gw-1", GatewayMetrics(new_registry(False)), "127.0.0.1", 0, [], 1 << 20)
+    fake = FakeWorkers(FakeBus(broker), MODEL, model.tokenizer.encode(ANSWER))
+    await fake.start()
+    await gateway.start()
+    try:
+        assert not gateway.is_ready() and "prefill" in gateway.not_ready_reason()
+        await fake.heartbeat()
+        await broker.settle()
+        assert gateway.is_ready(), gateway.not_ready_reason()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.json()["choices"][0]["message"]["content"] == ANSWER
+            gateway.state.accepting = False  # what drain does first: new requests get 503
+            refused = await http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 503
+        await gateway.drain(grace_s=1.0)
+        assert not gateway.is_ready() and gateway.not_ready_reason() == "draining"
+    finally:
+        await gateway.close()
+        await fake.stop()
+
+
+def test_every_gateway_module_imports_without_torch():
+    assert "app" in GATEWAY_MODULES and "main" in GATEWAY_MODULES
+    imports = "".join(f"import services.gateway.{module}\n" for module in GATEWAY_MODULES)
+    code = f"import sys\nsys.modules['torch'] = None\n{imports}assert sys.modules.get('torch') is None\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

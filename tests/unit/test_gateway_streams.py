@@ -1,0 +1,186 @@
+"""Gateway streams: stop strings across chunks, split UTF-8, silent/dead workers, client disconnect -> Cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from starlette.requests import ClientDisconnect
+
+from deepinfer.protocol import TokenBatch, TokenChunk, WorkerLoad, WorkerRole
+from deepinfer.testing import FakeBus
+from services.gateway.handler import GatewayTimeouts
+from services.gateway.streams import TokenStreams
+from services.gateway.testing import MODEL, make_harness, write_tokenizer_dir
+
+FAST = GatewayTimeouts(stream_timeout_s=0.5, first_token_timeout_s=0.5, poll_interval_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+async def _stream_text(client: openai.AsyncOpenAI, **kwargs) -> tuple[list[str], str | None]:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, **kwargs
+    )
+    deltas, finish = [], None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    return deltas, finish
+
+
+async def test_stop_string_across_chunk_boundaries_cancels_the_workers(model_dir: Path):
+    # "wo" and "rld" are separate tokens, each sent in its own TokenBatch: "world" spans two chunks.
+    h = await make_harness(model_dir, output_text="Hello, world! How are you today?", tokens_per_step=1)
+    deltas, finish = await _stream_text(h.openai(), stop=["world"])
+    assert "".join(deltas) == "Hello, "
+    assert finish == "stop"
+    assert all("w" not in d for d in deltas)  # the partial stop string was held back, never sent
+    await h.state.handler.drain()
+    await h.fake.bus.broker.settle()
+    assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
+    assert h.fake.cancels[0].reason == "stop string"
+    # non-streamed, with the stop string kept
+    result = await h.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stop="d!", extra_body={"include_stop_str_in_output": True}
+    )
+    assert result.choices[0].message.content == "Hello, world!"
+    assert result.choices[0].finish_reason == "stop"
+
+
+async def test_a_partial_stop_string_that_never_completes_is_sent_at_the_end(model_dir: Path):
+    h = await make_harness(model_dir, output_text="Hello, world", tokens_per_step=1)
+    deltas, finish = await _stream_text(h.openai(), stop=["world!"])
+    assert "".join(deltas) == "Hello, world" and finish == "stop"
+    assert h.fake.cancels == []
+
+
+async def test_multibyte_characters_split_across_tokens(model_dir: Path):
+    text = "é€😀 ok"
+    h = await make_harness(model_dir, output_text=text, tokens_per_step=1)
+    assert len(h.fake.output_token_ids) > len(text)  # byte-level: characters span several tokens
+    deltas, _ = await _stream_text(h.openai())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+async def test_silent_stream_ends_with_an_error_event(model_dir: Path):
+    h = await make_harness(model_dir, timeouts=FAST, tokens_per_step=1, stall_after=3)
+    started = time.monotonic()
+    async with h.http() as http:
+        response = await http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        )
+    elapsed = time.monotonic() - started
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["type"] == "server_error" and "no tokens" in error["message"]
+    assert elapsed < 3.0
+    # the official client surfaces it as an APIError
+    with pytest.raises(openai.APIError, match="no tokens"):
+        await _stream_text(h.openai())
+    # non-streamed: a 502 error object
+    with pytest.raises(openai.APIStatusError) as info:
+        await h.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 502
+    await h.state.handler.drain()
+    await h.fake.bus.broker.settle()
+    assert len(h.fake.cancels) == 3  # each failed stream told the workers to drop it
+    assert all(c.reason.startswith("gateway gave up") for c in h.fake.cancels)
+
+
+async def test_dead_decode_worker_ends_the_stream_within_the_lease(model_dir: Path):
+    timeouts = GatewayTimeouts(stream_timeout_s=30.0, first_token_timeout_s=30.0, poll_interval_s=0.05)
+    h = await make_harness(model_dir, timeouts=timeouts, lease_s=0.4, tokens_per_step=1, stall_after=2)
+    load = WorkerLoad(worker_id="decode-0", role=WorkerRole.DECODE, model=MODEL, model_fingerprint=b"f" * 32,
+                      layout_id="l", data_plane_address="a:1", internal_address="a:2", ts=0.0)
+    h.workers.observe(load)  # seen once, then never again: its lease lapses
+    started = time.monotonic()
+    with pytest.raises(openai.APIError, match="heartbeats"):
+        await _stream_text(h.openai())
+    assert time.monotonic() - started < 2.0
+
+
+async def _drive_until_first_content(app, body: dict, spec_version: str) -> tuple[asyncio.Task, asyncio.Event]:
+    """Run the ASGI app by hand; the client 'disconnects' once the first content chunk has arrived."""
+    disconnect = asyncio.Event()
+    got_content = asyncio.Event()
+    payload = json.dumps(body).encode()
+    sent_body = False
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if disconnect.is_set() and spec_version >= "2.4":
+            raise OSError("client disconnected")  # what ASGI 2.4 servers do
+        if message["type"] == "http.response.body" and b'"content":"' in message.get("body", b"") and (
+            b'"content":""' not in message["body"]
+        ):
+            got_content.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("s", 80),
+    }
+    task = asyncio.create_task(app(scope, receive, send))
+    await asyncio.wait_for(got_content.wait(), 5.0)
+    disconnect.set()
+    return task, disconnect
+
+
+# ASGI spec 2.3: Starlette listens for the disconnect and cancels the stream; 2.4: the gateway polls for it.
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_client_disconnect_publishes_cancel(model_dir: Path, spec_version: str):
+    h = await make_harness(model_dir, output_text="Hello, world! " * 5, tokens_per_step=1, step_delay_s=0.05)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    started = time.monotonic()
+    task, _ = await _drive_until_first_content(h.app, body, spec_version)
+    with contextlib.suppress(ClientDisconnect):  # 2.4: the app lets the server see the failed send
+        await asyncio.wait_for(task, 5.0)
+    for _ in range(100):
+        if h.fake.cancels:
+            break
+        await asyncio.sleep(0.02)
+    assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
+    assert h.fake.cancels[0].reason == "client disconnected"
+    assert time.monotonic() - started < 2.0  # long before the 70-token script (3.5 s) would have ended
+    assert h.state.metrics.num_in_flight == 0
+
+
+async def test_token_streams_demultiplex_one_subject():
+    bus = FakeBus()
+    streams = TokenStreams(bus, MODEL, "gw-1")
+    await streams.start()
+    a, b = streams.open("req-a"), streams.open("req-b")
+    batch = TokenBatch(worker_id="d", step=0, chunks=[
+        TokenChunk(request_id="req-a", token_ids=[1]), TokenChunk(request_id="req-b", token_ids=[2]),
+        TokenChunk(request_id="req-x", token_ids=[3]),
+    ])
+    await bus.publish(streams.subject, batch)
+    await bus.broker.settle()
+    assert (await a.get(1.0)).token_ids == [1]
+    assert (await b.get(1.0)).token_ids == [2]
+    assert await a.get(0.01) is None
+    assert streams.num_dropped_chunks == 1
+    with pytest.raises(ValueError):
+        streams.open("req-a")
+    a.close()
+    assert streams.num_open == 1
