@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+from typing import TYPE_CHECKING
+
 import pytest
 
-from deepinfer.bus import Bus
-from deepinfer.nats_server import NatsServer
+if TYPE_CHECKING:  # imported in the fixtures, so gpu tests run where nats-py / pydantic are absent
+    from deepinfer.bus import Bus
+    from deepinfer.nats_server import NatsServer
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +23,8 @@ def nats_server() -> Iterator[NatsServer]:
 
     Never restart or reconfigure it in a test: tests that need that start their own NatsServer.
     """
+    from deepinfer.nats_server import NatsServer
+
     server = NatsServer()
     server.start()
     yield server
@@ -29,6 +34,8 @@ def nats_server() -> Iterator[NatsServer]:
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
     """A Bus connected to the session's nats-server, drained and closed after the test."""
+    from deepinfer.bus import Bus
+
     connected = await Bus.connect(nats_server.url, name="pytest", token=nats_server.token)
     yield connected
     await connected.close()

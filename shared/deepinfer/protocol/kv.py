@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
-import msgpack
 from pydantic import Field, model_validator
 
+from deepinfer.kvcache import hashing
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.types import BlockHash, NonNegativeInt
-
-#: Fields of KvLayout that decide whether two caches can exchange blocks; `v` is not one of them.
-LAYOUT_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout", "latent_dim")
 
 
 class KvLayout(Message):
@@ -30,10 +25,11 @@ class KvLayout(Message):
     latent_dim: int | None = Field(None, ge=1)
 
     def layout_id(self) -> str:
-        """Short stable id: sha256 of the canonical msgpack of the layout fields, first 8 bytes as hex."""
-        canonical = {name: getattr(self, name) for name in sorted(LAYOUT_FIELDS)}
-        packed = msgpack.packb(canonical, use_bin_type=True)
-        return hashlib.sha256(packed).digest()[:8].hex()
+        """Short stable id of this layout: `deepinfer.kvcache.hashing.layout_id`, the one definition of it."""
+        return hashing.layout_id(
+            self.dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_layout,
+            self.latent_dim,
+        )
 
 
 class KvHandle(Message):

@@ -27,6 +27,12 @@ class WorkerLoad(Message):
     model: str
     model_fingerprint: bytes
     layout_id: str
+    #: Tokens per KV block: gateways hash prompts with it (block identity must agree everywhere).
+    block_size: int = 16
+    #: Most requests the worker batches at once (its admission capacity).
+    max_num_seqs: NonNegativeInt = 0
+    #: Longest sequence (prompt + output) the worker accepts.
+    max_model_len: NonNegativeInt = 0
     num_running: NonNegativeInt = 0
     num_waiting: NonNegativeInt = 0
     num_free_blocks: NonNegativeInt = 0
