@@ -7,7 +7,6 @@ where torch is absent.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-
 from typing import TYPE_CHECKING
 
 import pytest
