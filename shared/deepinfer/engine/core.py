@@ -91,13 +91,39 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         cache_salt: str = "",
+        *,
+        output_token_ids: Sequence[int] = (),
+        hold_blocks: bool = False,
     ) -> None:
-        """Queue a request; ValueError (naming what is wrong) for an empty, too long or out-of-vocab prompt."""
+        """Queue a request; ValueError (naming what is wrong) for an empty, too long or out-of-vocab prompt.
+
+        `output_token_ids`: tokens already generated elsewhere (a resumed or re-prefilled request); they are
+        recomputed with the prompt. `hold_blocks`: keep the KV blocks referenced after the request finishes
+        (a prefill worker's lease; see deepinfer.engine.handoff).
+        """
+        self.scheduler.add_request(
+            self.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids, hold_blocks)
+        )
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        cache_salt: str = "",
+        output_token_ids: Sequence[int] = (),
+        hold_blocks: bool = False,
+    ) -> Request:
+        """A validated Request for this engine (seed drawn if the params have none), not queued yet."""
         self.check_prompt(prompt_token_ids, sampling_params)
+        if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
+            raise ValueError(f"output_token_ids: no room left within max_model_len={self.max_model_len}")
         if sampling_params.seed is None:
             sampling_params = sampling_params.clone(seed=draw_seed())
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
+        request.append_output_token_ids(output_token_ids)
+        request.hold_blocks = hold_blocks
+        return request
 
     def check_prompt(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
         """Validate a prompt against this engine's limits without queueing it."""

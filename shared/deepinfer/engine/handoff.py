@@ -1,0 +1,92 @@
+"""Disaggregated prefill → decode on top of an EngineCore: prefill leases and admission of pulled KV.
+
+Prefill side: a request added with `hold_blocks=True` keeps its KV blocks referenced after it finishes (its
+lease); `export_held` reads them for the data plane and `release_held` ends the lease. Decode side:
+`admit_prefilled` allocates blocks for a prompt computed elsewhere, writes the pulled KV into them and joins
+the running batch, so the next step decodes the prefill worker's first token.
+
+All of these touch scheduler state and KV tensors: call them on the engine thread, between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.kv_transfer import export_blocks, import_blocks
+from deepinfer.sampling.params import SamplingParams
+
+
+class LeaseNotHeld(KeyError):
+    """The request holds no KV under a lease (never held, released, expired) or the block ids differ."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load numbers for heartbeats and gauges."""
+
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+def export_held(core: EngineCore, request_id: str, block_ids: Sequence[int]) -> list[bytes]:
+    """The bytes of a held request's blocks, if `block_ids` are exactly (a subset of) what it holds."""
+    held = core.scheduler.held_block_ids(request_id)
+    if held is None:
+        raise LeaseNotHeld(f"request {request_id!r} holds no KV (lease ended or never held)")
+    if not set(block_ids) <= set(held):
+        raise LeaseNotHeld(f"request {request_id!r} does not hold blocks {sorted(set(block_ids) - set(held))}")
+    return export_blocks(core.runner.kv_caches, list(block_ids))
+
+
+def held_block_ids(core: EngineCore, request_id: str) -> list[int] | None:
+    """Block ids held for a finished request, in token order."""
+    return core.scheduler.held_block_ids(request_id)
+
+
+def release_held(core: EngineCore, request_id: str) -> bool:
+    """End a lease; False if nothing was held."""
+    return core.scheduler.release_held(request_id)
+
+
+def admit_prefilled(
+    core: EngineCore,
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    payloads: Sequence[bytes],
+    cache_salt: str = "",
+) -> bool:
+    """Join the running batch with the prompt's KV pulled from a prefill worker; False when no blocks are free.
+
+    `payloads` hold the KV of every block covering the prompt, in token order; blocks this worker already
+    has in its prefix cache are reused and their payloads skipped.
+    """
+    num_blocks = -(-len(prompt_token_ids) // core.args.block_size)
+    if len(payloads) != num_blocks:
+        raise ValueError(f"kv payloads: {len(payloads)} blocks for a prompt needing {num_blocks}")
+    request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids)
+    to_fill = core.scheduler.add_prefilled_request(request, len(prompt_token_ids))
+    if to_fill is None:
+        return False
+    if to_fill:
+        import_blocks(core.runner.kv_caches, to_fill, payloads[len(payloads) - len(to_fill) :])
+    core.scheduler.commit_prefilled(request_id)
+    return True
+
+
+def engine_stats(core: EngineCore) -> EngineStats:
+    """Current load of the engine."""
+    scheduler = core.scheduler
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_held=scheduler.num_held,
+        num_free_blocks=scheduler.block_pool.num_free_blocks,
+        num_total_blocks=core.kv_plan.num_blocks - 1,
+    )
