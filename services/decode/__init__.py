@@ -1,1 +1,1 @@
-"""Decode worker: pulls KV by handle and generates tokens in the running batch."""
+"""Decode worker: pulls prefilled KV by handle, joins the running batch, streams token batches to gateways."""

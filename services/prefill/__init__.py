@@ -1,1 +1,1 @@
-"""Prefill worker: computes prompts (reusing cached prefixes) and hands off KV under a lease."""
+"""Prefill worker: computes prompts, samples the first token, and leases the KV blocks to a decode worker."""

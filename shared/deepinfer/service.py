@@ -86,6 +86,15 @@ class ServiceContext(Generic[S]):
     tracer: Any  # opentelemetry.trace.Tracer
     #: Ports the service bound besides the internal one (API, data plane), for the "started" log line.
     ports: dict[str, int] = field(default_factory=dict)
+    #: The internal HTTP port actually bound; set before `handler.start()` (None while building).
+    internal_port: int | None = None
+
+    @property
+    def internal_address(self) -> str:
+        """"host:port" of /health, /ready, /metrics (for heartbeats); "" before the server is bound."""
+        if self.internal_port is None:
+            return ""
+        return f"{self.settings.common.internal_host}:{self.internal_port}"
 
     def advertise_port(self, name: str, port: int) -> None:
         """Record a port the handler bound (the real one when 0 was asked), reported at start."""
@@ -231,7 +240,7 @@ class Service(Generic[S]):
         app = internal_app(registry, self.is_ready, self.name, self.not_ready_reason)
         internal = await serve_internal(app, common.internal_host, self.settings.internal_port)
         stack.push_async_callback(internal.stop)
-        self.internal_port = internal.port
+        self.internal_port = ctx.internal_port = internal.port
         await handler.start()
         self._log_started(ids, {"internal": internal.port, **ctx.ports})
         self.started.set()

@@ -39,7 +39,7 @@ HANDLE = p.KvHandle(
     request_id="req-1",
     block_hashes=H[:2],
     block_ids=[5, 9],
-    num_tokens=40,
+    num_tokens=32,
     owner_worker_id="prefill-a-1",
     data_plane_address="10.0.0.3:8103",
     layout=LAYOUT,
@@ -270,3 +270,12 @@ def test_engine_sampling_params_use_the_same_field_names():
         else set(inspect.signature(engine).parameters)
     )
     assert names == set(p.SamplingParams.model_fields) - {"v"}
+
+
+def test_handle_ids_cover_every_token_and_hashes_only_full_blocks():
+    partial = HANDLE.model_copy(update={"num_tokens": 35, "block_ids": [5, 9, 11]})
+    assert p.KvHandle.from_bytes(partial.to_bytes()).block_ids == [5, 9, 11]
+    for update in ({"num_tokens": 35}, {"block_hashes": H[:3]}):
+        raw = msgpack.unpackb(HANDLE.model_copy(update=update).to_bytes())
+        with pytest.raises(p.ProtocolError, match="block_"):
+            p.KvHandle.from_bytes(msgpack.packb(raw, use_bin_type=True))

@@ -38,8 +38,9 @@ class KvHandle(Message):
     kind = "kv_handle"
 
     request_id: str
+    #: Hashes of the full blocks (num_tokens // block_size of them).
     block_hashes: list[BlockHash] = Field(default_factory=list)
-    #: Block ids in the owner's pool; meaningless anywhere else.
+    #: Block ids in the owner's pool, covering all num_tokens (the last may be partial); meaningless elsewhere.
     block_ids: list[int] = Field(default_factory=list)
     num_tokens: NonNegativeInt
     owner_worker_id: str
@@ -54,6 +55,10 @@ class KvHandle(Message):
     def _layout_id_matches(self) -> KvHandle:
         if self.layout_id != self.layout.layout_id():
             raise ValueError(f"layout_id {self.layout_id!r} does not match layout ({self.layout.layout_id()})")
-        if len(self.block_ids) != len(self.block_hashes):
-            raise ValueError(f"{len(self.block_ids)} block_ids for {len(self.block_hashes)} block_hashes")
+        # Ids cover every token (the last block may be partial); hashes name full blocks only.
+        block_size = self.layout.block_size
+        if len(self.block_ids) != -(-self.num_tokens // block_size):
+            raise ValueError(f"{len(self.block_ids)} block_ids for {self.num_tokens} tokens of {block_size}")
+        if len(self.block_hashes) != self.num_tokens // block_size:
+            raise ValueError(f"{len(self.block_hashes)} block_hashes for {self.num_tokens} tokens of {block_size}")
         return self

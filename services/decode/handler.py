@@ -1,0 +1,235 @@
+"""The decode worker. Per DecodeRequest on `decode(model, worker_id)`:
+
+    receive → pull the prompt's KV by handle (data plane) → Release to the prefill worker
+    → join the running batch → reply DecodeAccepted
+    → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs)
+
+A handle whose layout differs from ours is refused; an expired lease or a failed pull recomputes the prompt
+here instead of failing the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, Subscription
+from deepinfer.config import DecodeSettings
+from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
+from deepinfer.engine.core import EngineOutput
+from deepinfer.engine.handoff import admit_prefilled
+from deepinfer.protocol import (
+    Cancel,
+    DecodeAccepted,
+    DecodeRequest,
+    FinishReason,
+    KvHandle,
+    Release,
+    TokenBatch,
+    TokenChunk,
+    TokenLogprobs,
+    WorkerRole,
+)
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.service import ServiceContext
+from deepinfer.telemetry import counter, request_context
+from deepinfer.worker.runtime import WorkerRuntime
+from deepinfer.worker.settings import engine_sampling
+
+log = logging.getLogger(__name__)
+
+#: How long a pull from a prefill worker may take before we recompute instead.
+PULL_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Stream:
+    """Where a running request's tokens go."""
+
+    gateway_id: str
+    want_logprobs: bool
+    num_cached_tokens: int | None = None
+    sent_first: bool = False
+
+
+class DecodeHandler:
+    """Token generation for one model; a `deepinfer.service.Handler`."""
+
+    def __init__(self, ctx: ServiceContext[DecodeSettings]) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.bus = ctx.bus
+        self.runtime = WorkerRuntime(ctx.settings, WorkerRole.DECODE, ctx.bus, ctx.registry)
+        self.runtime.on_outputs = self._on_outputs
+        self.runtime.on_cancel = self._on_cancel
+        self._streams: dict[str, _Stream] = {}
+        self._clients: dict[str, DataPlaneClient] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subscriptions: list[Subscription] = []
+        self._step = 0
+        self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
+                                 ["kv"])
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Load the model."""
+        await self.runtime.load()
+
+    async def start(self) -> None:
+        """Take decode requests; start heartbeats."""
+        model, worker_id = self.runtime.model, self.runtime.worker_id
+        self._subscriptions.append(
+            await self.bus.subscribe(subjects.decode(model, worker_id), self._on_decode, message_type=DecodeRequest)
+        )
+        await self.runtime.start(self.ctx.internal_address, "")
+
+    def is_ready(self) -> bool:
+        """Model loaded and registered."""
+        return self.runtime.is_ready()
+
+    def not_ready_reason(self) -> str:
+        """Why not ready."""
+        return self.runtime.not_ready_reason()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking requests; finish the running batch within grace_s."""
+        await self.runtime.drain()
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        deadline = time.monotonic() + grace_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Stop the engine and close data-plane connections."""
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+        await self.runtime.close()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    async def _on_decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
+        # Handlers of one subscription run one at a time; a pull must not hold up the next request.
+        self._spawn(self._decode(request, msg))
+
+    async def _decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
+        """receive → pull → release → admit → reply."""
+        with request_context(request.request_id):
+            try:
+                accepted = await self.decode(request)
+            except Exception as exc:  # never leave the gateway waiting for a reply
+                log.exception("decode admission failed")
+                self._streams.pop(request.request_id, None)
+                accepted = DecodeAccepted(request_id=request.request_id, accepted=False, reason=str(exc))
+            await self.bus.reply(msg, accepted)
+
+    async def decode(self, request: DecodeRequest) -> DecodeAccepted:
+        """Admit one request into the running batch (pulling its KV when a handle came with it)."""
+        request_id = request.request_id
+        if self.runtime.draining:
+            return DecodeAccepted(request_id=request_id, accepted=False, reason="draining")
+        try:
+            params = engine_sampling(request.sampling)
+        except ValueError as exc:
+            return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid sampling: {exc}")
+        payloads = None
+        if request.kv_handle is not None:
+            try:
+                check_layout(request.kv_handle, self.runtime.layout)
+            except LayoutMismatch as exc:
+                return DecodeAccepted(request_id=request_id, accepted=False, reason=str(exc))
+            payloads = await self._pull(request.kv_handle)
+        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None)
+        try:
+            kv = await self._admit(request, params, payloads)
+        except ValueError as exc:
+            self._streams.pop(request_id, None)
+            return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid request: {exc}")
+        self._requests.labels(kv).inc()
+        return DecodeAccepted(request_id=request_id, accepted=True)
+
+    async def _admit(self, request: DecodeRequest, params: SamplingParams, payloads: list[bytes] | None) -> str:
+        engine = self.runtime.engine
+        assert engine is not None
+        args = (request.request_id, request.prompt_token_ids, request.output_token_ids, params)
+        if payloads is not None:
+            admitted = await engine.call(lambda core: admit_prefilled(core, *args, payloads, request.cache_salt))
+            if admitted:
+                return "pulled"
+        # No handle, a failed pull, or no free blocks right now: compute the prompt here (it waits its turn).
+        await engine.call(lambda core: core.add_request(
+            request.request_id, request.prompt_token_ids, params, request.cache_salt,
+            output_token_ids=request.output_token_ids))
+        return "recomputed" if request.kv_handle is not None else "local"
+
+    async def _pull(self, handle: KvHandle) -> list[bytes] | None:
+        """The handle's blocks, or None (lease gone, peer down, checksum): the caller recomputes."""
+        try:
+            client = self._client(handle.data_plane_address)
+            return await asyncio.wait_for(client.get_blocks(handle.request_id, handle.block_ids,
+                                                            layout_id=handle.layout_id), PULL_TIMEOUT_S)
+        except (DataPlaneError, OSError, TimeoutError) as exc:
+            log.warning("pull from %s failed (%s): recomputing the prompt", handle.owner_worker_id, exc)
+            return None
+        finally:
+            release = Release(request_id=handle.request_id)
+            self._spawn(self.bus.publish(subjects.release(self.runtime.model, handle.owner_worker_id), release))
+
+    def _client(self, address: str) -> DataPlaneClient:
+        client = self._clients.get(address)
+        if client is None:
+            secret = self.settings.common.data_plane_secret
+            client = DataPlaneClient(address, secret.get_secret_value() if secret else "", timeout_s=PULL_TIMEOUT_S)
+            self._clients[address] = client
+        return client
+
+    # -- engine outputs → token batches ------------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[EngineOutput]) -> None:
+        """One TokenBatch per gateway per step, carrying only the new tokens of its requests."""
+        self._step += 1
+        batches: dict[str, list[TokenChunk]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            chunk = TokenChunk(
+                request_id=output.request_id,
+                token_ids=output.new_token_ids,
+                logprobs=_logprobs(output) if stream.want_logprobs else None,
+                finish_reason=FinishReason(output.finish_reason) if output.finish_reason else None,
+                num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
+            )
+            stream.sent_first = True
+            batches.setdefault(stream.gateway_id, []).append(chunk)
+            if output.finish_reason is not None:
+                del self._streams[output.request_id]
+        for gateway_id, chunks in batches.items():
+            batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step, chunks=chunks)
+            self._spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:
+            return
+        request_id = cancel.request_id
+        self._spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _logprobs(output: EngineOutput) -> list[TokenLogprobs] | None:
+    if not output.new_logprobs:
+        return None
+    return [TokenLogprobs(token_id=s.token_id, logprob=s.logprob, top=list(s.top_logprobs or []))
+            for s in output.new_logprobs]

@@ -1,0 +1,266 @@
+"""The prefill worker. Per PrefillRequest on `prefill(model, worker_id)`:
+
+    receive → prefill (engine computes the prompt, samples the first token, holds the KV blocks)
+    → reply PrefillResult{first token, KvHandle} → serve the blocks on the data plane → Release or lease expiry
+
+A request whose first token already ends it (eos, a stop token, max_tokens 1) releases its blocks at once and
+its result carries the finish reason and no handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, Subscription
+from deepinfer.config import PrefillSettings
+from deepinfer.dataplane import DataPlaneServer, LeaseExpired
+from deepinfer.engine.core import EngineOutput
+from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, release_held
+from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.protocol import (
+    Cancel,
+    FinishReason,
+    KvHandle,
+    PrefillRequest,
+    PrefillResult,
+    Release,
+    TokenLogprobs,
+    WorkerRole,
+)
+from deepinfer.service import ServiceContext
+from deepinfer.telemetry import counter, request_context
+from deepinfer.worker.runtime import WorkerRuntime
+from deepinfer.worker.settings import engine_sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A prefill in the engine, waiting for its first token."""
+
+    done: asyncio.Future[EngineOutput]
+    tokens: list[int] = field(default_factory=list)
+
+
+class PrefillHandler:
+    """Prompt compute + KV leases for one model; a `deepinfer.service.Handler`."""
+
+    def __init__(self, ctx: ServiceContext[PrefillSettings]) -> None:
+        self.ctx = ctx
+        self.settings = settings = ctx.settings
+        self.bus = ctx.bus
+        registry = ctx.registry
+        self.runtime = WorkerRuntime(settings, WorkerRole.PREFILL, ctx.bus, registry)
+        self.runtime.on_outputs = self._on_outputs
+        self.runtime.on_cancel = self._on_cancel
+        self.data_plane: DataPlaneServer | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subscriptions: list[Subscription] = []
+        self._requests = counter(registry, "prefill_requests", "Prefill requests by outcome.", ["outcome"])
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Load the model and bind the data plane (before the internal server reports ready)."""
+        await self.runtime.load()
+        secret = self.settings.common.data_plane_secret
+        self.data_plane = DataPlaneServer(
+            self, host=self.settings.data_plane_host, port=self.settings.data_plane_port,
+            secret=secret.get_secret_value() if secret else None,
+        )
+        await self.data_plane.start()
+
+    async def start(self) -> None:
+        """Take prefill requests and releases; start heartbeats."""
+        assert self.data_plane is not None
+        model, worker_id = self.runtime.model, self.runtime.worker_id
+        self._subscriptions += [
+            await self.bus.subscribe(subjects.prefill(model, worker_id), self._on_prefill,
+                                     message_type=PrefillRequest),
+            await self.bus.subscribe(subjects.release(model, worker_id), self._on_release, message_type=Release),
+        ]
+        await self.runtime.start(self.ctx.internal_address, self.data_plane.address)
+
+    def is_ready(self) -> bool:
+        """Model loaded, data plane bound, registered."""
+        return self.data_plane is not None and self.runtime.is_ready()
+
+    def not_ready_reason(self) -> str:
+        """Why not ready."""
+        return "binding data plane" if self.data_plane is None else self.runtime.not_ready_reason()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking prefills; finish running ones and let decode workers pull leased KV, within grace_s."""
+        await self.runtime.drain()
+        for sub in self._subscriptions[:1]:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        deadline = time.monotonic() + grace_s
+        while (self._pending or self._leases) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Release leases, stop the data plane and the engine."""
+        for handle in self._leases.values():
+            handle.cancel()
+        self._leases.clear()
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.data_plane is not None:
+            await self.data_plane.close(drain_timeout_s=1.0)
+        await self.runtime.close()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    async def _on_prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
+        # Handlers of one subscription run one at a time: each prefill gets its own task.
+        task = asyncio.create_task(self._prefill(request, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
+        """receive → prefill → reply (→ lease)."""
+        with request_context(request.request_id):
+            try:
+                result = await self.prefill(request)
+            except Exception as exc:  # never leave the gateway waiting for a reply
+                log.exception("prefill failed")
+                result = PrefillResult(request_id=request.request_id, error=f"prefill failed: {exc}",
+                                       finish_reason=FinishReason.ERROR)
+            self._requests.labels("error" if result.error else "ok").inc()
+            await self.bus.reply(msg, result)
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Run the prompt through the engine; the first token, and a handle to the held KV unless finished."""
+        engine, request_id = self.runtime.engine, request.request_id
+        assert engine is not None
+        try:
+            params = engine_sampling(request.sampling)
+        except ValueError as exc:
+            return PrefillResult(request_id=request_id, error=f"invalid sampling: {exc}")
+        first_params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        pending = _Pending(asyncio.get_running_loop().create_future())
+        self._pending[request_id] = pending
+        try:
+            await engine.call(lambda core: core.add_request(
+                request_id, request.prompt_token_ids, first_params, request.cache_salt, hold_blocks=True))
+        except ValueError as exc:
+            self._pending.pop(request_id, None)
+            return PrefillResult(request_id=request_id, error=f"invalid request: {exc}")
+        output = await pending.done
+        return await self._result(request, params, output)
+
+    async def _result(self, request: PrefillRequest, params, output: EngineOutput) -> PrefillResult:
+        request_id, engine = request.request_id, self.runtime.engine
+        assert engine is not None and engine.core is not None
+        if output.finish_reason == FinishReason.ABORT:
+            await engine.call(lambda core: release_held(core, request_id))
+            return PrefillResult(request_id=request_id, finish_reason=FinishReason.ABORT, error="cancelled")
+        first = output.new_token_ids[0]
+        num_prompt = len(request.prompt_token_ids)
+        finish = None
+        if output.finish_reason == FinishReason.STOP:
+            finish = FinishReason.STOP
+        elif params.max_tokens == 1 or num_prompt + 1 >= engine.core.max_model_len:
+            finish = FinishReason.LENGTH
+        result = PrefillResult(
+            request_id=request_id,
+            first_token_id=first,
+            first_logprobs=_logprobs(output) if params.logprobs is not None else None,
+            num_cached_tokens=output.num_cached_tokens,
+            cached_tokens_by_tier={"device": output.num_cached_tokens},
+            finish_reason=finish,
+        )
+        if finish is not None:
+            await engine.call(lambda core: release_held(core, request_id))
+            return result
+        block_ids = await engine.call(lambda core: held_block_ids(core, request_id))
+        core = engine.core
+        result.kv_handle = KvHandle(
+            request_id=request_id,
+            block_hashes=hash_blocks(request.prompt_token_ids, core.args.block_size, core.fingerprint,
+                                     request.cache_salt),
+            block_ids=block_ids,
+            num_tokens=num_prompt,
+            owner_worker_id=self.runtime.worker_id,
+            data_plane_address=self.runtime.data_plane_address,
+            layout=self.runtime.layout,
+            layout_id=self.runtime.layout.layout_id(),
+            lease_expires_at_unix_s=time.time() + self.settings.kv_lease_s,
+        )
+        self._leases[request_id] = asyncio.get_running_loop().call_later(
+            self.settings.kv_lease_s, self._expire, request_id)
+        return result
+
+    # -- engine outputs, releases, cancels ----------------------------------------------------------------------
+    def _on_outputs(self, outputs: list[EngineOutput]) -> None:
+        for output in outputs:
+            pending = self._pending.get(output.request_id)
+            if pending is not None and output.finish_reason is not None:
+                del self._pending[output.request_id]
+                pending.done.set_result(output)
+
+    async def _on_release(self, release: Release, msg: IncomingMsg) -> None:
+        await self._end_lease(release.request_id, "released")
+
+    def _on_cancel(self, cancel: Cancel) -> None:
+        pending = self._pending.pop(cancel.request_id, None)
+        if pending is not None and self.runtime.engine is not None:
+            request_id = cancel.request_id
+            task = asyncio.create_task(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            pending.done.set_result(EngineOutput(request_id, [], None, FinishReason.ABORT, None, 0))
+        elif cancel.request_id in self._leases:
+            task = asyncio.create_task(self._end_lease(cancel.request_id, "cancelled"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _expire(self, request_id: str) -> None:
+        task = asyncio.create_task(self._end_lease(request_id, "expired"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _end_lease(self, request_id: str, why: str) -> None:
+        handle = self._leases.pop(request_id, None)
+        if handle is None:
+            return
+        handle.cancel()
+        assert self.runtime.engine is not None
+        await self.runtime.engine.call(lambda core: release_held(core, request_id))
+        log.debug("lease of %s %s", request_id, why)
+
+    # -- data plane provider ------------------------------------------------------------------------------------
+    async def read_blocks(self, request_id, block_ids, block_hashes, layout_id) -> list[bytes]:
+        """Serve a leased request's blocks (the data plane calls this)."""
+        if layout_id and self.runtime.layout is not None and layout_id != self.runtime.layout.layout_id():
+            raise LeaseExpired(f"layout {layout_id} is not this worker's ({self.runtime.layout.layout_id()})")
+        if request_id not in self._leases:
+            raise LeaseExpired(f"no lease for request {request_id!r}")
+        assert self.runtime.engine is not None
+        try:
+            return await self.runtime.engine.call(lambda core: export_held(core, request_id, block_ids))
+        except LeaseNotHeld as exc:
+            raise LeaseExpired(str(exc)) from exc
+
+    async def write_blocks(self, layout_id, block_hashes, payloads) -> None:
+        """Workers take no puts."""
+        raise LeaseExpired("a prefill worker does not store blocks")
+
+    async def has_blocks(self, layout_id, block_hashes) -> list[bool]:
+        """Workers answer by lease, not by hash."""
+        return [False] * len(block_hashes)
+
+
+def _logprobs(output: EngineOutput) -> TokenLogprobs | None:
+    if not output.new_logprobs:
+        return None
+    sampled = output.new_logprobs[0]
+    return TokenLogprobs(token_id=sampled.token_id, logprob=sampled.logprob, top=list(sampled.top_logprobs or []))

@@ -1,0 +1,1 @@
+"""What prefill and decode workers share: the engine thread, settings → engine args, heartbeats, KV events."""

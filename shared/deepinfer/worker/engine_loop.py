@@ -1,0 +1,125 @@
+"""The engine on its own thread, so GPU/CPU work never blocks the service's event loop.
+
+    event loop                                   engine thread
+    ----------                                   -------------
+    await loop.call(fn)  ── command queue ──►    between steps: fn(core) → future result
+    on_outputs(outputs, kv_events) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
+
+Commands run between steps, in order, so scheduler state and KV tensors are only ever touched by this thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from deepinfer.engine.block_pool import KvCacheEvent
+from deepinfer.engine.core import EngineCore, EngineOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest the idle engine thread sleeps before checking for a stop request.
+IDLE_WAIT_S = 0.1
+
+
+class EngineLoop:
+    """Runs `EngineCore.step()` continuously on a thread; commands and outputs cross to the event loop."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent]], None],
+    ) -> None:
+        self.core = core
+        self._loop = loop
+        self._on_outputs = on_outputs
+        self._commands: queue.SimpleQueue[tuple[Callable[[EngineCore], Any], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self.num_steps = 0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread between steps and return its result (or raise its error)."""
+        if self._stopping or self.error is not None:
+            raise RuntimeError("engine loop is not running")
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put((fn, future))
+        return await future
+
+    async def stop(self) -> None:
+        """Stop after the current step; waits for the thread."""
+        self._stopping = True
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs and has not failed."""
+        return self._thread.is_alive() and self.error is None
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands(block=not self.core.has_unfinished_requests())
+                if self._stopping or not self.core.has_unfinished_requests():
+                    continue
+                outputs = self.core.step()
+                events = self.core.scheduler.take_kv_events()
+                self.num_steps += 1
+                if outputs or events:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs, events)
+        except BaseException as exc:  # a failed step leaves the engine unusable: report it, never hang callers
+            log.exception("engine thread failed")
+            self.error = exc
+            self._fail_pending(exc)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            try:
+                result = fn(self.core)
+            except Exception as exc:
+                self._loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, future, result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._loop.call_soon_threadsafe(_set_exception, item[1], RuntimeError(f"engine failed: {exc}"))
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,199 @@
+"""`WorkerRuntime`: what a prefill or decode worker runs besides its request handling.
+
+    engine thread (EngineLoop) ──outputs──► role handler (prefill: first tokens; decode: token batches)
+    heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
+    KV events       ── KvEventBatch (seq +1 per batch) ──────────► kv_events(model, worker_id)
+    cancel(model)   ── Cancel ──► role handler's on_cancel
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from deepinfer import subjects
+from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.config import WorkerSettings
+from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
+from deepinfer.engine.core import EngineCore, EngineOutput
+from deepinfer.engine.handoff import EngineStats, engine_stats
+from deepinfer.engine.kv_transfer import kv_layout_of
+from deepinfer.protocol import Cancel, KvEvent, KvEventBatch, KvEventKind, KvLayout, WorkerLoad, WorkerRole
+from deepinfer.telemetry import gauge
+from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.settings import engine_args
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    """Loads the engine, runs it on its thread, and keeps the worker visible (heartbeats, KV events)."""
+
+    def __init__(self, settings: WorkerSettings, role: WorkerRole, bus: MessageBus, registry: CollectorRegistry):
+        self.settings = settings
+        self.role = role
+        self.bus = bus
+        self.model = settings.common.model_token
+        self.worker_id = settings.worker_id
+        self.core: EngineCore | None = None
+        self.engine: EngineLoop | None = None
+        self.layout: KvLayout | None = None
+        self.data_plane_address = ""
+        self.internal_address = ""
+        self.draining = False
+        self.on_outputs: Callable[[list[EngineOutput]], None] = lambda outputs: None
+        self.on_cancel: Callable[[Cancel], None] = lambda cancel: None
+        self._events_seq = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[None]] = set()
+        self._subscriptions: list[Subscription] = []
+        self._heartbeats_sent = 0
+        self.stats = EngineStats(0, 0, 0, 0, 0)
+        self._gauges = {
+            name: gauge(registry, f"worker_{name}", doc)
+            for name, doc in (
+                ("running_requests", "Requests in the running batch."),
+                ("waiting_requests", "Requests waiting for admission."),
+                ("held_leases", "Finished prefills whose KV blocks are held for a decode worker."),
+                ("free_blocks", "KV blocks not referenced by any request."),
+                ("total_blocks", "KV blocks in the pool (the padding block excluded)."),
+            )
+        }
+
+    async def load(self) -> None:
+        """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
+        started = time.perf_counter()
+        self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        runner = self.core.runner
+        self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
+        self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
+        self.engine.start()
+        log.info(
+            "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
+            time.perf_counter() - started, self.core.model_dir.name, self.core.kv_plan.num_blocks,
+            self.layout.layout_id(),
+        )
+
+    async def start(self, internal_address: str, data_plane_address: str) -> None:
+        """Subscribe to cancels and start heartbeats; the worker becomes visible to the scheduler."""
+        self.internal_address, self.data_plane_address = internal_address, data_plane_address
+        self._subscriptions.append(
+            await self.bus.subscribe(subjects.cancel(self.model), self._on_cancel, message_type=Cancel)
+        )
+        await self.heartbeat()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+
+    def is_ready(self) -> bool:
+        """Model loaded, engine thread alive, registered with at least one heartbeat, not draining."""
+        return self.engine is not None and self.engine.alive and self._heartbeats_sent > 0 and not self.draining
+
+    def not_ready_reason(self) -> str:
+        """Why is_ready() is False."""
+        if self.engine is None:
+            return "loading model"
+        if not self.engine.alive:
+            return f"engine failed: {self.engine.error}"
+        return "draining" if self.draining else "registering"
+
+    async def heartbeat(self) -> None:
+        """Publish one WorkerLoad with fresh engine numbers."""
+        assert self.core is not None and self.engine is not None and self.layout is not None
+        if self.engine.alive:
+            self.stats = await self.engine.call(engine_stats)
+        for name, value in (
+            ("running_requests", self.stats.num_running), ("waiting_requests", self.stats.num_waiting),
+            ("held_leases", self.stats.num_held), ("free_blocks", self.stats.num_free_blocks),
+            ("total_blocks", self.stats.num_total_blocks),
+        ):
+            self._gauges[name].set(value)
+        await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), self._worker_load())
+        self._heartbeats_sent += 1
+
+    async def drain(self) -> None:
+        """Announce draining (the scheduler stops picking this worker)."""
+        self.draining = True
+        with contextlib.suppress(Exception):
+            await self.heartbeat()
+
+    async def close(self) -> None:
+        """Stop heartbeats, unsubscribe, stop the engine thread."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for sub in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        if self.engine is not None:
+            await self.engine.stop()
+
+    def _worker_load(self) -> WorkerLoad:
+        core, layout, stats = self.core, self.layout, self.stats
+        assert core is not None and layout is not None
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model,
+            model_fingerprint=core.fingerprint,
+            layout_id=layout.layout_id(),
+            block_size=core.args.block_size,
+            max_num_seqs=core.args.max_num_seqs,
+            max_model_len=core.max_model_len,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            data_plane_address=self.data_plane_address,
+            internal_address=self.internal_address,
+            draining=self.draining,
+            ts=time.time(),
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self.heartbeat()
+            except Exception:  # a lost heartbeat must not kill the loop: the next one may get through
+                log.warning("heartbeat failed", exc_info=True)
+
+    def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+        if outputs:
+            self.on_outputs(outputs)
+        if events:
+            self._events_seq += 1
+            batch = KvEventBatch(
+                worker_id=self.worker_id, seq=self._events_seq, events=to_wire_events(events), ts=time.time()
+            )
+            self._spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+
+    def _spawn(self, coro) -> None:
+        """Fire-and-forget publish, keeping a reference so the task is not collected mid-flight."""
+        task = asyncio.create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
+        self.on_cancel(cancel)
+
+
+def to_wire_events(events: Sequence[KvCacheEvent]) -> list[KvEvent]:
+    """The block pool's events as protocol messages (device tier)."""
+    wire = []
+    for event in events:
+        if isinstance(event, Stored):
+            wire.append(KvEvent(event_kind=KvEventKind.STORED, block_hashes=list(event.block_hashes),
+                                parent_hash=event.parent_hash))
+        elif isinstance(event, Removed):
+            wire.append(KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=list(event.block_hashes)))
+        elif isinstance(event, AllCleared):
+            wire.append(KvEvent(event_kind=KvEventKind.ALL_CLEARED))
+    return wire

@@ -1,0 +1,35 @@
+"""Worker settings → EngineArgs (the one place the two vocabularies meet)."""
+
+from __future__ import annotations
+
+from deepinfer.config import WorkerSettings
+from deepinfer.engine.args import EngineArgs
+from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.sampling.params import SamplingParams
+
+
+def engine_args(settings: WorkerSettings) -> EngineArgs:
+    """EngineArgs of a worker: its model, device and cache knobs; KV events on (the scheduler indexes them)."""
+    common = settings.common
+    return EngineArgs(
+        model=common.model,
+        dtype=settings.dtype,
+        device=settings.device,
+        accelerator=common.accelerator,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_bytes=int(settings.kv_cache_bytes) if settings.kv_cache_bytes is not None else None,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        enable_kv_events=True,
+        model_revision=common.model_revision,
+        cache_dir=common.model_cache_dir,
+        progress=False,
+    )
+
+
+def engine_sampling(wire: WireSamplingParams) -> SamplingParams:
+    """The engine's SamplingParams from the wire message (same field names, validated again here)."""
+    return SamplingParams(**wire.model_dump(exclude={"v"}))
