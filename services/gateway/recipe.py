@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer.protocol import SamplingParams
+from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -155,12 +156,12 @@ def sampling_params(
 def split_choices(
     request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int
 ) -> list[GenerateRequest]:
-    """n independent sequences; with a seed, choice i uses seed + i so choices differ yet stay reproducible."""
-    if n == 1:
-        return [GenerateRequest(request_id, prompt_token_ids, sampling, cache_salt)]
+    """n independent sequences, each with its own seed (choice i: derived from the request's seed, drawn here when
+    the client gave none), so prefill, decode and a migrated decode of one choice draw the same tokens."""
+    base_seed = sampling.seed if sampling.seed is not None else draw_seed()
     requests = []
     for index in range(n):
-        seed = None if sampling.seed is None else sampling.seed + index
-        choice_sampling = sampling.model_copy(update={"seed": seed})
-        requests.append(GenerateRequest(f"{request_id}-{index}", prompt_token_ids, choice_sampling, cache_salt))
+        choice_sampling = sampling.model_copy(update={"seed": derive_seed(base_seed, index)})
+        choice_id = request_id if n == 1 else f"{request_id}-{index}"
+        requests.append(GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt))
     return requests

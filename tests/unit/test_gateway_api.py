@@ -153,7 +153,10 @@ async def test_n_choices_with_derived_seeds(harness: Harness):
     result = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], n=3, seed=10)
     assert [c.index for c in result.choices] == [0, 1, 2]
     assert all(c.message.content == ANSWER for c in result.choices)
-    assert sorted(r.sampling.seed for r in harness.fake.decode_requests) == [10, 11, 12]
+    from deepinfer.sampling.seeds import derive_seed
+
+    assert sorted(r.sampling.seed for r in harness.fake.decode_requests) == sorted(
+        derive_seed(10, i) for i in range(3))
     assert result.usage.completion_tokens == 3 * len(harness.fake.output_token_ids)
     stream = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], n=2, stream=True)
     texts = {0: "", 1: ""}
@@ -161,6 +164,8 @@ async def test_n_choices_with_derived_seeds(harness: Harness):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == {0: ANSWER, 1: ANSWER}
+    # Without a client seed the gateway draws one, so prefill and decode of a choice agree on it.
+    assert all(r.sampling.seed is not None for r in harness.fake.decode_requests)
 
 
 async def test_models_list_and_unknown(harness: Harness):
