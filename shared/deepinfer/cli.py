@@ -91,7 +91,19 @@ def _serve_run(args: argparse.Namespace) -> int:
     return module.main()
 
 
-#: Every subcommand, by name. Later issues add `up` here.
+def _up_arguments(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.up.cli import add_arguments
+
+    add_arguments(parser)
+
+
+def _up_run(args: argparse.Namespace) -> int:
+    from deepinfer.up.cli import run
+
+    return run(args)
+
+
+#: Every subcommand, by name.
 SUBCOMMANDS: dict[str, Subcommand] = {
     command.name: command
     for command in (
@@ -112,6 +124,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
             help="run one service (gateway, scheduler, prefill, decode, kvcache) until SIGTERM",
             add_arguments=_serve_arguments,
             run=_serve_run,
+        ),
+        Subcommand(
+            name="up",
+            help="run a private nats-server and every service on this machine until Ctrl-C",
+            add_arguments=_up_arguments,
+            run=_up_run,
         ),
     )
 }

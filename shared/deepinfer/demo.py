@@ -1,7 +1,4 @@
-"""`make demo`: chat once with the default model through the offline engine and print the answer.
-
-When the services land this becomes the whole stack (`deepinfer up` + the `openai` client).
-"""
+"""`make demo`: start the whole stack (`deepinfer up`'s `Stack`), ask one question with the `openai` client."""
 
 from __future__ import annotations
 
@@ -9,29 +6,59 @@ import sys
 import time
 
 QUESTION = "What is the capital of France?"
+MAX_TOKENS = 48
 
 
 def main() -> int:
-    """Load the default model (prepared once from its GGUF), ask one question greedily, print the answer."""
-    import torch
+    """Chat once through gateway → scheduler → prefill → decode, print the answer, stop the stack."""
+    return stack_main()
 
-    from deepinfer import LLM, SamplingParams
 
-    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
-    started = time.perf_counter()
-    llm = LLM()
-    loaded = time.perf_counter()
-    out = llm.chat([{"role": "user", "content": QUESTION}], SamplingParams(temperature=0, max_tokens=48))
-    done = time.perf_counter()
-    completion = out[0].outputs[0]
+def stack_main() -> int:
+    """The stack path: every service as a process over a private nats-server, on a free port."""
+    import openai
+
+    from deepinfer.up.stack import Stack, StackError
+
+    print("[demo: starting the stack (nats, scheduler, prefill, decode, gateway)]", file=sys.stderr)
+    # No API keys: the stack binds 127.0.0.1 and lives only as long as this demo.
+    stack = Stack(port=0, env_overrides={"DEEPINFER_GATEWAY_API_KEYS": ""})
+    try:
+        stack.start()
+        stack.wait_ready(on_ready=_report_ready, on_waiting=_report_waiting)
+        client = openai.OpenAI(base_url=stack.base_url, api_key="demo", max_retries=0)
+        started = time.perf_counter()
+        response = client.chat.completions.create(
+            model=stack.model_name,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+        )
+        elapsed_s = time.perf_counter() - started
+    except StackError as exc:
+        print(f"demo: the stack did not start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+    choice = response.choices[0]
     print(f"user: {QUESTION}")
-    print(f"assistant: {completion.text.strip()}")
+    print(f"assistant: {(choice.message.content or '').strip()}")
+    usage = response.usage
+    num_tokens = usage.completion_tokens if usage is not None else "?"
     print(
-        f"[{len(completion.token_ids)} tokens in {done - loaded:.2f} s; model ready in {loaded - started:.1f} s; "
-        f"finish_reason={completion.finish_reason}]",
+        f"[via {stack.base_url}: {num_tokens} tokens in {elapsed_s:.2f} s; finish_reason={choice.finish_reason}]",
         file=sys.stderr,
     )
     return 0
+
+
+def _report_ready(name: str, seconds: float) -> None:
+    print(f"[demo: {name} ready in {seconds:.1f} s]", file=sys.stderr)
+
+
+def _report_waiting(pending: dict[str, str], seconds: float) -> None:
+    for name, reason in pending.items():
+        print(f"[demo: still waiting for {name} after {seconds:.0f} s: {reason}]", file=sys.stderr)
 
 
 if __name__ == "__main__":

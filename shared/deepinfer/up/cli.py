@@ -1,0 +1,196 @@
+"""`deepinfer up`: the whole stack on this machine until Ctrl-C or SIGTERM.
+
+Terminal: the supervisor's own lines (progress, restarts) and every child's log lines, prefixed with the
+child's name, go to stderr; the banner with the base URL goes to stdout. Each child's full log is also kept
+in <data_dir>/up/logs/<name>.log (DEEPINFER_DATA_DIR; rewritten on every start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from deepinfer.config import DEFAULT_MODEL
+from deepinfer.up.devices import DEVICE_CHOICES
+
+if TYPE_CHECKING:
+    from deepinfer.up.logs import LogEcho
+    from deepinfer.up.stack import Stack
+
+log = logging.getLogger("deepinfer.up")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM arrived: stop the stack."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `deepinfer up` (each maps to settings the children get by environment)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default: {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--device", choices=DEVICE_CHOICES, default="auto", help="workers' device (default: auto)"
+    )
+    parser.add_argument("--port", type=_port, default=8000, help="gateway API port (default: 8000)")
+    parser.add_argument("--prefill", type=_count, default=1, metavar="N", help="prefill workers (default: 1)")
+    parser.add_argument("--decode", type=_count, default=1, metavar="M", help="decode workers (default: 1)")
+    parser.add_argument(
+        "--schedulers", type=_count_positive, default=1, metavar="K", help="scheduler replicas (default: 1)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the stack, wait until it is ready, print the URL, serve until a signal; 0 on a clean stop."""
+    from deepinfer.config import CommonSettings, load_settings
+    from deepinfer.up.logs import LogEcho
+    from deepinfer.up.stack import HOST, Stack
+
+    common = load_settings(CommonSettings)  # exits 2 with one line on a bad DEEPINFER_* value
+    if not _port_free(HOST, args.port):
+        print(f"deepinfer up: port {args.port} on {HOST} is in use; pass --port", file=sys.stderr)
+        return EXIT_FAILED
+    stack = Stack(
+        model=args.model,
+        device=args.device,
+        port=args.port,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        num_schedulers=args.schedulers,
+        log_dir=common.data_dir / "up" / "logs",
+    )
+    handler = _setup_logging(width=max(len(name) for name in _child_names(stack)))
+    echo = LogEcho(sys.stderr)
+    signals = _SignalHandler(stack)
+    try:
+        signals.install()
+        return _serve(stack, echo)
+    except StopRequested as exc:
+        log.info("%s received: stopping (send it again to kill at once)", exc)
+        return EXIT_OK
+    finally:
+        signals.num_signals = max(1, signals.num_signals)  # from here on a signal kills, never interrupts
+        stack.stop()
+        echo.stop()
+        signals.uninstall()
+        log.info("stopped")
+        logging.getLogger("deepinfer").removeHandler(handler)
+
+
+def _serve(stack: Stack, echo: LogEcho) -> int:
+    from deepinfer.up.stack import StackError
+
+    try:
+        stack.start()
+        for name, info in stack.services.items():
+            echo.add(name, info.log_path)
+        echo.start()
+        log.info("waiting for %s", ", ".join(stack.services))
+        stack.wait_ready(on_ready=_report_ready, on_waiting=_report_waiting)
+    except StackError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
+    if not stack.gateway_waits_for_workers:
+        log.info("no local prefill or decode worker: the gateway's /ready stays 503 until workers join")
+    _print_banner(stack)
+    threading.Event().wait()  # until a signal raises StopRequested
+    return EXIT_OK
+
+
+def _report_ready(name: str, seconds: float) -> None:
+    log.info("%s ready in %.1f s", name, seconds)
+
+
+def _report_waiting(pending: dict[str, str], seconds: float) -> None:
+    for name, reason in pending.items():
+        log.info("still waiting for %s after %.0f s: %s", name, seconds, reason)
+
+
+def _print_banner(stack: Stack) -> None:
+    print(
+        f"\nDeepInfer is up: model {stack.model_name}\n"
+        f"  OpenAI base URL: {stack.base_url}\n"
+        f"  try:  curl {stack.base_url}/models\n"
+        f"  logs: {stack.log_dir}\n"
+        f"  stop: Ctrl-C\n",
+        flush=True,
+    )
+
+
+class _SignalHandler:
+    """The first SIGINT/SIGTERM raises StopRequested in the main thread; a second one SIGKILLs every child."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.num_signals = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Take over SIGINT and SIGTERM (main thread only)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        """Give the previous handlers back."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.num_signals += 1
+        if self.num_signals == 1:
+            raise StopRequested(signal.Signals(signum).name)
+        log.warning("%s received again: killing every child now", signal.Signals(signum).name)
+        self.stack.supervisor.kill_all()
+
+
+def _setup_logging(width: int) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{'up':<{width}} | %(message)s"))
+    logger = logging.getLogger("deepinfer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler
+
+
+def _child_names(stack: Stack) -> list[str]:
+    workers = [f"prefill-{i}" for i in range(stack.num_prefill)] + [
+        f"decode-{i}" for i in range(stack.num_decode)
+    ]
+    return ["nats", "gateway-0", *[f"scheduler-{k}" for k in range(stack.num_schedulers)], *workers]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _count_positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

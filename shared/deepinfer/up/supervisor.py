@@ -1,0 +1,394 @@
+"""Child processes kept alive: restart with exponential backoff, ordered stop, nothing left behind.
+
+    supervisor = Supervisor(log_dir)
+    supervisor.add(ChildSpec("scheduler-0", argv, env, stop_tier=2, probe=HttpReadyProbe(url)))
+    supervisor.start()                       # spawn all, then a monitor thread restarts what exits
+    supervisor.wait_ready(timeout_s=300)     # every probe answers ready, or SupervisorError naming who did not
+    supervisor.stop()                        # SIGTERM tier by tier, SIGKILL after the grace period
+
+Every child runs in its own session (process group, no controlling terminal): a Ctrl-C at the terminal reaches
+only the supervisor, which then stops the children in order, and signals go to the whole group so nothing a
+child spawned outlives it. On Linux a child also gets SIGTERM if the supervisor itself dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.up.logs import tail
+from deepinfer.up.probes import Probe, ProbeResult
+
+log = logging.getLogger(__name__)
+
+#: A service's exit status for a bad setting (deepinfer.config.loading): restarting cannot help.
+EXIT_BAD_CONFIG = 2
+_PR_SET_PDEATHSIG = 1
+
+
+class SupervisorError(RuntimeError):
+    """A child could not be started, gave up, or did not become ready in time."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Delay before restart n (1-based) of a child: initial · 2^(n-1), capped; reset after a long enough run."""
+
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 10.0
+    reset_after_s: float = 30.0
+    #: Exit codes after which a child stays down (a configuration error exits 2).
+    fatal_exit_codes: tuple[int, ...] = (EXIT_BAD_CONFIG,)
+
+    def delay_s(self, num_consecutive_failures: int) -> float:
+        """Seconds to wait before restarting after the n-th consecutive failure (n >= 1)."""
+        exponent = max(0, num_consecutive_failures - 1)
+        return min(self.max_delay_s, self.initial_delay_s * 2.0 ** min(exponent, 30))
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to run one child: argv, its whole environment, when it stops (lower tier first), its probe."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    stop_tier: int = 0
+    probe: Probe | None = None
+    cwd: Path | None = None
+
+
+@dataclass(frozen=True)
+class RestartEvent:
+    """A child exited unexpectedly: its exit code, how long it ran, and the delay before the next start."""
+
+    name: str
+    exit_code: int
+    ran_s: float
+    num_restarts: int
+    delay_s: float | None  # None: not restarted (fatal exit code)
+    exited_at_s: float  # time.monotonic()
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    started_at_s: float = 0.0
+    num_restarts: int = 0
+    num_consecutive_failures: int = 0
+    restart_due_s: float | None = None
+    gave_up: bool = False
+    spawn_requested: bool = False
+    last_exit_code: int | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Spawns children, restarts the ones that exit, reports readiness, and stops them in tiers.
+
+    Lifecycle: `add()` specs → `start()` → (`wait_ready()`, `kill()`, `restart_count()`) → `stop()`.
+    Thread-safe: a monitor thread restarts children while the caller polls or kills them.
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        policy: RestartPolicy | None = None,
+        grace_s: float = 30.0,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self.log_dir = log_dir
+        self.policy = policy or RestartPolicy()
+        self.grace_s = grace_s
+        self.poll_interval_s = poll_interval_s
+        self.events: list[RestartEvent] = []
+        self._children: dict[str, _Child] = {}
+        self._lock = threading.RLock()
+        self._stopping = False
+        self._done = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: SupervisorError | None = None
+        self._prctl = _load_prctl()
+
+    def add(self, spec: ChildSpec) -> None:
+        """Register a child (spawned by `start()`, or by the monitor soon when already started)."""
+        with self._lock:
+            if spec.name in self._children:
+                raise ValueError(f"duplicate child name {spec.name!r}")
+            self._children[spec.name] = _Child(spec, self.log_dir / f"{spec.name}.log", spawn_requested=True)
+
+    @property
+    def names(self) -> list[str]:
+        """Child names in the order they were added."""
+        return list(self._children)
+
+    def log_path(self, name: str) -> Path:
+        """The file a child's stdout and stderr go to."""
+        return self._children[name].log_path
+
+    def start(self) -> None:
+        """Start the monitor thread, which spawns every child (in the order added); SupervisorError if one fails."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Every child is spawned by the monitor thread, which outlives them all: PR_SET_PDEATHSIG fires when
+        # the spawning *thread* exits, so spawning from a caller's short-lived thread would kill the child.
+        self._monitor = threading.Thread(target=self._monitor_loop, name="deepinfer-supervisor", daemon=True)
+        self._monitor.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self.stop()
+            raise self._start_error
+
+    def pid(self, name: str) -> int | None:
+        """The running child's pid (None while it is down)."""
+        process = self._children[name].process
+        return process.pid if process is not None and process.poll() is None else None
+
+    def spawned_pids(self) -> list[int]:
+        """Every pid this supervisor ever spawned (restarts included), to check that none is left."""
+        with self._lock:
+            return [pid for child in self._children.values() for pid in child.pids]
+
+    def restart_count(self, name: str) -> int:
+        """How many times the child was restarted after an unexpected exit."""
+        return self._children[name].num_restarts
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the child's process group (a failure test; the monitor restarts it as any crash)."""
+        with self._lock:
+            process = self._children[name].process
+            if process is None or process.poll() is not None:
+                raise SupervisorError(f"{name} is not running")
+            _signal_group(process, sig)
+
+    def probe(self, name: str) -> ProbeResult:
+        """Probe one child now (not ready while it is down)."""
+        child = self._children[name]
+        if child.spec.probe is None:
+            return ProbeResult(self.pid(name) is not None, "not running")
+        return child.spec.probe()
+
+    def wait_ready(
+        self,
+        timeout_s: float,
+        on_ready: Callable[[str, float], None] | None = None,
+        on_waiting: Callable[[dict[str, str], float], None] | None = None,
+        report_every_s: float = 10.0,
+    ) -> dict[str, float]:
+        """Poll every probe until all are ready; returns name -> seconds to ready. SupervisorError otherwise."""
+        started_s = time.monotonic()
+        pending = {name: "starting" for name, child in self._children.items() if child.spec.probe is not None}
+        ready_s: dict[str, float] = {}
+        next_report_s = started_s + report_every_s
+        while pending:
+            for name in list(pending):
+                self._raise_if_gave_up(name)
+                result = self.probe(name)
+                if result.ready:
+                    del pending[name]
+                    ready_s[name] = time.monotonic() - started_s
+                    if on_ready is not None:
+                        on_ready(name, ready_s[name])
+                else:
+                    pending[name] = result.reason
+            now_s = time.monotonic()
+            if pending and now_s - started_s > timeout_s:
+                raise SupervisorError(self._not_ready_message(pending, timeout_s))
+            if pending and on_waiting is not None and now_s >= next_report_s:
+                on_waiting(dict(pending), now_s - started_s)
+                next_report_s = now_s + report_every_s
+            if pending:
+                time.sleep(0.1)
+        return ready_s
+
+    def _raise_if_gave_up(self, name: str) -> None:
+        child = self._children[name]
+        if child.gave_up:
+            raise SupervisorError(
+                f"{name} exited with code {child.last_exit_code} and is not restarted "
+                f"(a configuration error); last lines of {child.log_path}:\n{tail(child.log_path)}"
+            )
+
+    def _not_ready_message(self, pending: dict[str, str], timeout_s: float) -> str:
+        lines = [f"not ready within {timeout_s:.0f} s: {', '.join(pending)}"]
+        for name, reason in pending.items():
+            child = self._children[name]
+            lines.append(
+                f"--- {name}: {reason} (restarts: {child.num_restarts}); last lines of {child.log_path}:"
+            )
+            lines.append(tail(child.log_path, 3000).rstrip())
+        return "\n".join(lines)
+
+    def stop(self) -> None:
+        """SIGTERM the children tier by tier (lower first), SIGKILL what outlives the grace period."""
+        with self._lock:
+            self._stopping = True
+        try:
+            for tier in sorted({child.spec.stop_tier for child in self._children.values()}):
+                self._stop_tier([c for c in self._children.values() if c.spec.stop_tier == tier])
+        finally:
+            # The monitor thread ends last: on Linux a child spawned by it gets PDEATHSIG when it exits.
+            self._done.set()
+            if self._monitor is not None:
+                self._monitor.join(timeout=5.0)
+                self._monitor = None
+
+    def kill_all(self) -> None:
+        """SIGKILL every child's process group now (a second Ctrl-C during `stop()`)."""
+        with self._lock:
+            self._stopping = True
+            for child in self._children.values():
+                if child.process is not None:
+                    _signal_group(child.process, signal.SIGKILL)
+
+    def _stop_tier(self, children: list[_Child]) -> None:
+        running = [c for c in children if c.process is not None and c.process.poll() is None]
+        for child in running:
+            assert child.process is not None
+            _signal_group(child.process, signal.SIGTERM)
+        deadline_s = time.monotonic() + self.grace_s
+        for child in children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: SIGKILL", child.spec.name, self.grace_s)
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+            # Whatever the child spawned and left in its group goes too.
+            _signal_group(child.process, signal.SIGKILL)
+            child.process = None
+
+    def _monitor_loop(self) -> None:
+        try:
+            with self._lock:
+                for child in self._children.values():
+                    child.spawn_requested = False
+                    self._spawn(child)
+        except SupervisorError as exc:
+            self._start_error = exc
+        finally:
+            self._started.set()
+        while not self._done.wait(self.poll_interval_s):
+            with self._lock:
+                if self._stopping:
+                    continue
+                for child in self._children.values():
+                    self._check(child, time.monotonic())
+
+    def _check(self, child: _Child, now_s: float) -> None:
+        process = child.process
+        if process is not None:
+            code = process.poll()
+            if code is not None:
+                self._on_exit(child, code, now_s)
+        elif child.spawn_requested:  # added after start()
+            child.spawn_requested = False
+            self._spawn(child)
+        elif child.restart_due_s is not None and now_s >= child.restart_due_s:
+            child.restart_due_s = None
+            child.num_restarts += 1
+            self._spawn(child)
+
+    def _on_exit(self, child: _Child, code: int, now_s: float) -> None:
+        assert child.process is not None
+        _signal_group(child.process, signal.SIGKILL)
+        child.process = None
+        child.last_exit_code = code
+        ran_s = now_s - child.started_at_s
+        if ran_s >= self.policy.reset_after_s:
+            child.num_consecutive_failures = 0
+        child.num_consecutive_failures += 1
+        name = child.spec.name
+        if code in self.policy.fatal_exit_codes:
+            child.gave_up = True
+            delay_s = None
+            log.error(
+                "%s exited with code %d after %.1f s: not restarted (configuration error)", name, code, ran_s
+            )
+        else:
+            delay_s = self.policy.delay_s(child.num_consecutive_failures)
+            child.restart_due_s = now_s + delay_s
+            log.warning(
+                "%s exited unexpectedly (%s) after %.1f s: restart %d in %.1f s",
+                name,
+                describe_exit(code),
+                ran_s,
+                child.num_restarts + 1,
+                delay_s,
+            )
+        self.events.append(RestartEvent(name, code, ran_s, child.num_restarts, delay_s, now_s))
+
+    def _spawn(self, child: _Child) -> None:
+        spec = child.spec
+        # A fresh log per run of the supervisor; restarts append to it.
+        with child.log_path.open("ab" if child.pids else "wb") as log_file:
+            if child.pids:
+                log_file.write(
+                    f"--- deepinfer up: restart {child.num_restarts} of {spec.name} ---\n".encode()
+                )
+                log_file.flush()
+            try:
+                child.process = subprocess.Popen(
+                    list(spec.argv),
+                    env=dict(spec.env),
+                    cwd=spec.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=self._prctl,
+                )
+            except OSError as exc:
+                if not self._started.is_set():
+                    raise SupervisorError(f"cannot start {spec.name} ({spec.argv[0]}): {exc}") from exc
+                log.error("cannot restart %s: %s", spec.name, exc)
+                child.num_consecutive_failures += 1
+                child.restart_due_s = time.monotonic() + self.policy.delay_s(child.num_consecutive_failures)
+                return
+        child.started_at_s = time.monotonic()
+        child.pids.append(child.process.pid)
+
+
+def describe_exit(code: int) -> str:
+    """`code 1`, or `signal SIGKILL` for a negative Popen return code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"code {code}"
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    # start_new_session made the child its group's leader: its pgid is its pid. A group whose members are
+    # all gone (or a leader already reaped with no members left) raises ProcessLookupError: nothing to do.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _load_prctl() -> Callable[[], None] | None:
+    """A preexec function asking Linux to SIGTERM the child when the spawning thread dies; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now: nothing is loaded after fork
+    except (OSError, AttributeError):
+        return None
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    return die_with_parent
