@@ -1,0 +1,66 @@
+"""One stack for the e2e session: nats-server, scheduler, prefill, decode and gateway as separate processes,
+serving the default model on the CPU, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from deepinfer.up import Stack
+
+STACK_ENV = {
+    "DEEPINFER_GATEWAY_API_KEYS": "",
+    "OMP_NUM_THREADS": "1",  # two workers share two cores
+    # Short leases and timeouts so failure tests finish quickly; defaults are for production.
+    "DEEPINFER_SCHEDULER_WORKER_LEASE_S": "2",
+}
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    with Stack(port=0, env_overrides=STACK_ENV, start_timeout_s=240) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=60)
+
+
+def metrics(stack: Stack, name: str) -> dict[str, float]:
+    """A service's Prometheus samples (name{labels} → value) from its internal port."""
+    text = httpx.get(f"http://127.0.0.1:{stack.services[name].internal_port}/metrics", timeout=5).text
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][^ ]*) ([-+0-9.eEinfNa]+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
+    """Poll until predicate() is truthy; fail with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(stack):
+    """The offline engine on the same model, the reference for the disaggregated path."""
+    import torch
+
+    from deepinfer import LLM
+
+    torch.set_num_threads(1)
+    return LLM(stack.model, progress=False)
