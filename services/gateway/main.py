@@ -7,6 +7,7 @@ import asyncio
 from deepinfer.config import GatewaySettings
 from deepinfer.model_store import resolve_model
 from deepinfer.service import ServiceContext, service_main
+from services.gateway.handler import GatewayTimeouts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.recipe import ModelInfo
 from services.gateway.runtime import Gateway
@@ -28,6 +29,13 @@ async def build(ctx: ServiceContext[GatewaySettings]) -> Gateway:
         settings.port,
         settings.api_keys,
         int(settings.max_request_bytes),
+        timeouts=GatewayTimeouts(
+            route_timeout_s=settings.route_timeout_s,
+            prefill_timeout_s=settings.prefill_timeout_s,
+            decode_timeout_s=settings.decode_timeout_s,
+            stream_timeout_s=settings.stream_timeout_s,
+        ),
+        worker_lease_s=settings.worker_lease_s,
     )
     ctx.advertise_port("api", settings.port)
     return gateway

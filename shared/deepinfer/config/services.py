@@ -62,6 +62,15 @@ class GatewaySettings(ServiceSettings):
         json_schema_extra={"secret": True},
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take end to end.")
+    route_timeout_s: float = Field(
+        2.0, gt=0, description="Wait for a scheduler's routing answer (it takes ~1 ms) before answering 503."
+    )
+    prefill_timeout_s: float = Field(300.0, gt=0, description="Longest a prefill (prompt compute) may take.")
+    decode_timeout_s: float = Field(30.0, gt=0, description="Wait for a decode worker to accept a request.")
+    stream_timeout_s: float = Field(
+        5.0, gt=0, description="Silence allowed between two token chunks before the request fails (502)."
+    )
+    worker_lease_s: float = Field(3.0, gt=0, description="A worker is considered dead after this long without a heartbeat.")
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )
