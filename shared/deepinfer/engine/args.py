@@ -18,6 +18,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+#: How weights are loaded (vLLM's names).
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass(kw_only=True)
 class EngineArgs:
@@ -47,6 +50,12 @@ class EngineArgs:
     #: Where prepared models live (None = the XDG default, ~/.cache/deepinfer/models).
     cache_dir: Path | None = None
     progress: bool = True
+    #: "auto" = the checkpoint's weights; "dummy" = random weights from config.json alone (benchmarks, no files).
+    load_format: str = "auto"
+    #: Seed of the "dummy" weights (same seed, same weights on the same device).
+    dummy_seed: int = 0
+    #: True = never capture CUDA graphs (decode runs eagerly, as on the CPU).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -58,6 +67,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
 

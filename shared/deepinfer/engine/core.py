@@ -12,7 +12,7 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, kv_bytes_per_block, plan_kv_cache
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, SampledToken
+from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels import get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
@@ -48,15 +48,25 @@ class EngineCore:
         cache_dir = args.cache_dir or default_cache_dir()
         self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
         self.model_config = load_model_config(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        # No tokenizer.json (a bare config for load_format="dummy"): token ids in, token ids out.
+        has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
         self.generation_config = load_generation_config(self.model_dir)
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
-        model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        if args.load_format == "dummy":
+            model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
+        else:
+            model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
         self.max_model_len = self._max_model_len()
         self.kv_plan = self._plan_kv_cache(model)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        else:
+            eos = self.generation_config.get("eos_token_id")
+            eos_ids = (eos if isinstance(eos, list) else [eos]) if eos is not None else []
+            self.eos_token_ids = {int(t) for t in eos_ids} | set(self.model_config.eos_token_ids)
         self.fingerprint = model_fingerprint(self.model_dir, args.model_revision)
         self.scheduler = Scheduler(
             EngineConfig(
@@ -77,6 +87,9 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
             eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda",
         )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
@@ -206,6 +219,11 @@ class EngineCore:
         # Peak activations of one step: the MLP's gate/up pair dominates; logits are float32 per sampled row.
         activations = tokens * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
         logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
+        if not self.args.enforce_eager:
+            # The CUDA graphs' private pool: one decode step of max_num_seqs rows, split-K partials included.
+            num_seqs, num_partitions = self.args.max_num_seqs, -(-self.max_model_len // 512)
+            activations += num_seqs * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
+            activations += num_seqs * cfg.num_attention_heads * num_partitions * (cfg.head_dim + 2) * 4
         used = total - free
         return int(total * self.args.gpu_memory_utilization) - used - activations - logits - (256 << 20)
 

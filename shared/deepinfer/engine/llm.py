@@ -29,7 +29,7 @@ class _Sequence:
     index: int
     request_id: str
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
     stop_checker: StopChecker
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -44,7 +44,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        self.tokenizer: Tokenizer = self.engine.tokenizer
+        self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
         self._request_counter = itertools.count()
 
@@ -138,7 +138,9 @@ class LLM:
             index=index,
             request_id=f"{output.request_id}-{index}",
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, output.prompt_token_ids, params.skip_special_tokens),
+            detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, output.prompt_token_ids, params.skip_special_tokens
+            ),
             stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -177,7 +179,8 @@ class LLM:
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
-        text, stopped = seq.stop_checker.step(seq.detokenizer.step(out.new_token_ids))
+        delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
+        text, stopped = seq.stop_checker.step(delta)
         seq.text += text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stopped:
@@ -187,7 +190,7 @@ class LLM:
         if finish_reason is None:
             return False
         if not stopped:
-            tail, stopped = seq.stop_checker.step(seq.detokenizer.flush())
+            tail, stopped = seq.stop_checker.step(seq.detokenizer.flush() if seq.detokenizer is not None else "")
             seq.text += tail if stopped else tail + seq.stop_checker.flush()
             if stopped:
                 finish_reason, stop_reason = "stop", seq.stop_checker.matched_stop

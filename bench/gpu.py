@@ -1,0 +1,422 @@
+"""GPU bench on one device, Llama-3.1-8B shape, random bf16 weights (no download), side by side in one run with
+`transformers` (sdpa) and with the ceilings measured in the same run.
+
+    python bench/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
+
+Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
+Each section appends to the JSON as soon as it ends, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+PREFILL_SEQS, PREFILL_LEN, CONTEXT = 4, 4096, 2048
+
+
+def timed(fn, reps: int, warmup: int = 1) -> float:
+    """Median seconds of fn() (synchronised on both sides)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    """bf16 8192^3 matmul TFLOP/s and a 1 GiB device copy in GB/s (read + write), random data."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm_s = timed(lambda: [a @ b for _ in range(10)], reps=5, warmup=1) / 10
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    cp_s = timed(lambda: [dst.copy_(src) for _ in range(10)], reps=5, warmup=1) / 10
+    return {"matmul_tflops": round(2 * n**3 / mm_s / 1e12, 1), "copy_gb_s": round(2 * src.nbytes / cp_s / 1e9, 1)}
+
+
+def make_engine(model_dir: Path, max_num_seqs: int = 256):
+    """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
+    from deepinfer.engine.args import EngineArgs
+    from deepinfer.engine.core import EngineCore
+
+    args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
+                      enable_kv_events=False, progress=False, gpu_memory_utilization=0.9)
+    start = time.perf_counter()
+    engine = EngineCore(args)
+    for cache in engine.runner.kv_caches:  # random KV (never zeros): decode reads it at full width
+        cache.normal_(0, 1)
+    return engine, time.perf_counter() - start
+
+
+def greedy(max_tokens: int):
+    """Greedy, exactly max_tokens new tokens."""
+    from deepinfer.sampling.params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+
+
+def prefill_ours(engine, rng, reps: int = 3) -> float:
+    """Median seconds of one engine step over 4 fresh random 4096-token prompts (cold: no prefix hits)."""
+    vocab = engine.model_config.vocab_size
+
+    def step():
+        for _ in range(PREFILL_SEQS):
+            engine.add_request(f"p{rng.integers(1 << 62)}", rng.integers(0, vocab, PREFILL_LEN).tolist(), greedy(1))
+        outputs = engine.step()
+        assert len(outputs) == PREFILL_SEQS and all(o.finish_reason for o in outputs), outputs
+
+    return timed(step, reps)
+
+
+def prefill_attention_s(engine) -> float:
+    """Seconds the model's attention op takes over the 4x4096 batch, all layers (the rest is mostly matmuls)."""
+    from deepinfer.engine.scheduler import ScheduledRequest
+
+    blocks = PREFILL_LEN // engine.args.block_size
+    scheduled = [ScheduledRequest(f"a{i}", [1] * PREFILL_LEN, 0, PREFILL_LEN, list(range(1 + i * blocks,
+                 1 + (i + 1) * blocks)), True, True) for i in range(PREFILL_SEQS)]
+    cfg, kv = engine.model_config, engine.runner.kv_caches[0]
+    with torch.inference_mode():
+        inputs = engine.runner.prepare_inputs(scheduled)
+        q = torch.randn(PREFILL_SEQS * PREFILL_LEN, cfg.num_attention_heads, cfg.head_dim, device="cuda",
+                        dtype=kv.dtype)
+        attention = engine.ops.paged_attention
+        return timed(lambda: attention(q, kv, inputs.meta, cfg.head_dim**-0.5), reps=5) * cfg.num_hidden_layers
+
+
+def start_decodes(engine, rng, batch: int, num_tokens: int) -> list[str]:
+    """`batch` requests whose first CONTEXT tokens are already in the cache (as a disaggregated decode)."""
+    vocab, ids = engine.model_config.vocab_size, []
+    for _ in range(batch):
+        rid = f"d{rng.integers(1 << 62)}"
+        request = engine.new_request(rid, rng.integers(0, vocab, CONTEXT + 1).tolist(), greedy(num_tokens))
+        assert engine.scheduler.add_prefilled_request(request, CONTEXT) is not None, "KV cache too small"
+        engine.scheduler.commit_prefilled(rid)
+        ids.append(rid)
+    return ids
+
+
+def decode_ours(engine, rng, batch: int, steps: int, eager: bool) -> dict:
+    """Decode tok/s at CONTEXT tokens of context: `steps` engine steps of `batch` one-token decodes."""
+    graphs = engine.runner.graphs
+    engine.runner.graphs = None if eager else graphs
+    try:
+        ids = start_decodes(engine, rng, batch, steps + 16)  # warm-up, timed and phase steps all decode
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+        phases = step_phases(engine, 8)
+        engine.abort_requests(ids)
+    finally:
+        engine.runner.graphs = graphs
+    return {"tok_s": round(batch * steps / elapsed, 1), "step_ms": round(1e3 * elapsed / steps, 3), **phases}
+
+
+def step_phases(engine, steps: int) -> dict:
+    """Host ms per step in schedule(), in execute() (which waits for the GPU) and in update()."""
+    totals = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    owners = {"schedule": engine.scheduler, "execute": engine.runner, "update": engine.scheduler}
+    originals = {name: getattr(owner, name) for name, owner in owners.items()}
+
+    def timed_call(name):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return originals[name](*a, **k)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return call
+
+    for name, owner in owners.items():
+        setattr(owner, name, timed_call(name))
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        for name, owner in owners.items():
+            delattr(owner, name)  # the instance attribute shadowed the method
+    return {f"{name}_ms": round(1e3 * t / steps, 3) for name, t in totals.items()}
+
+
+def replay_ms(engine, batch: int) -> float:
+    """GPU time of the captured forward alone (back-to-back replays, CUDA events): the step's floor."""
+    graph = engine.runner.graphs.graphs[batch]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 10
+
+
+def busy_fraction(engine, rng, batch: int, steps: int, eager: bool) -> dict:
+    """GPU busy time (union of kernel intervals from the torch profiler) over the span of `steps` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    engine.runner.graphs = None if eager else graphs
+    try:
+        ids = start_decodes(engine, rng, batch, steps + 16)  # warm-up, timed and phase steps all decode
+        for _ in range(3):
+            engine.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        engine.abort_requests(ids)
+    finally:
+        engine.runner.graphs = graphs
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {"error": "the profiler recorded no GPU events"}
+    busy, cur_start, cur_end = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_end:
+            busy, cur_start, cur_end = busy + cur_end - cur_start, s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    window = spans[-1][1] - spans[0][0]
+    return {"gpu_busy_fraction": round(busy / window, 3), "idle_fraction": round(1 - busy / window, 3),
+            "window_ms": round(window / 1e3, 2), "num_gpu_events": len(spans)}
+
+
+def serving_lengths(num_requests: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Input/output lengths from a fixed-seed lognormal (sigma 1, means 200 / 180 before clipping)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda mean, size: rng.lognormal(np.log(mean) - 0.5, 1.0, size)  # noqa: E731
+    ins = np.clip(np.rint(draw(200, num_requests)), 4, 2048).astype(int).tolist()
+    outs = np.clip(np.rint(draw(180, num_requests)), 4, 1024).astype(int).tolist()
+    return ins, outs
+
+
+def serving_ours(engine, num_requests: int) -> dict:
+    """Offline throughput through EngineCore: every request queued at once, prompt_token_ids, ignore_eos."""
+    ins, outs = serving_lengths(num_requests)
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    graphs, replays0 = engine.runner.graphs, engine.runner.graphs.num_replays
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
+        engine.add_request(f"s{i}", rng.integers(0, vocab, n_in).tolist(), greedy(n_out))
+    num_out, num_steps = 0, 0
+    while engine.has_unfinished_requests():
+        num_out += sum(len(o.new_token_ids) for o in engine.step())
+        num_steps += 1
+    elapsed = time.perf_counter() - start
+    assert num_out == sum(outs), (num_out, sum(outs))
+    return {"num_requests": num_requests, "input_tokens": sum(ins), "output_tokens": num_out,
+            "mean_in": round(float(np.mean(ins)), 1), "mean_out": round(float(np.mean(outs)), 1),
+            "seconds": round(elapsed, 2), "output_tok_s": round(num_out / elapsed, 1),
+            "total_tok_s": round((num_out + sum(ins)) / elapsed, 1), "steps": num_steps,
+            "graph_steps": graphs.num_replays - replays0}
+
+
+def hf_model(model_dir: Path):
+    """transformers' Llama from the same config, random bf16 weights on the GPU, sdpa attention."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def hf_prefill(model, vocab: int, reps: int = 3) -> float:
+    """Median seconds of one forward over [4, 4096] with logits of the last token only."""
+    ids = torch.randint(0, vocab, (PREFILL_SEQS, PREFILL_LEN), device="cuda")
+    with torch.inference_mode():
+        return timed(lambda: model(input_ids=ids, logits_to_keep=1), reps)
+
+
+def hf_decode(model, vocab: int, batch: int, new_tokens: int) -> dict:
+    """Static-cache greedy generate: decode-only time = t(1 + new_tokens new) - t(1 new), same prompts."""
+    ids = torch.randint(0, vocab, (batch, CONTEXT), device="cuda")
+
+    def gen(n):
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, cache_implementation="static", pad_token_id=0)
+
+    t_full = timed(lambda: gen(1 + new_tokens), reps=1, warmup=1)
+    t_one = timed(lambda: gen(1), reps=1, warmup=0)
+    return {"tok_s": round(batch * new_tokens / (t_full - t_one), 1), "decode_s": round(t_full - t_one, 3),
+            "new_tokens": new_tokens}
+
+
+def prefill_limit_s(cfg: dict, tflops: float) -> tuple[float, str]:
+    """Seconds for 4x4096 cold at the measured matmul rate: linear + causal attention FLOPs."""
+    h, i, layers, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]
+    hq, hkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    linear_params = layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    tokens, pairs = PREFILL_SEQS * PREFILL_LEN, PREFILL_SEQS * PREFILL_LEN * (PREFILL_LEN + 1) // 2
+    flops = 2 * linear_params * tokens + 2 * h * vocab * PREFILL_SEQS + 4 * layers * hq * d * pairs
+    formula = ("(2*N_linear*T + 2*H*V*S + 4*L*Hq*D*sum_s S_s(S_s+1)/2) / matmul rate; "
+               f"N_linear={linear_params / 1e9:.3f}e9, T={tokens}, {flops / 1e12:.1f} TFLOP")
+    return flops / (tflops * 1e12), formula
+
+
+def decode_roofline(engine, batch: int, context: float, copy_gb_s: float) -> float:
+    """tok/s if a step read (every weight but the embedding table + batch*context KV) at the copy bandwidth."""
+    weights = sum(p.numel() * p.element_size() for n, p in engine.runner.model.named_parameters()
+                  if "embed_tokens" not in n)
+    kv = engine.model_config.kv_bytes_per_token(engine.dtype) * batch * context
+    return batch / ((weights + kv) / (copy_gb_s * 1e9))
+
+
+def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_requests: int) -> None:
+    """Every section of our engine, one engine built once (graphs captured once)."""
+    engine, build_s = make_engine(model_dir)
+    res["ours_build_s"] = round(build_s, 1)
+    res["capture_sizes"] = engine.runner.graphs.sizes
+    rng = np.random.default_rng(0)
+    if "prefill" in sections:
+        seconds = prefill_ours(engine, rng)
+        limit_s, formula = prefill_limit_s(cfg, res["ceilings"]["matmul_tflops"])
+        tokens = PREFILL_SEQS * PREFILL_LEN
+        res["prefill"] = {"ours_tok_s": round(tokens / seconds, 1), "limit_tok_s": round(tokens / limit_s, 1),
+                          "ours_s": round(seconds, 4), "attention_s": round(prefill_attention_s(engine), 4),
+                          "limit_formula": formula}
+        save()
+    if "decode" in sections:
+        res["decode"] = {}
+        for batch, steps in ((1, 64), (64, 48), (256, 32)):
+            graph = decode_ours(engine, rng, batch, steps, eager=False)
+            eager = decode_ours(engine, rng, batch, steps, eager=True)
+            roof = decode_roofline(engine, batch, CONTEXT + 3 + steps / 2, res["ceilings"]["copy_gb_s"])
+            res["decode"][str(batch)] = {
+                "graphs_tok_s": graph["tok_s"], "graphs_step_ms": graph["step_ms"], "eager_tok_s": eager["tok_s"],
+                "eager_step_ms": eager["step_ms"], "graph_replay_ms": round(replay_ms(engine, batch), 3),
+                "roofline_tok_s": round(roof, 1), "graphs_of_roofline": round(graph["tok_s"] / roof, 3),
+                "graphs_phases_ms": {k: v for k, v in graph.items() if k.endswith("_ms") and k != "step_ms"}}
+            save()
+    if "idle" in sections:
+        res["idle_b64"] = {"graphs": busy_fraction(engine, rng, 64, 20, eager=False),
+                           "eager": busy_fraction(engine, rng, 64, 20, eager=True)}
+        save()
+    if "serving" in sections:
+        res["serving"] = serving_ours(engine, num_requests)
+        save()
+    del engine
+
+
+def run_hf(model_dir: Path, cfg: dict, res: dict, save) -> None:
+    """transformers on the same shape: prefill 4x4096 and static-cache decode at batch 1 and 64."""
+    model = hf_model(model_dir)
+    vocab = cfg["vocab_size"]
+    seconds = hf_prefill(model, vocab)
+    res.setdefault("prefill", {})["transformers_tok_s"] = round(PREFILL_SEQS * PREFILL_LEN / seconds, 1)
+    save()
+    res["transformers_decode"] = {str(b): hf_decode(model, vocab, b, n) for b, n in ((1, 64), (64, 32))}
+    save()
+    del model
+
+
+def print_table(res: dict) -> None:
+    """One line per measured figure."""
+    c = res.get("ceilings", {})
+    print(f"ceilings: matmul {c.get('matmul_tflops')} TFLOP/s, copy {c.get('copy_gb_s')} GB/s (read+write)")
+    p = res.get("prefill", {})
+    if p:
+        print(f"prefill 4x4096 tok/s: ours {p.get('ours_tok_s')}  transformers {p.get('transformers_tok_s')}  "
+              f"limit {p.get('limit_tok_s')}   (ours {p.get('ours_s')} s, attention op {p.get('attention_s')} s)"
+              f"   [{p.get('limit_formula')}]")
+    print(f"{'decode B':>8} {'graphs':>9} {'eager':>9} {'replay ms':>9} {'step ms':>8} {'roofline':>9} "
+          f"{'of roof':>7} {'transformers':>12}")
+    for batch, d in res.get("decode", {}).items():
+        hf = res.get("transformers_decode", {}).get(batch, {}).get("tok_s", "-")
+        print(f"{batch:>8} {d['graphs_tok_s']:>9} {d['eager_tok_s']:>9} {d['graph_replay_ms']:>9} "
+              f"{d['graphs_step_ms']:>8} {d['roofline_tok_s']:>9} {d['graphs_of_roofline']:>7} {hf:>12}"
+              f"   host ms/step {d.get('graphs_phases_ms')}")
+    for mode, v in res.get("idle_b64", {}).items():
+        print(f"idle fraction between kernels, decode B=64, {mode}: {v['idle_fraction']} over {v['window_ms']} ms")
+    s = res.get("serving")
+    if s:
+        print(f"serving {s['num_requests']} req (mean {s['mean_in']} in / {s['mean_out']} out): "
+              f"{s['output_tok_s']} output tok/s, {s['total_tok_s']} total tok/s, {s['seconds']} s, "
+              f"{s['steps']} steps ({s['graph_steps']} graph replays)")
+
+
+def guarded(res: dict, key: str, fn) -> None:
+    """Run a group of sections; a failure is recorded in the results (and printed), the run goes on."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a bench reports every failure and keeps the rest of its numbers
+        import traceback
+
+        res[key] = traceback.format_exc()[-2000:]
+        print(res[key])
+
+
+def main() -> None:
+    """Run the chosen sections; table, then one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="ceilings,prefill,decode,idle,serving,hf")
+    parser.add_argument("--layers", type=int, default=LLAMA_31_8B["num_hidden_layers"])
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    out = args.out or (Path(os.environ["OUT"]) / "gpu-bench.json" if os.environ.get("OUT") else None)
+    cfg = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
+    res: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "layers": args.layers, "sections": sorted(sections), "date": time.strftime("%Y-%m-%d")}
+
+    def save() -> None:
+        if out is not None:
+            out.write_text(json.dumps(res, indent=1))
+
+    # Without the ceilings section, the limits use ANCHORS.md's figures for an H200.
+    res["ceilings"] = ceilings() if "ceilings" in sections else {"matmul_tflops": 741.0, "copy_gb_s": 3979.0}
+    torch.cuda.empty_cache()  # the engine plans its KV cache from the free memory
+    save()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        (model_dir / "config.json").write_text(json.dumps(cfg))
+        if sections & {"prefill", "decode", "idle", "serving"}:
+            guarded(res, "ours_error", lambda: run_ours(model_dir, cfg, sections, res, save, args.num_requests))
+            gc.collect()
+            torch.cuda.empty_cache()
+        if "hf" in sections:
+            guarded(res, "transformers_error", lambda: run_hf(model_dir, cfg, res, save))
+        save()
+    print_table(res)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

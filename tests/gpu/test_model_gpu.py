@@ -1,0 +1,160 @@
+"""The whole model on the GPU (Triton kernels, bf16) against `transformers` on the same random weights, and
+CUDA-graph decode against eager decode.
+
+Tolerance, stated once: the reference is transformers in float32; the bf16 tolerance of a prompt is
+TOL_FACTOR times the largest logit error of transformers itself run in bf16 on the same weights (the rounding
+noise of bf16, measured per position, not guessed). Our bf16 logits must lie within it; greedy tokens must be
+equal up to the first position where the reference's top-2 margin is below it.
+Runs on a bare GPU image: `PYTHONPATH=shared python -m pytest tests/gpu -q --noconftest`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL_FACTOR = 3.0
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 32}
+NEW_TOKENS = 24
+
+
+def _load_checkpoints_module():
+    """deepinfer.testing.checkpoints without the package __init__, which imports the bus (opentelemetry, absent
+    from bare GPU images); the module itself needs only torch, transformers and tokenizers."""
+    import importlib.util
+    from pathlib import Path
+
+    import deepinfer
+
+    path = Path(deepinfer.__file__).parent / "testing" / "checkpoints.py"
+    spec = importlib.util.spec_from_file_location("_tiny_checkpoints", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny-ish Llama with llama3 RoPE scaling, wide random weights (clear greedy winners)."""
+    checkpoints = _load_checkpoints_module()
+    return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", std=0.1, seed=3,
+                                rope_scaling=checkpoints.LLAMA3_ROPE_SCALING, **SHAPE)
+
+
+def hf_model(checkpoint, dtype):
+    """transformers on the GPU (sdpa)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa")
+    return model.cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers in float32: the oracle."""
+    return hf_model(checkpoint, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bf16_tolerance(checkpoint, reference):
+    """token ids -> per position, TOL_FACTOR * max over the vocabulary of |transformers bf16 - fp32| logits."""
+    half = hf_model(checkpoint, torch.bfloat16)
+
+    def tolerance(token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device="cuda")
+        with torch.inference_mode():
+            noise = (half(ids).logits.float() - reference(ids).logits.float()).abs().amax(dim=-1)[0]
+        return TOL_FACTOR * noise  # [T]
+
+    return tolerance
+
+
+def prompts(n: int, vocab: int = 384, seed: int = 0) -> list[list[int]]:
+    """Random prompts of varied lengths (never a single repeated token)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 90, (n,), generator=g)]
+
+
+def engine(checkpoint, **kwargs):
+    """Our LLM on cuda in bf16 with the Triton kernels."""
+    from deepinfer import LLM
+
+    return LLM(str(checkpoint), device="cuda", dtype="bfloat16", accelerator="cuda", progress=False,
+               kv_cache_bytes=64 << 20, **kwargs)
+
+
+def test_prefill_logits_match_transformers(checkpoint, reference, bf16_tolerance):
+    from deepinfer.kernels import build_attention_metadata, get_ops
+    from deepinfer.loader.hf import load_model
+
+    model = load_model(checkpoint, torch.bfloat16, "cuda", get_ops("cuda"), progress=False)
+    cfg = model.config
+    seqs = prompts(3, seed=1)
+    block_size, next_block = 16, 1
+    kv = [torch.randn(2, 64, block_size, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+          for _ in range(cfg.num_hidden_layers)]
+    tables, slots = [], []
+    for seq in seqs:
+        n = -(-len(seq) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+        slots += [tables[-1][p // block_size] * block_size + p % block_size for p in range(len(seq))]
+    meta = build_attention_metadata([len(s) for s in seqs], [len(s) for s in seqs], tables, slots, device="cuda")
+    flat = torch.tensor([t for s in seqs for t in s], device="cuda")
+    positions = torch.tensor([p for s in seqs for p in range(len(s))], device="cuda")
+    with torch.inference_mode():
+        ours = model.compute_logits(model(flat, positions, kv, meta)).split([len(s) for s in seqs])
+        for seq, logits in zip(seqs, ours, strict=True):
+            ref = reference(torch.tensor([seq], device="cuda")).logits[0].float()
+            err, tol = (logits - ref).abs().amax(dim=-1), bf16_tolerance(seq)
+            assert torch.isfinite(logits).all() and bool((err <= tol).all()), (err.max(), tol.min())
+
+
+def test_greedy_tokens_match_transformers_up_to_a_near_tie(checkpoint, reference, bf16_tolerance):
+    from deepinfer import SamplingParams
+
+    llm = engine(checkpoint)
+    assert llm.engine.runner.graphs is not None
+    batch = prompts(8, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.runner.graphs.num_replays > 0, "decode steps should have replayed CUDA graphs"
+    compared = 0
+    for prompt, out in zip(batch, outs, strict=True):
+        with torch.inference_mode():
+            gen = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                                     min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, pad_token_id=1)
+        ref_tokens = gen.sequences[0, len(prompt):].tolist()
+        # tolerance of the row that predicts generated token i: teacher-forced on the reference's own tokens
+        near_tie = bf16_tolerance(gen.sequences[0].tolist())[len(prompt) - 1 :].tolist()
+        for i, logits in enumerate(gen.logits):
+            top2 = logits[0].float().topk(2).values
+            if (top2[0] - top2[1]).item() < near_tie[i]:
+                break  # a near tie: from here on the tokens may legitimately differ
+            assert out.outputs[0].token_ids[i] == ref_tokens[i], (i, out.outputs[0].token_ids, ref_tokens)
+            compared += 1
+    print(f"{compared} greedy tokens compared before a near tie")
+    # 3 tokens passed this bar on the H200 run of 2026-11-29 (random weights give thin top-2 margins)
+    assert compared >= 3, f"only {compared} tokens compared: the margins are too thin to test"
+
+
+def test_cuda_graph_decode_equals_eager(checkpoint):
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts(11, seed=4)]  # 11 rows: graph of 16, 5 padding rows
+    graphs = engine(checkpoint, max_num_seqs=16)
+    with_graphs = graphs.generate(batch, params, use_tqdm=False)
+    eager = engine(checkpoint, max_num_seqs=16, enforce_eager=True)
+    assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs.num_replays >= NEW_TOKENS - 2
+    without = eager.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in with_graphs] == [o.outputs[0].token_ids for o in without]
+    random = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, seed=7)
+    a = graphs.generate(batch[:3], random, use_tqdm=False)
+    b = eager.generate(batch[:3], random, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
