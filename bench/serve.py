@@ -85,11 +85,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] if ordered else float("nan")
 
 
-def run_offline(model: str, prompts, max_tokens: int) -> tuple[float, int]:
-    """Seconds and output tokens of the offline engine on the same prompts (one batch)."""
+def run_offline(model: str, prompts, max_tokens: int, max_num_seqs: int, threads: int) -> tuple[float, int]:
+    """Seconds and output tokens of the offline engine on the same prompts, at most `max_num_seqs` at a time
+    (the clients' concurrency) on `threads` torch threads (what the decode worker gets), so the comparison is
+    like for like."""
+    import torch
+
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(model, progress=False)
+    torch.set_num_threads(threads)
+    llm = LLM(model, progress=False, max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     started = time.perf_counter()
@@ -106,6 +111,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--offline-threads", type=int, default=1,
+                        help="torch threads offline (default 1: what each worker gets on a 2-core machine)")
     args = parser.parse_args()
     prompts = conversations(args.num_requests)
     stack = None
@@ -124,7 +131,7 @@ def main() -> None:
         if stack is not None:
             stack.stop()
     offline_s, offline_tokens = (float("nan"), 0) if args.no_offline else run_offline(
-        stack.model if stack else args.model, prompts, args.max_tokens)
+        stack.model if stack else args.model, prompts, args.max_tokens, args.concurrency, args.offline_threads)
     report(args, results, wall_s, offline_s, offline_tokens)
 
 
