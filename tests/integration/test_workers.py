@@ -1,0 +1,183 @@
+"""Prefill and decode handlers on a real nats-server with a tiny model: the handoff over the data plane, and
+what happens when it cannot be used (layout mismatch, expired lease, cancel)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from opentelemetry.trace import NoOpTracer
+
+from deepinfer import subjects
+from deepinfer.config import CommonSettings, DecodeSettings, PrefillSettings
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.protocol import (
+    Cancel,
+    DecodeAccepted,
+    DecodeRequest,
+    PrefillRequest,
+    PrefillResult,
+    SamplingParams,
+    TokenBatch,
+)
+from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.service import ServiceContext
+from deepinfer.telemetry import new_registry
+from deepinfer.testing.checkpoints import make_tiny_checkpoint
+from services.decode.handler import DecodeHandler
+from services.prefill.handler import PrefillHandler
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6, 70]  # 21 tokens
+GATEWAY = "gw-test"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def common(nats_server, tiny_dir, tmp_path) -> CommonSettings:
+    return CommonSettings(
+        nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
+        data_plane_secret="d" * 32, model_cache_dir=tmp_path,
+    )
+
+
+async def start(handler) -> None:
+    await handler.load()
+    await handler.start()
+
+
+@pytest.fixture
+async def workers(nats_server, tiny_dir, tmp_path, bus):
+    shared = common(nats_server, tiny_dir, tmp_path)
+    prefill = PrefillHandler(ServiceContext("prefill", PrefillSettings(
+        common=shared, worker_id="prefill-t", block_size=4, data_plane_port=0, internal_port=0, kv_lease_s=0.5),
+        bus, new_registry(), NoOpTracer()))
+    decode = DecodeHandler(ServiceContext("decode", DecodeSettings(
+        common=shared, worker_id="decode-t", block_size=4, internal_port=0), bus, new_registry(), NoOpTracer()))
+    await asyncio.gather(start(prefill), start(decode))
+    yield prefill, decode
+    await asyncio.gather(prefill.close(), decode.close())
+
+
+def reference(tiny_dir, params: EngineSamplingParams) -> list[int]:
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    core.add_request("r", PROMPT, params)
+    tokens = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, request_id: str, mutate=None,
+                      wait_before_decode_s: float = 0.0):
+    """Drive one request like the gateway: prefill → decode → collect the token stream."""
+    chunks: list = []
+    done = asyncio.Event()
+
+    async def on_batch(batch: TokenBatch, msg) -> None:
+        for chunk in batch.chunks:
+            if chunk.request_id == request_id:
+                chunks.append(chunk)
+                if chunk.finish_reason is not None:
+                    done.set()
+
+    token = MODEL_TOKEN["value"]
+    sub = await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+    first, handle = [], None
+    if prefill_id is not None:
+        result = await bus.request(subjects.prefill(token, prefill_id), PrefillRequest(
+            request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling),
+            PrefillResult, timeout_s=30)
+        assert result.error is None, result.error
+        first, handle = [result.first_token_id], result.kv_handle
+    if mutate is not None:
+        handle = mutate(handle)
+    await asyncio.sleep(wait_before_decode_s)
+    accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=PROMPT, output_token_ids=first,
+        sampling=sampling, kv_handle=handle, prefill_worker_id=prefill_id), DecodeAccepted, timeout_s=30)
+    if accepted.accepted:
+        await asyncio.wait_for(done.wait(), 30)
+    await sub.unsubscribe()
+    return accepted, first + [t for c in chunks for t in c.token_ids]
+
+
+MODEL_TOKEN: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _model_token(tiny_dir):
+    MODEL_TOKEN["value"] = CommonSettings(model=str(tiny_dir)).model_token
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1)
+SEEDED = SamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=True, seed=77)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_handoff_over_the_data_plane_equals_one_engine(workers, bus, tiny_dir, sampling):
+    prefill, decode = workers
+    accepted, tokens = await run_request(bus, "prefill-t", sampling, f"r-{sampling.temperature}")
+    assert accepted.accepted
+    assert tokens == reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    assert decode._requests.labels("pulled")._value.get() == 1
+    # The decode worker's Release ended the lease: nothing stays held on the prefill worker.
+    for _ in range(50):
+        if not prefill._leases:
+            break
+        await asyncio.sleep(0.05)
+    assert not prefill._leases
+
+
+async def test_layout_mismatch_is_refused(workers, bus):
+    def other_layout(handle):
+        layout = handle.layout.model_copy(update={"dtype": "float16"})
+        return handle.model_copy(update={"layout": layout, "layout_id": layout.layout_id()})
+
+    accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-layout", mutate=other_layout)
+    assert not accepted.accepted
+    assert "layout" in accepted.reason
+
+
+async def test_expired_lease_recomputes_the_prompt(workers, bus, tiny_dir):
+    _, decode = workers
+    accepted, tokens = await run_request(bus, "prefill-t", GREEDY, "r-expired", wait_before_decode_s=1.0)
+    assert accepted.accepted
+    assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    assert decode._requests.labels("recomputed")._value.get() == 1
+
+
+async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir):
+    _, decode = workers
+    accepted, tokens = await run_request(bus, None, GREEDY, "r-local")
+    assert accepted.accepted
+    assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    assert decode._requests.labels("local")._value.get() == 1
+
+
+async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
+    _, decode = workers
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    token = MODEL_TOKEN["value"]
+    accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id="r-cancel", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
+        timeout_s=30)
+    assert accepted.accepted
+    await asyncio.sleep(0.2)
+    await bus.publish(subjects.cancel(token), Cancel(request_id="r-cancel"))
+    for _ in range(100):
+        await decode.runtime.heartbeat()
+        stats = decode.runtime.stats
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert decode.runtime.stats.num_running == 0
+    assert decode.runtime.stats.num_free_blocks == decode.runtime.stats.num_total_blocks
