@@ -51,6 +51,34 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
     return blocks.flatten(1, 2)[:, :seq_len]
 
 
+def _decode_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    rows: list[int],
+    out: torch.Tensor,
+) -> None:
+    """Attention of the single-token rows `rows` (sequence indices) in one batched gather; writes into out."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    seq_lens = torch.tensor([meta.seq_lens_cpu[b] for b in rows], device=query.device)
+    token_rows = torch.tensor([meta.query_start_loc_cpu[b] for b in rows], device=query.device)
+    num_blocks = -(-max(meta.seq_lens_cpu[b] for b in rows) // block_size)
+    tables = meta.block_tables[torch.tensor(rows, device=query.device), :num_blocks].long()  # [R, n]
+    context = kv_cache[:, tables].flatten(2, 3).float()  # [2, R, S, Hkv, D], S = n * block_size
+    q = query[token_rows].float().view(len(rows), num_kv_heads, -1, head_dim)  # [R, Hkv, group, D]
+    scores = torch.einsum("rhgd,rshd->rhgs", q, context[0]) * scale
+    k_pos = torch.arange(context.shape[2], device=query.device)[None, :]
+    allowed = k_pos < seq_lens[:, None]  # the row's own token sits at seq_len - 1
+    if sliding_window is not None:
+        allowed &= k_pos > seq_lens[:, None] - 1 - sliding_window
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    attended = torch.einsum("rhgs,rshd->rhgd", probs, context[1])  # [R, Hkv, group, D]
+    out[token_rows] = attended.reshape(len(rows), -1, head_dim).to(out.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -76,10 +104,14 @@ def paged_attention(
     )
     group = num_heads // num_kv_heads
     out = torch.zeros_like(query)
+    decode_rows = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode_rows) > 1:  # one batched gather for all single-token rows: the CPU decode hot path
+        _decode_rows(query, kv_cache, meta, scale, sliding_window, decode_rows, out)
+    batched = set(decode_rows) if len(decode_rows) > 1 else set()
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or b in batched:
             continue
         assert q_len <= seq_len, f"sequence {b}: {q_len} new tokens but seq_len {seq_len}"
         k, v = _gather_context(kv_cache, meta.block_tables[b], seq_len).float()
