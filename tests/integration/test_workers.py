@@ -181,3 +181,33 @@ async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
         await asyncio.sleep(0.05)
     assert decode.runtime.stats.num_running == 0
     assert decode.runtime.stats.num_free_blocks == decode.runtime.stats.num_total_blocks
+
+
+async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, bus, tiny_dir):
+    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.protocol import KvEventBatch, KvEventKind
+
+    prefill, _ = workers
+    token = MODEL_TOKEN["value"]
+    batches: list[KvEventBatch] = []
+
+    async def on_events(batch: KvEventBatch, msg) -> None:
+        batches.append(batch)
+
+    sub = await bus.subscribe(subjects.kv_events_all(token), on_events, message_type=KvEventBatch)
+    accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-events")
+    assert accepted.accepted
+    await asyncio.sleep(0.3)
+    await sub.unsubscribe()
+    expected = hash_blocks(PROMPT, 4, prefill.runtime.core.fingerprint, "")
+    stored = {
+        (batch.worker_id, h)
+        for batch in batches for event in batch.events if event.event_kind is KvEventKind.STORED
+        for h in event.block_hashes
+    }
+    # Both workers announce the prompt's full blocks: prefill computed them, decode imported them.
+    assert {("prefill-t", h) for h in expected} <= stored
+    assert {("decode-t", h) for h in expected} <= stored
+    for worker in ("prefill-t", "decode-t"):
+        seqs = [b.seq for b in batches if b.worker_id == worker]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
