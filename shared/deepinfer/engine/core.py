@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, kv_bytes_per_block, plan_kv_cache
+from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
 from deepinfer.engine.scheduler import Scheduler
@@ -194,11 +194,8 @@ class EngineCore:
         return self.args.max_model_len
 
     def _plan_kv_cache(self, model: torch.nn.Module) -> KvCachePlan:
-        cfg = self.model_config
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        per_block = kv_bytes_per_block(
-            cfg.num_hidden_layers, cfg.num_kv_heads, cfg.head_dim, self.args.block_size, dtype_bytes
-        )
+        # The model config says what one token costs: K/V heads, or one latent row per layer for MLA models.
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.args.block_size
         budget = self.args.kv_cache_bytes
         if budget is None:
             budget = self._device_kv_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
@@ -229,5 +226,5 @@ class EngineCore:
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
-        shape = (2, self.kv_plan.num_blocks, self.args.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]

@@ -11,6 +11,9 @@ Payload of one block (layer-major), raw little-endian bytes of the cache dtype (
     size = num_layers · 2 · block_size · num_kv_heads · head_dim · itemsize  (= block_nbytes)
 
 i.e. a C-order [num_layers, 2, block_size, num_kv_heads, head_dim] array.
+
+Latent (MLA) caches are [num_blocks, block_size, latent_dim] per layer; a block's payload is then the C-order
+[num_layers, block_size, latent_dim] array (KvLayout.latent_dim set, kv_layout "latent").
 """
 
 from __future__ import annotations
@@ -35,16 +38,25 @@ __all__ = [
 ]
 
 
+def _is_latent(kv: torch.Tensor) -> bool:
+    return kv.dim() == 3
+
+
+def _block_dim(kv: torch.Tensor) -> int:
+    """The block axis: 1 in [2, num_blocks, ...] caches, 0 in latent [num_blocks, block_size, latent_dim]."""
+    return 0 if _is_latent(kv) else 1
+
+
 def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every layer has the same 5-d shape, dtype and device; returns the first layer."""
+    """Every layer has the same 5-d (K/V) or 3-d (latent) shape, dtype and device; returns the first layer."""
     if not kv_caches:
         raise ValueError("kv_caches is empty")
     first = kv_caches[0]
     for layer, kv in enumerate(kv_caches):
-        if kv.dim() != 5 or kv.shape[0] != 2:
+        if not _is_latent(kv) and (kv.dim() != 5 or kv.shape[0] != 2):
             raise ValueError(
-                f"layer {layer}: kv cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                f"got {tuple(kv.shape)}"
+                f"layer {layer}: kv cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] or "
+                f"[num_blocks, block_size, latent_dim], got {tuple(kv.shape)}"
             )
         if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
             raise ValueError(
@@ -57,7 +69,7 @@ def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _block_index(first: torch.Tensor, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
-    num_blocks = first.shape[1]
+    num_blocks = first.shape[_block_dim(first)]
     for block_id in block_ids:
         if not 1 <= int(block_id) < num_blocks:
             raise ValueError(f"block id {block_id} outside [1, {num_blocks}) (block 0 is the padding block)")
@@ -69,8 +81,8 @@ def _block_index(first: torch.Tensor, block_ids: Sequence[int], *, unique: bool)
 def block_nbytes(kv_caches: Sequence[torch.Tensor]) -> int:
     """Bytes of one block's payload: K and V of every layer."""
     first = _check_caches(kv_caches)
-    _, _, block_size, num_kv_heads, head_dim = first.shape
-    return len(kv_caches) * 2 * block_size * num_kv_heads * head_dim * first.element_size()
+    per_block = first.numel() // first.shape[_block_dim(first)]
+    return len(kv_caches) * per_block * first.element_size()
 
 
 def kv_layout_of(
@@ -78,7 +90,10 @@ def kv_layout_of(
 ) -> KvLayout:
     """The KvLayout of these caches (for a worker's KvHandle); block_size / dtype_name, if given, must agree."""
     first = _check_caches(kv_caches)
-    _, _, cache_block_size, num_kv_heads, head_dim = first.shape
+    if _is_latent(first):
+        cache_block_size, num_kv_heads, head_dim, latent_dim = first.shape[1], 0, 0, first.shape[2]
+    else:
+        (_, _, cache_block_size, num_kv_heads, head_dim), latent_dim = first.shape, None
     cache_dtype = str(first.dtype).removeprefix("torch.")
     if block_size is not None and block_size != cache_block_size:
         raise ValueError(f"block_size={block_size} but the caches hold blocks of {cache_block_size} tokens")
@@ -90,7 +105,8 @@ def kv_layout_of(
         num_layers=len(kv_caches),
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        kv_layout="nhd",
+        kv_layout="nhd" if latent_dim is None else "latent",
+        latent_dim=latent_dim,
     )
 
 
@@ -101,8 +117,10 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -
         return []
     index = _block_index(first, block_ids, unique=False)
     num_blocks = len(block_ids)
-    # [num_layers, 2, n, bs, H, D] → [n, num_layers, 2, bs, H, D]: each block's bytes contiguous, layer-major.
-    gathered = torch.stack([kv.index_select(1, index) for kv in kv_caches]).permute(2, 0, 1, 3, 4, 5)
+    # per layer [2, n, bs, H, D] (or latent [n, bs, C]) → [n, num_layers, ...]: each block's bytes contiguous,
+    # layer-major.
+    dim = _block_dim(first)
+    gathered = torch.stack([kv.index_select(dim, index).movedim(dim, 0) for kv in kv_caches], dim=1)
     # Through pinned memory on an accelerator: a pageable device→host copy runs at a fraction of PCIe speed.
     host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=first.device.type == "cuda")
     host.copy_(gathered)
@@ -134,8 +152,9 @@ def import_blocks(
     staging_np = staging.numpy()
     for i, payload in enumerate(payloads):
         staging_np[i] = np.frombuffer(payload, dtype=np.uint8)
-    _, _, block_size, num_kv_heads, head_dim = first.shape
-    typed = staging.view(first.dtype).view(num_blocks, len(kv_caches), 2, block_size, num_kv_heads, head_dim)
+    dim = _block_dim(first)
+    block_shape = [n for i, n in enumerate(first.shape) if i != dim]
+    typed = staging.view(first.dtype).view(num_blocks, len(kv_caches), *block_shape)
     on_device = typed.to(first.device, non_blocking=pin)
     for layer, kv in enumerate(kv_caches):
-        kv.index_copy_(1, index, on_device[:, layer].transpose(0, 1))
+        kv.index_copy_(dim, index, on_device[:, layer].movedim(0, dim))

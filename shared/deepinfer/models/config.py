@@ -12,6 +12,49 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): K/V come from a per-token latent cached instead of heads."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    #: None when queries are projected directly (V2-Lite); else the rank of the query down-projection.
+    q_lora_rank: int | None = None
+    #: True: RoPE pairs are interleaved (x0, x1), (x2, x3) ... (DeepSeek's layout); False: neox halves.
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements cached per token and layer: the compressed latent then the decoupled RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: the no-position part then the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed + shared experts replacing the MLP of layers >= first_k_dense_replace."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    #: "softmax" (V2) or "sigmoid" (V3, with the e_score_correction_bias used for selection only).
+    scoring_func: str = "softmax"
+    #: "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3).
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture and geometry of a decoder-only model, parsed from config.json."""
 
@@ -35,6 +78,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    #: set for latent-attention models: their KV cache holds one latent row per token, not K/V heads.
+    mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
+    #: DeepSeek multi-token-prediction modules stored after the main layers (model.layers.{num_hidden_layers}.*).
+    num_nextn_predict_layers: int = 0
     #: the raw config.json, for fields only one architecture reads.
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -48,14 +96,23 @@ class ModelConfig:
         """"default", "linear", "llama3" or "yarn"."""
         return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache: [2, num_blocks, block_size, Hkv, head_dim], or [num_blocks, block_size,
+        latent_dim] for MLA."""
+        if self.mla is not None:
+            return (num_blocks, block_size, self.mla.latent_dim)
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def kv_bytes_per_token(self, dtype: Any) -> int:
-        """Bytes of K and V that one token occupies over all layers, for a torch dtype or its name."""
+        """Bytes of KV cache that one token occupies over all layers, for a torch dtype or its name."""
         itemsize = getattr(dtype, "itemsize", None)
         if itemsize is None:
             name = str(dtype).removeprefix("torch.")
             if name not in _DTYPE_BYTES:
                 raise ValueError(f"unknown KV cache dtype {dtype!r}")
             itemsize = _DTYPE_BYTES[name]
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim * itemsize
         return 2 * self.num_hidden_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
@@ -89,8 +146,51 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            mla=_parse_mla(hf),
+            moe=_parse_moe(hf),
+            num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0),
             hf_config=dict(hf),
         )
+
+
+def _parse_mla(hf: dict[str, Any]) -> MlaConfig | None:
+    """MLA geometry when config.json has `kv_lora_rank` (DeepSeek V2/V3), else None."""
+    if hf.get("kv_lora_rank") is None:
+        return None
+    q_lora_rank = hf.get("q_lora_rank")
+    return MlaConfig(
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        # transformers' DeepseekV3 defaults to interleaved; V2 always is (its RoPE runs on complex pairs).
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def _parse_moe(hf: dict[str, Any]) -> MoeConfig | None:
+    """DeepSeek-style MoE when config.json names routed experts, else None."""
+    num_experts = hf.get("n_routed_experts")
+    if not num_experts:
+        return None
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={hf['moe_layer_freq']} is not supported (only every layer after "
+                         "first_k_dense_replace)")
+    is_v3 = hf.get("model_type") == "deepseek_v3"
+    return MoeConfig(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        num_shared_experts=int(hf.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        scoring_func=hf.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"),
+        topk_method=hf.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+    )
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

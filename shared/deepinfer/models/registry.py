@@ -7,6 +7,8 @@ from typing import Any
 
 #: architecture -> "module:Class".
 _ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "deepinfer.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepinfer.models.deepseek:DeepseekV3ForCausalLM",
     "LlamaForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "deepinfer.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "deepinfer.models.qwen2:Qwen2ForCausalLM",

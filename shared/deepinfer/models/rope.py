@@ -58,7 +58,7 @@ def _yarn_inv_freq(config: ModelConfig, rotary_dim: int) -> tuple[torch.Tensor, 
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_factor = 1 - ramp
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2, device="cpu").float() / rotary_dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
