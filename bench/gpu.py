@@ -2,6 +2,7 @@
 `transformers` (sdpa) and with the ceilings measured in the same run.
 
     python bench/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
+                        [--batch-invariant]   # also: the engine in batch-invariant mode (prefill, decode)
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
 Each section appends to the JSON as soon as it ends, so a run cut short keeps what it measured.
@@ -58,16 +59,23 @@ def ceilings() -> dict:
     return {"matmul_tflops": round(2 * n**3 / mm_s / 1e12, 1), "copy_gb_s": round(2 * src.nbytes / cp_s / 1e9, 1)}
 
 
-def make_engine(model_dir: Path, max_num_seqs: int = 256):
+def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False):
     """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
     from deepinfer.engine.args import EngineArgs
     from deepinfer.engine.core import EngineCore
+    from deepinfer.engine.runner import ModelRunner
 
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
-                      enable_kv_events=False, progress=False, gpu_memory_utilization=0.9)
+                      enable_kv_events=False, progress=False, gpu_memory_utilization=0.9,
+                      batch_invariant=batch_invariant, enforce_eager=batch_invariant)
     start = time.perf_counter()
     engine = EngineCore(args)
+    if batch_invariant and not engine.runner.batch_invariant:  # EngineCore does not pass the flag on yet
+        r = engine.runner
+        engine.runner = ModelRunner(r.model, r.kv_caches, r.block_size, r.vocab_size, r.device, r.eos_token_ids,
+                                    max_model_len=engine.max_model_len, max_num_seqs=max_num_seqs,
+                                    use_cuda_graphs=True, batch_invariant=True)
     for cache in engine.runner.kv_caches:  # random KV (never zeros): decode reads it at full width
         cache.normal_(0, 1)
     return engine, time.perf_counter() - start
@@ -167,9 +175,10 @@ def step_phases(engine, steps: int) -> dict:
     return {f"{name}_ms": round(1e3 * t / steps, 3) for name, t in totals.items()}
 
 
-def replay_ms(engine, batch: int) -> float:
+def replay_ms(engine, batch: int, max_seq_len: int) -> float:
     """GPU time of the captured forward alone (back-to-back replays, CUDA events): the step's floor."""
-    graph = engine.runner.graphs.graphs[batch]
+    graphs = engine.runner.graphs
+    graph = graphs.graphs[batch, graphs.bucket(max_seq_len)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
@@ -245,39 +254,6 @@ def serving_ours(engine, num_requests: int) -> dict:
             "graph_steps": graphs.num_replays - replays0}
 
 
-def hf_model(model_dir: Path):
-    """transformers' Llama from the same config, random bf16 weights on the GPU, sdpa attention."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval()
-
-
-def hf_prefill(model, vocab: int, reps: int = 3) -> float:
-    """Median seconds of one forward over [4, 4096] with logits of the last token only."""
-    ids = torch.randint(0, vocab, (PREFILL_SEQS, PREFILL_LEN), device="cuda")
-    with torch.inference_mode():
-        return timed(lambda: model(input_ids=ids, logits_to_keep=1), reps)
-
-
-def hf_decode(model, vocab: int, batch: int, new_tokens: int) -> dict:
-    """Static-cache greedy generate: decode-only time = t(1 + new_tokens new) - t(1 new), same prompts."""
-    ids = torch.randint(0, vocab, (batch, CONTEXT), device="cuda")
-
-    def gen(n):
-        with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, cache_implementation="static", pad_token_id=0)
-
-    t_full = timed(lambda: gen(1 + new_tokens), reps=1, warmup=1)
-    t_one = timed(lambda: gen(1), reps=1, warmup=0)
-    return {"tok_s": round(batch * new_tokens / (t_full - t_one), 1), "decode_s": round(t_full - t_one, 3),
-            "new_tokens": new_tokens}
-
-
 def prefill_limit_s(cfg: dict, tflops: float) -> tuple[float, str]:
     """Seconds for 4x4096 cold at the measured matmul rate: linear + causal attention FLOPs."""
     h, i, layers, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]
@@ -303,6 +279,7 @@ def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_req
     engine, build_s = make_engine(model_dir)
     res["ours_build_s"] = round(build_s, 1)
     res["capture_sizes"] = engine.runner.graphs.sizes
+    res["seq_len_buckets"] = engine.runner.graphs.seq_len_buckets
     rng = np.random.default_rng(0)
     if "prefill" in sections:
         seconds = prefill_ours(engine, rng)
@@ -318,9 +295,12 @@ def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_req
             graph = decode_ours(engine, rng, batch, steps, eager=False)
             eager = decode_ours(engine, rng, batch, steps, eager=True)
             roof = decode_roofline(engine, batch, CONTEXT + 3 + steps / 2, res["ceilings"]["copy_gb_s"])
+            context = CONTEXT + 3 + steps
             res["decode"][str(batch)] = {
                 "graphs_tok_s": graph["tok_s"], "graphs_step_ms": graph["step_ms"], "eager_tok_s": eager["tok_s"],
-                "eager_step_ms": eager["step_ms"], "graph_replay_ms": round(replay_ms(engine, batch), 3),
+                "eager_step_ms": eager["step_ms"], "graph_replay_ms": round(replay_ms(engine, batch, context), 3),
+                "graph_bucket": engine.runner.graphs.bucket(context),
+                "graph_replay_ms_max_bucket": round(replay_ms(engine, batch, engine.max_model_len), 3),
                 "roofline_tok_s": round(roof, 1), "graphs_of_roofline": round(graph["tok_s"] / roof, 3),
                 "graphs_phases_ms": {k: v for k, v in graph.items() if k.endswith("_ms") and k != "step_ms"}}
             save()
@@ -334,16 +314,19 @@ def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_req
     del engine
 
 
-def run_hf(model_dir: Path, cfg: dict, res: dict, save) -> None:
-    """transformers on the same shape: prefill 4x4096 and static-cache decode at batch 1 and 64."""
-    model = hf_model(model_dir)
-    vocab = cfg["vocab_size"]
-    seconds = hf_prefill(model, vocab)
-    res.setdefault("prefill", {})["transformers_tok_s"] = round(PREFILL_SEQS * PREFILL_LEN / seconds, 1)
+def run_invariant(model_dir: Path, res: dict, save) -> None:
+    """The engine in batch-invariant mode: prefill 4x4096 and graph decode at B = 1, 64, 256 (its cost)."""
+    engine, build_s = make_engine(model_dir, batch_invariant=True)
+    rng = np.random.default_rng(2)
+    out = res["batch_invariant"] = {"build_s": round(build_s, 1), "decode": {}}
+    out["prefill_tok_s"] = round(PREFILL_SEQS * PREFILL_LEN / prefill_ours(engine, rng), 1)
     save()
-    res["transformers_decode"] = {str(b): hf_decode(model, vocab, b, n) for b, n in ((1, 64), (64, 32))}
-    save()
-    del model
+    for batch, steps in ((1, 32), (64, 24), (256, 16)):
+        d = decode_ours(engine, rng, batch, steps, eager=False)
+        out["decode"][str(batch)] = {"tok_s": d["tok_s"], "step_ms": d["step_ms"],
+                                     "replay_ms": round(replay_ms(engine, batch, CONTEXT + steps), 3)}
+        save()
+    del engine
 
 
 def print_table(res: dict) -> None:
@@ -364,6 +347,10 @@ def print_table(res: dict) -> None:
               f"   host ms/step {d.get('graphs_phases_ms')}")
     for mode, v in res.get("idle_b64", {}).items():
         print(f"idle fraction between kernels, decode B=64, {mode}: {v['idle_fraction']} over {v['window_ms']} ms")
+    bi = res.get("batch_invariant")
+    if bi:
+        print(f"batch-invariant: prefill 4x4096 {bi.get('prefill_tok_s')} tok/s; decode tok/s (graphs) "
+              + ", ".join(f"B={b}: {d['tok_s']}" for b, d in bi.get("decode", {}).items()))
     s = res.get("serving")
     if s:
         print(f"serving {s['num_requests']} req (mean {s['mean_in']} in / {s['mean_out']} out): "
@@ -389,6 +376,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LLAMA_31_8B["num_hidden_layers"])
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--batch-invariant", action="store_true", help="also measure batch-invariant mode")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     out = args.out or (Path(os.environ["OUT"]) / "gpu-bench.json" if os.environ.get("OUT") else None)
@@ -411,7 +399,13 @@ def main() -> None:
             guarded(res, "ours_error", lambda: run_ours(model_dir, cfg, sections, res, save, args.num_requests))
             gc.collect()
             torch.cuda.empty_cache()
+        if args.batch_invariant:
+            guarded(res, "batch_invariant_error", lambda: run_invariant(model_dir, res, save))
+            gc.collect()
+            torch.cuda.empty_cache()
         if "hf" in sections:
+            from gpu_hf import run_hf
+
             guarded(res, "transformers_error", lambda: run_hf(model_dir, cfg, res, save))
         save()
     print_table(res)

@@ -1,23 +1,31 @@
-"""Input preparation of the model runner on the CPU: flat batch, slot mapping, padding, staging, graph ladder."""
+"""Input preparation of the model runner on the CPU: persistent block table, flat batch, slot mapping, padding,
+staging, graph inputs and ladders."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.cuda_graphs import capture_sizes, padded_batch_size
-from deepinfer.engine.runner import InputStager, block_slots, build_host_batch, pad_decode_batch
-from deepinfer.engine.scheduler import ScheduledRequest
+from deepinfer.engine.cuda_graphs import GraphInputs, capture_sizes, padded_batch_size, seq_len_buckets
+from deepinfer.engine.inputs import BlockTable, InputStager, block_slots, build_host_batch, pad_decode_batch
+from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import build_attention_metadata
 
 BLOCK_SIZE = 4
 
 
-def scheduled(rid, token_ids, num_computed, block_ids, sample=True):
-    """A ScheduledRequest feeding token_ids after num_computed cached tokens."""
-    return ScheduledRequest(rid, list(token_ids), num_computed, len(token_ids), list(block_ids), sample, False)
+def scheduled(rid, token_ids, num_computed, block_ids, sample=True, is_new=True):
+    """A ScheduledRequest feeding token_ids after num_computed cached tokens (block_ids: the whole table when
+    is_new, else the ids appended since the request's last step)."""
+    return ScheduledRequest(rid, list(token_ids), num_computed, len(token_ids), list(block_ids), sample, is_new)
+
+
+def host_batch(requests, table=None):
+    """build_host_batch over a fresh (or the given) block table."""
+    return build_host_batch(requests, table if table is not None else BlockTable(8, 2), BLOCK_SIZE)
 
 
 def reference_slots(block_ids, start, end):
@@ -41,7 +49,7 @@ def mixed_batch():
 
 
 def test_host_batch_flattens_the_ragged_batch():
-    batch = build_host_batch(mixed_batch(), BLOCK_SIZE)
+    batch = host_batch(mixed_batch())
     assert batch.input_ids == [11, 12, 13, 14, 15, 16, 21, 31, 32, 33]
     assert batch.positions == [0, 1, 2, 3, 4, 5, 9, 5, 6, 7]
     assert batch.slot_mapping == reference_slots([3, 8], 0, 6) + reference_slots([1, 4, 6], 9, 10) + \
@@ -52,11 +60,16 @@ def test_host_batch_flattens_the_ragged_batch():
 
 
 def test_staged_inputs_equal_build_attention_metadata():
-    batch = build_host_batch(mixed_batch(), BLOCK_SIZE)
+    table = BlockTable(4, 2)
     stager = InputStager(torch.device("cpu"))
-    stager.stage(build_host_batch([scheduled("x", [1] * 13, 0, [9, 9, 9, 9])], BLOCK_SIZE))  # stale data
-    inputs = stager.stage(batch)
-    ref = build_attention_metadata(batch.query_lens, batch.seq_lens, batch.block_ids, batch.slot_mapping)
+    stale = host_batch([scheduled("x", [1] * 13, 0, [9, 9, 9, 9])], table)
+    stager.stage(stale, table)  # stale data in the buffers and in a row that is freed and reused
+    table.free(["x"])
+    requests = mixed_batch()
+    batch = host_batch(requests, table)
+    inputs = stager.stage(batch, table)
+    block_ids = [s.new_block_ids for s in requests]
+    ref = build_attention_metadata(batch.query_lens, batch.seq_lens, block_ids, batch.slot_mapping)
     assert inputs.input_ids.tolist() == batch.input_ids
     assert inputs.positions.tolist() == batch.positions
     assert inputs.logits_indices.tolist() == [6, 9]
@@ -68,15 +81,77 @@ def test_staged_inputs_equal_build_attention_metadata():
 
 
 def test_padding_rows_write_nothing_and_read_the_null_block():
-    batch = build_host_batch([scheduled("a", [5], 6, [3, 4]), scheduled("b", [7], 0, [2])], BLOCK_SIZE)
+    table = BlockTable(4, 2)
+    batch = host_batch([scheduled("a", [5], 6, [3, 4]), scheduled("b", [7], 0, [2])], table)
     assert batch.is_decode_only
     padded = pad_decode_batch(batch, 4)
     assert padded.input_ids == [5, 7, 0, 0] and padded.positions == [6, 0, 0, 0]
     assert padded.slot_mapping == [4 * BLOCK_SIZE + 2, 2 * BLOCK_SIZE, -1, -1]
-    assert padded.seq_lens == [7, 1, 1, 1] and padded.block_ids[2:] == [[0], [0]]
+    assert padded.seq_lens == [7, 1, 1, 1] and padded.block_table_rows[2:] == [0, 0]
     assert padded.logits_indices == [0, 1] and len(padded.sampled) == 2
+    out = np.full((4, 2), -7, dtype=np.int32)
+    table.gather(padded.block_table_rows, 2, out)
+    assert out[:, :1].tolist() == [[3], [2], [0], [0]] and out[0].tolist() == [3, 4]
     with pytest.raises(AssertionError):
-        pad_decode_batch(build_host_batch(mixed_batch(), BLOCK_SIZE), 8)
+        pad_decode_batch(host_batch(mixed_batch()), 8)
+
+
+def test_block_table_follows_new_block_ids_across_steps_and_reuses_rows():
+    """Whole table at is_new, appended ids after; finished rows are reused; a resumed request restarts its row."""
+    table = BlockTable(2, 1)  # one column: the table must grow
+    step1 = host_batch([scheduled("a", [1, 2, 3, 4, 5], 0, [7, 3], sample=False),
+                        scheduled("b", [9], 0, [5])], table)
+    step2 = host_batch([scheduled("a", [6, 7, 8, 9], 5, [8], is_new=False),
+                        scheduled("b", [10], 1, [], is_new=False)], table)
+    assert step2.slot_mapping == [3 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 2, 3 * BLOCK_SIZE + 3, 8 * BLOCK_SIZE,
+                                  5 * BLOCK_SIZE + 1]
+    assert step2.max_num_blocks == 3
+    assert step2.block_table_rows == step1.block_table_rows
+    assert table.block_ids[table.rows["a"]] == [7, 3, 8] and table.table[table.rows["a"], :3].tolist() == [7, 3, 8]
+    row_b = table.rows["b"]
+    table.free(["b"])  # finished
+    step3 = host_batch([scheduled("c", [4], 0, [6]), scheduled("a", [1], 9, [], is_new=False)], table)
+    assert step3.block_table_rows == [row_b, table.rows["a"]] and table.block_ids[row_b] == [6]
+    host_batch([scheduled("a", [1, 2], 0, [2])], table)  # resumed after a preemption: the row restarts
+    assert table.block_ids[table.rows["a"]] == [2] and table.table[table.rows["a"], 0] == 2
+    host_batch([scheduled("d", [1], 0, [4])], table)  # a third live request: the rows grow
+    assert len({table.rows[r] for r in "acd"}) == 3 and 0 not in table.rows.values()
+    table.free_stale(lambda rid: rid == "d")
+    assert list(table.rows) == ["d"]
+
+
+def test_graph_inputs_equal_the_padded_batch():
+    table = BlockTable(8, 4)
+    host_batch([scheduled("z", [1] * 16, 0, [11, 12, 13, 14], sample=False)], table)  # stale row contents
+    table.free(["z"])
+    batch = host_batch([scheduled("a", [5], 6, [3, 4]), scheduled("b", [7], 0, [2]), scheduled("c", [8], 2, [9])],
+                       table)
+    inputs = GraphInputs(max_bs=8, width=4)
+    inputs.host32.fill_(-5)  # poison: every live entry must be written
+    n32 = inputs.fill(batch, table, bs=4)
+    padded = pad_decode_batch(batch, 4)
+    assert inputs.host64[:, :4].tolist() == [padded.input_ids, padded.positions, padded.slot_mapping]
+    assert inputs.host32[:4].tolist() == padded.seq_lens and n32 == inputs.seq_off + 4 * 4
+    tables = inputs.host32[inputs.seq_off : n32].view(4, 4)
+    assert tables[:, 0].tolist() == [3, 2, 9, 0] and tables[0, 1].item() == 4
+
+
+def test_runner_frees_rows_of_finished_and_preempted_requests():
+    from deepinfer.engine.runner import ModelRunner
+
+    runner = ModelRunner(torch.nn.Identity(), [], BLOCK_SIZE, 8, torch.device("cpu"), max_model_len=16,
+                         max_num_seqs=2)
+    runner.prepare_batch(SchedulerOutput([scheduled("a", [1], 0, [1]), scheduled("b", [1], 0, [2])]))
+    assert runner.block_table.num_free_rows == 0
+    out = SchedulerOutput([scheduled("c", [1], 0, [3])], preempted_request_ids=["a"], finished_request_ids=["b"])
+    runner.prepare_batch(out)
+    assert set(runner.block_table.rows) == {"c"} and runner.block_table.num_free_rows == 1
+
+
+def test_seq_len_buckets_follow_the_decode_partitions():
+    assert seq_len_buckets(8192) == [512, 1024, 2048, 4096, 8192]
+    assert seq_len_buckets(3000) == [512, 1024, 2048, 3000] and seq_len_buckets(512) == [512]
+    assert seq_len_buckets(8192, fixed=True) == [8192]
 
 
 def test_capture_ladder_and_padding_size():

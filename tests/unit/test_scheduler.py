@@ -3,6 +3,8 @@
 The fake runner writes each step's input token ids into the slots its block table names and samples the next
 token from the context it reads back through the block table, so a wrong block table, a bad prefix hit or a
 block overwritten while shared changes the generated tokens, which are checked against a plain reference.
+Like the real runner, it keeps each request's block table from the new block ids the scheduler sends (the whole
+table when is_new) and drops it when the request is reported finished or preempted.
 """
 
 from __future__ import annotations
@@ -49,20 +51,36 @@ class FakeRunner:
         self.slots: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_blocks)]
         self.script = script or {}
         self.steps: list[SchedulerOutput] = []
+        self.tables: dict[str, list[int]] = {}
+        #: Whole block table of each scheduled request, per executed step.
+        self.tables_at: list[dict[str, list[int]]] = []
+
+    def apply_block_ids(self, output: SchedulerOutput) -> None:
+        for request_id in output.finished_request_ids + output.preempted_request_ids:
+            self.tables.pop(request_id, None)
+        for sched in output.scheduled:
+            if sched.is_new:
+                self.tables[sched.request_id] = list(sched.new_block_ids)
+            else:
+                self.tables[sched.request_id].extend(sched.new_block_ids)
+        self.tables_at.append({s.request_id: list(self.tables[s.request_id]) for s in output.scheduled})
 
     def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
         self.steps.append(output)
+        self.apply_block_ids(output)
         written: dict[int, str] = {}
         for sched in output.scheduled:
             assert len(sched.token_ids) == sched.num_new_tokens > 0
+            table = self.tables[sched.request_id]
+            assert len(table) == -(-(sched.num_computed_tokens + sched.num_new_tokens) // self.block_size)
             for i, token_id in enumerate(sched.token_ids):
                 pos = sched.num_computed_tokens + i
-                block_id = sched.block_ids[pos // self.block_size]
+                block_id = table[pos // self.block_size]
                 assert block_id != 0, "block 0 is padding"
                 self.slots[block_id][pos % self.block_size] = token_id
                 written[block_id] = sched.request_id
         for sched in output.scheduled:  # no block written this step is read by another request
-            assert all(written.get(b, sched.request_id) == sched.request_id for b in sched.block_ids)
+            assert all(written.get(b, sched.request_id) == sched.request_id for b in self.tables[sched.request_id])
         sampled = {}
         for sched in output.scheduled:
             if not sched.sample:
@@ -72,9 +90,8 @@ class FakeRunner:
                 sampled[sched.request_id] = [script.pop(0)]
                 continue
             end = sched.num_computed_tokens + sched.num_new_tokens
-            context = [
-                self.slots[sched.block_ids[p // self.block_size]][p % self.block_size] for p in range(end)
-            ]
+            table = self.tables[sched.request_id]
+            context = [self.slots[table[p // self.block_size]][p % self.block_size] for p in range(end)]
             sampled[sched.request_id] = [next_token(context)]
         return sampled
 
@@ -126,7 +143,7 @@ def test_first_step_allocates_fresh_blocks_in_order():
     scheduler, prompt = Scheduler(make_config()), list(range(100, 110))
     scheduler.add_request(make_request("a", prompt, 0.0))
     (sched,) = scheduler.schedule().scheduled
-    assert (sched.request_id, sched.block_ids) == ("a", [1, 2, 3])
+    assert (sched.request_id, sched.new_block_ids, sched.is_new) == ("a", [1, 2, 3], True)
     assert (sched.num_computed_tokens, sched.num_new_tokens) == (0, 10)
     assert sched.token_ids == prompt and sched.sample and sched.is_new
 
@@ -141,8 +158,9 @@ def test_prefix_hit_on_second_request_shares_blocks():
     scheduler.add_request(make_request("b", prompt, 1.0))
     output, updates = run_step(scheduler, runner)
     sched_a, sched_b = output.scheduled
-    assert (sched_a.request_id, sched_a.num_new_tokens, sched_a.block_ids) == ("a", 1, [1, 2, 3])
-    assert (sched_b.block_ids, sched_b.num_computed_tokens, sched_b.token_ids) == ([1, 2, 4], 8, prompt[8:])
+    assert (sched_a.request_id, sched_a.num_new_tokens, runner.tables["a"]) == ("a", 1, [1, 2, 3])
+    assert (sched_a.is_new, sched_a.new_block_ids) == (False, [])  # a decode within its third block
+    assert (sched_b.new_block_ids, sched_b.num_computed_tokens, sched_b.token_ids) == ([1, 2, 4], 8, prompt[8:])
     assert [scheduler.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
     assert scheduler.requests["b"].num_cached_tokens == 8
     (update_b,) = [u for u in updates if u.request_id == "b"]
@@ -160,7 +178,7 @@ def test_full_prompt_in_cache_still_computes_its_last_token():
     run_to_completion(scheduler, runner)
     scheduler.add_request(make_request("b", prompt, 1.0, max_tokens=1))
     (sched,) = scheduler.schedule().scheduled
-    assert (sched.num_computed_tokens, sched.num_new_tokens, sched.block_ids[0]) == (4, 4, 1)
+    assert (sched.num_computed_tokens, sched.num_new_tokens, sched.new_block_ids[0]) == (4, 4, 1)
     assert scheduler.requests["b"].num_cached_tokens == 4
 
 
@@ -201,19 +219,21 @@ def test_preemption_by_recompute():
             assert list(scheduler.waiting) == [req_b] and scheduler.kv_manager.get_block_ids(req_b) == []
             assert scheduler.block_pool.free_block_queue.block_ids() == [4, 3]  # b's tail block first
 
-    assert [[(s.request_id, s.block_ids) for s in steps[i].scheduled] for i in (2, 3)] == [
+    tables_at = [None, *runner.tables_at]  # 1-based, as steps
+    assert [[(s.request_id, tables_at[i][s.request_id]) for s in steps[i].scheduled] for i in (2, 3)] == [
         [("a", [1, 2]), ("b", [3, 4])],
         [("a", [1, 2, 5])],
     ]
+    assert [s.new_block_ids for s in steps[3].scheduled] == [[5]]  # only the block appended since step 2
     assert steps[3].preempted_request_ids == ["b"]  # the most recent arrival, here the request asking
     assert not any(steps[i].preempted_request_ids for i in range(4, len(steps)))
     # a's 13th token (step 7) needs a 4th block: b's tail block, cached and least recently freed, is evicted
-    assert steps[7].scheduled[0].block_ids == [1, 2, 5, 4]
+    assert tables_at[7]["a"] == [1, 2, 5, 4] and steps[7].scheduled[0].new_block_ids == [4]
     assert events[7] == [Removed([req_b.block_hashes[1]])]
     # a finishes in step 10; b resumes in step 11: its head block is still cached, the rest is recomputed
     assert steps[11].finished_request_ids == ["a"]
     (resumed,) = steps[11].scheduled
-    assert (resumed.request_id, resumed.is_new, resumed.block_ids) == ("b", True, [3, 4, 5])
+    assert (resumed.request_id, resumed.is_new, resumed.new_block_ids) == ("b", True, [3, 4, 5])
     assert (resumed.num_computed_tokens, resumed.num_new_tokens) == (4, 5)
     assert resumed.token_ids == prompt_b[4:] + outputs["b"][:2]
     assert req_b.num_cached_tokens == 0 and req_b.num_preemptions == 1  # cached tokens: the first admission's
@@ -324,7 +344,7 @@ def test_abort_drops_every_reference():
 
     scheduler.add_request(make_request("d", prompt, 4.0))
     (sched,) = scheduler.schedule().scheduled
-    assert sched.block_ids[:2] == [1, 2] and scheduler.requests["d"].num_cached_tokens == 8
+    assert sched.new_block_ids[:2] == [1, 2] and scheduler.requests["d"].num_cached_tokens == 8
 
 
 @pytest.mark.parametrize(
@@ -400,12 +420,12 @@ def test_siblings_share_once_the_first_computed_the_prompt():
     for i in range(2):
         scheduler.add_request(make_request(f"s{i}", prompt, 0.0, max_tokens=3))
     output, _ = run_step(scheduler, runner)
-    assert [s.block_ids for s in output.scheduled] == [[1, 2, 3], [4, 5, 6]]  # same step: nothing shared yet
+    assert [s.new_block_ids for s in output.scheduled] == [[1, 2, 3], [4, 5, 6]]  # same step: nothing shared
     events = scheduler.take_kv_events()
     assert events == [Stored(hash_blocks(prompt, 4, b"fp", ""), None)]  # each hash stored once
     scheduler.add_request(make_request("s2", prompt, 0.0, max_tokens=3))
     output, _ = run_step(scheduler, runner)
-    assert output.scheduled[-1].block_ids[:2] == [1, 2]
+    assert output.scheduled[-1].is_new and output.scheduled[-1].new_block_ids[:2] == [1, 2]
     outputs = run_to_completion(scheduler, runner)
     assert outputs["s2"] == reference_output(prompt, 3)[1:]
 

@@ -56,6 +56,10 @@ class EngineArgs:
     dummy_seed: int = 0
     #: True = never capture CUDA graphs (decode runs eagerly, as on the CPU).
     enforce_eager: bool = False
+    #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
+    #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
+    #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -90,6 +90,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs,
             use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda",
+            batch_invariant=args.batch_invariant,
         )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
@@ -168,7 +169,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """One engine step: schedule → execute → update."""
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled.scheduled, self.scheduler.requests)
+        sampled = self.runner.execute(scheduled, self.scheduler.requests)
         updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
         return [
             EngineOutput(

@@ -1,32 +1,40 @@
-"""CUDA graphs for decode-only steps: the model forward captured once per batch size, replayed every step.
+"""CUDA graphs for decode-only steps: the model forward captured once per (batch size, context bucket), replayed.
 
-A decode step of B requests runs the graph captured for the smallest size >= B on the ladder
-1, 2, 4, 8, 16, 24, 32, ... (multiples of 8 up to max_num_seqs, as vLLM); the batch is padded up to it.
+A decode step of B requests whose longest context is L runs the graph captured for the smallest size >= B on the
+ladder 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8 up to max_num_seqs, as vLLM) and the smallest context
+bucket >= L; the batch is padded up to it. Buckets are multiples of the decode kernel's split-K partition
+(512 keys): 1, 2, 4, 8, ... partitions up to max_model_len, so the grid of a step at 2k context has 4-8
+partitions instead of max_model_len / 512 (16 at 8k), most of which would exit at once.
 Every graph reads its inputs from one set of static device buffers, filled before each replay by one
-non_blocking copy per dtype from pinned host buffers of the same layout:
+non_blocking copy per dtype from pinned host buffers of the same layout (`GraphInputs`):
 
     int64 [3, max_bs]                       input_ids | positions | slot_mapping
     int32 [max_bs_aligned + max_bs * W]     seq_lens  | block_tables (row-major, W = max blocks per sequence)
     int32 [max_bs + 1]                      query_start_loc = 0, 1, 2, ... (fixed: one token per row)
 
-The attention metadata is captured with max_seq_len = max_model_len, so the split-K decode kernel's grid
-(and its partition buffers) never depend on the batch; partitions past a sequence's end exit at once.
+The attention metadata is captured with max_seq_len = the bucket, so the split-K grid (and its partition
+buffers) is fixed per graph; partitions past a sequence's end exit at once. Batch-invariant mode captures
+only the max_model_len bucket, so a sequence's partitions never depend on the other sequences.
 Padding rows write no KV (slot -1) and attend to one key of the reserved null block 0 (seq_len 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from deepinfer.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from deepinfer.engine.runner import HostBatch
+    from deepinfer.engine.inputs import BlockTable, HostBatch
 
 _ALIGN = 16
+#: Keys per split-K partition of the decode attention kernel (its default partition_size).
+DECODE_PARTITION_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -39,12 +47,56 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def seq_len_buckets(max_model_len: int, fixed: bool = False) -> list[int]:
+    """Context buckets: 1, 2, 4, ... decode partitions of 512 keys, capped by (and ending at) max_model_len;
+    only [max_model_len] when `fixed` (batch-invariant mode)."""
+    buckets, num_partitions = [], 1
+    while not fixed and num_partitions * DECODE_PARTITION_SIZE < max_model_len:
+        buckets.append(num_partitions * DECODE_PARTITION_SIZE)
+        num_partitions *= 2
+    return [*buckets, max_model_len]
+
+
 def padded_batch_size(sizes: Sequence[int], num_seqs: int) -> int | None:
     """The smallest captured size that holds num_seqs rows; None when none does."""
     for size in sizes:
         if size >= num_seqs:
             return size
     return None
+
+
+class GraphInputs:
+    """Host side of the static graph inputs (pinned on CUDA): a decode batch padded to a captured size."""
+
+    def __init__(self, max_bs: int, width: int, pinned: bool = False) -> None:
+        self.max_bs, self.width = max_bs, width
+        self.seq_off = -(-max_bs // _ALIGN) * _ALIGN  # block_tables start in the int32 buffer
+        self.host64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(self.seq_off + max_bs * width, dtype=torch.int32, pin_memory=pinned)
+        self._h64: np.ndarray = self.host64.numpy()
+        self._h32: np.ndarray = self.host32.numpy()
+
+    def fill(self, batch: HostBatch, block_table: BlockTable, bs: int) -> int:
+        """Write `batch` padded to `bs` rows; the int32 elements to copy (the int64 buffer goes whole)."""
+        from deepinfer.engine.inputs import NULL_ROW
+
+        num_seqs, h64, h32 = batch.num_seqs, self._h64, self._h32
+        assert batch.is_decode_only and num_seqs <= bs <= self.max_bs, (batch.num_tokens, num_seqs, bs)
+        h64[0, :num_seqs] = batch.input_ids
+        h64[1, :num_seqs] = batch.positions
+        h64[2, :num_seqs] = batch.slot_mapping
+        h64[:2, num_seqs:bs] = 0  # padding rows: token 0 at position 0 ...
+        h64[2, num_seqs:bs] = -1  # ... writing no KV
+        h32[:num_seqs] = batch.seq_lens
+        h32[num_seqs:bs] = 1  # ... attending to one key of the null block
+        n32 = self.seq_off + bs * self.width
+        rows = batch.block_table_rows + [NULL_ROW] * (bs - num_seqs)
+        # Only the live columns: entries past a row's blocks are never read, whatever stale value they hold.
+        width = max(1, batch.max_num_blocks)
+        assert width <= self.width, (width, self.width)
+        tables = h32[self.seq_off : n32].reshape(bs, self.width)
+        block_table.gather(rows, width, tables[:, :width] if width < self.width else tables)
+        return n32
 
 
 class CudaGraphRunner:
@@ -58,86 +110,89 @@ class CudaGraphRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
+        *,
+        batch_invariant: bool = False,
+        capture_context: contextlib.AbstractContextManager | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
+        self.seq_len_buckets = seq_len_buckets(max_model_len, fixed=batch_invariant)
         self.max_bs = self.sizes[-1]
         self.width = -(-max_model_len // block_size)  # block-table columns: max blocks of one sequence
-        self._seq_off = -(-self.max_bs // _ALIGN) * _ALIGN  # block_tables start in the int32 buffer
-        n32 = self._seq_off + self.max_bs * self.width
-        self.host64 = torch.zeros(3, self.max_bs, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=True)
+        self.inputs = GraphInputs(self.max_bs, self.width, pinned=True)
         self.static64 = torch.zeros(3, self.max_bs, dtype=torch.int64, device=device)
-        self.static32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.static32 = torch.zeros(self.inputs.host32.numel(), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        #: (batch size, context bucket) -> graph and its output
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         #: Replays so far (decode steps that ran as a graph).
         self.num_replays = 0
         self._copied = torch.cuda.Event()
+        self._capture_context = capture_context or contextlib.nullcontext()
 
     def can_run(self, batch: HostBatch) -> bool:
         """True for a decode-only batch that fits the largest captured size."""
         return bool(self.graphs) and batch.is_decode_only and 0 < batch.num_seqs <= self.max_bs
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        tables = self.static32[self._seq_off : self._seq_off + bs * self.width].view(bs, self.width)
+    def _metadata(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+        seq_off = self.inputs.seq_off
+        tables = self.static32[seq_off : seq_off + bs * self.width].view(bs, self.width)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.static32[:bs],
             block_tables=tables,
             slot_mapping=self.static64[2, :bs],
             max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(bs + 1)),
             # Host seq_lens are read only by the torch twin, which never runs under a graph.
-            seq_lens_cpu=[self.max_model_len] * bs,
+            seq_lens_cpu=[max_seq_len] * bs,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.static64[0, :bs], self.static64[1, :bs], self.kv_caches, self._metadata(bs))
+    def _forward(self, bs: int, max_seq_len: int) -> torch.Tensor:
+        meta = self._metadata(bs, max_seq_len)
+        return self.model(self.static64[0, :bs], self.static64[1, :bs], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one shared memory pool (inputs = padding rows: no KV writes)."""
+        """Capture every (size, bucket), largest first, into one shared memory pool (inputs = padding rows)."""
         self.static64[2].fill_(-1)
         self.static32[: self.max_bs].fill_(1)
-        self.static32[self._seq_off :].zero_()
+        self.static32[self.inputs.seq_off :].zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.static64.device)
-        for bs in reversed(self.sizes):
-            # Warm-up off the capture: Triton compiles its specialisations and cuBLAS picks its kernels here.
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._forward(bs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
+        with self._capture_context:
+            for bs in reversed(self.sizes):
+                for max_seq_len in reversed(self.seq_len_buckets):
+                    # Warm-up off the capture: Triton compiles its specialisations and cuBLAS picks kernels here.
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        self._forward(bs, max_seq_len)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.outputs[bs, max_seq_len] = self._forward(bs, max_seq_len)
+                    self.graphs[bs, max_seq_len] = graph
         torch.cuda.synchronize()
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden]."""
-        from deepinfer.engine.runner import pad_decode_batch, write_block_tables
+    def bucket(self, max_seq_len: int) -> int:
+        """The smallest captured context bucket that holds max_seq_len."""
+        return next((b for b in self.seq_len_buckets if b >= max_seq_len), self.seq_len_buckets[-1])
 
+    def run(self, batch: HostBatch, block_table: BlockTable) -> torch.Tensor:
+        """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden]."""
         bs = padded_batch_size(self.sizes, batch.num_seqs)
         assert bs is not None and batch.is_decode_only, (batch.num_seqs, batch.num_tokens)
-        batch = pad_decode_batch(batch, bs)
+        key = (bs, self.bucket(max(batch.seq_lens)))
         self._copied.synchronize()  # the previous replay's copy has left the pinned buffers
-        h64, h32 = self.host64.numpy(), self.host32.numpy()
-        h64[0, :bs] = batch.input_ids
-        h64[1, :bs] = batch.positions
-        h64[2, :bs] = batch.slot_mapping
-        h32[:bs] = batch.seq_lens
-        n32 = self._seq_off + bs * self.width
-        write_block_tables(h32[self._seq_off : n32].reshape(bs, self.width), batch.block_ids)
-        self.static64.copy_(self.host64, non_blocking=True)
-        self.static32[:n32].copy_(self.host32[:n32], non_blocking=True)
+        n32 = self.inputs.fill(batch, block_table, bs)
+        self.static64.copy_(self.inputs.host64, non_blocking=True)
+        self.static32[:n32].copy_(self.inputs.host32[:n32], non_blocking=True)
         self._copied.record()
-        self.graphs[bs].replay()
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[bs]
+        return self.outputs[key]

@@ -69,6 +69,19 @@ class KVCacheManager:
         them unavailable for eviction. Nothing changes when the answer is None.
         """
         request_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if not new_computed_blocks:  # the every-step case: a running request, usually no new block
+            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
+                request_blocks
+            )
+            if num_new_blocks <= 0:
+                return []
+            if num_new_blocks > self.block_pool.num_free_blocks:
+                if not request_blocks:
+                    del self.req_to_blocks[request.request_id]
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            request_blocks.extend(new_blocks)
+            return new_blocks
         assert not new_computed_blocks or not request_blocks, "cache hits are only taken at admission"
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -90,7 +103,7 @@ class KVCacheManager:
         """Enter the request's blocks that are full of computed tokens into the prefix cache."""
         num_full_blocks = num_computed_tokens // self.block_size
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full_blocks <= num_cached:
+        if num_full_blocks <= num_cached or not self.block_pool.enable_caching:
             return
         blocks = self.req_to_blocks[request.request_id]
         self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)

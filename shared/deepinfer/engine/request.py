@@ -77,6 +77,7 @@ class Request:
         self._block_size: int | None = None
         self._hash_root: bytes = b""
         self._block_hashes: list[bytes] = []
+        self._stop_rule: _StopRule | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -105,9 +106,21 @@ class Request:
 
     def append_output_token_ids(self, token_ids: Iterable[int]) -> None:
         """Append sampled tokens (their KV is computed by the next step)."""
-        for token_id in token_ids:
-            self.output_token_ids.append(token_id)
-            self._all_token_ids.append(token_id)
+        token_ids = list(token_ids)
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token (the decode step's case, without building a sequence)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def stop_rule(self) -> _StopRule:
+        """The sampling params' stop conditions, read once (sampling params do not change while running)."""
+        if self._stop_rule is None:
+            self._stop_rule = _StopRule.of(self.sampling_params, self.eos_token_ids)
+        return self._stop_rule
 
     def bind_block_hashing(self, block_size: int, model_fingerprint: bytes) -> None:
         """Fix how block_hashes are computed; the scheduler calls it on add_request."""
@@ -146,25 +159,42 @@ class Request:
         )
 
 
+class _StopRule:
+    """A request's stop conditions as plain attributes: eos / stop ids (after min_tokens), max_tokens."""
+
+    __slots__ = ("eos_ids", "max_tokens", "min_tokens", "stop_ids")
+
+    def __init__(self, max_tokens: int | None, min_tokens: int, eos_ids: frozenset[int], stop_ids: frozenset[int]):
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
+        self.eos_ids = eos_ids  # empty under ignore_eos
+        self.stop_ids = stop_ids  # eos_ids | stop_token_ids
+
+    @classmethod
+    def of(cls, params: Any, eos_token_ids: set[int]) -> _StopRule:
+        """Read the duck-typed sampling params once."""
+        eos = frozenset() if getattr(params, "ignore_eos", False) else frozenset(eos_token_ids)
+        stop_ids = eos | frozenset(getattr(params, "stop_token_ids", None) or ())
+        return cls(getattr(params, "max_tokens", None), getattr(params, "min_tokens", 0) or 0, eos, stop_ids)
+
+
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish the request if its last token ends it; True when it did.
 
     Order: eos (unless ignore_eos), stop_token_ids — both only once min_tokens are out — then max_tokens and
-    max_model_len ("length").
+    max_model_len ("length"). An eos id also listed in stop_token_ids reports no stop_reason, as before.
     """
-    params = request.sampling_params
-    last_token_id = request.output_token_ids[-1]
-    if request.num_output_tokens >= (getattr(params, "min_tokens", 0) or 0):
-        if not getattr(params, "ignore_eos", False) and last_token_id in request.eos_token_ids:
+    rule = request.stop_rule
+    output_token_ids = request.output_token_ids
+    num_output_tokens = len(output_token_ids)
+    last_token_id = output_token_ids[-1]
+    if last_token_id in rule.stop_ids and num_output_tokens >= rule.min_tokens:
+        if last_token_id in rule.eos_ids:
             request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
-            return True
-        if last_token_id in (getattr(params, "stop_token_ids", None) or ()):
+        else:
             request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP, stop_reason=last_token_id)
-            return True
-    max_tokens = getattr(params, "max_tokens", None)
-    if (
-        max_tokens is not None and request.num_output_tokens >= max_tokens
-    ) or request.num_tokens >= max_model_len:
+        return True
+    max_tokens = rule.max_tokens
+    if (max_tokens is not None and num_output_tokens >= max_tokens) or len(request.all_token_ids) >= max_model_len:
         request.finish(RequestStatus.FINISHED_LENGTH, FinishReason.LENGTH)
         return True
     return False

@@ -42,11 +42,13 @@ class ScheduledRequest:
     #: Tokens whose KV is already in the cache, before this step.
     num_computed_tokens: int
     num_new_tokens: int
-    #: The request's whole block table after this step's allocation.
-    block_ids: list[int]
+    #: is_new: the request's whole block table after this step's allocation; else only the block ids appended
+    #: since its last scheduled step (usually none), so a step costs O(new blocks), not O(context).
+    new_block_ids: list[int]
     #: True when this step reaches the end of the known tokens, so a token is sampled (False: a prefill chunk).
     sample: bool
-    #: First step since admission (a new request or one resumed after preemption): the runner (re)builds its state.
+    #: The runner holds no state for this request (first step since admission, since resuming after preemption
+    #: or since a disaggregated handoff): it (re)builds the request's block-table row from new_block_ids.
     is_new: bool
 
 
@@ -79,12 +81,12 @@ class _Step:
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
-        # request_id → (request, num_new_tokens, is_new), in scheduling order
-        self.entries: dict[str, tuple[Request, int, bool]] = {}
+        # request_id → (request, num_new_tokens), in scheduling order
+        self.entries: dict[str, tuple[Request, int]] = {}
         self.preempted_request_ids: list[str] = []
 
-    def add(self, request: Request, num_new_tokens: int, is_new: bool) -> None:
-        self.entries[request.request_id] = (request, num_new_tokens, is_new)
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.entries[request.request_id] = (request, num_new_tokens)
         self.token_budget -= num_new_tokens
 
     def drop(self, request: Request) -> None:
@@ -110,6 +112,8 @@ class Scheduler:
         self._finished_request_ids: list[str] = []
         #: Finished requests whose blocks stay referenced until release_held (prefill leases).
         self._held: dict[str, list[KVCacheBlock]] = {}
+        #: Blocks of each request already sent to the runner; absent = the runner holds no row for it (is_new).
+        self._num_sent_blocks: dict[str, int] = {}
 
     @property
     def num_running(self) -> int:
@@ -170,16 +174,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating (or preempting for) their blocks."""
         step = _Step(self.config.max_num_batched_tokens)
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        running_status = RequestStatus.RUNNING
         for request in decodes + prefills:
             if step.token_budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+            if request.status is not running_status:  # preempted earlier in this step
                 continue
             num_new_tokens = self._chunk_size(request, request.num_computed_tokens, step.token_budget)
             if self._allocate_or_preempt(request, num_new_tokens, step):
-                step.add(request, num_new_tokens, is_new=False)
+                step.add(request, num_new_tokens)
         if not step.preempted_request_ids:
             self._admit_waiting(step)
         return self._build_output(step)
@@ -193,35 +199,51 @@ class Scheduler:
         ]
         if missing:  # checked before any change, so a bad runner result leaves the scheduler as it was
             raise ValueError(f"no sampled token for requests {missing}, which had to sample")
-        updates = []
+        requests, running_status = self.requests, RequestStatus.RUNNING
+        max_model_len, block_size = self.config.max_model_len, self.config.block_size
+        cache_blocks = self.kv_manager.cache_blocks
+        updates, finished = [], []
         for scheduled in output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(scheduled.request_id)
+            if request is None or request.status is not running_status:
                 continue  # aborted since schedule()
-            assert request.num_computed_tokens == scheduled.num_computed_tokens, "update() without schedule()"
-            request.num_computed_tokens += scheduled.num_new_tokens
-            new_token_ids: list[int] = []
-            if scheduled.sample:
-                for token_id in sampled_token_ids[scheduled.request_id]:
-                    request.append_output_token_ids((token_id,))
-                    new_token_ids.append(token_id)
-                    if check_stop(request, self.config.max_model_len):
-                        break
-            self.kv_manager.cache_blocks(request, request.num_computed_tokens)
-            if request.is_finished:
-                self.running.remove(request)
-                self._retire(request)
-            if new_token_ids or request.is_finished:
-                updates.append(
-                    RequestUpdate(
-                        request.request_id,
-                        new_token_ids,
-                        request.finish_reason,
-                        request.num_cached_tokens,
-                        request.stop_reason,
-                    )
+            num_computed = scheduled.num_computed_tokens
+            assert request.num_computed_tokens == num_computed, "update() without schedule()"
+            request.num_computed_tokens = num_computed + scheduled.num_new_tokens
+            if (num_computed + scheduled.num_new_tokens) // block_size > num_computed // block_size:
+                cache_blocks(request, request.num_computed_tokens)  # a block became full this step
+            if not scheduled.sample:
+                continue
+            new_token_ids = self._append_sampled(request, sampled_token_ids[scheduled.request_id], max_model_len)
+            if request.status is not running_status:
+                finished.append(request)
+            updates.append(
+                RequestUpdate(
+                    request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
+                    request.stop_reason,
                 )
+            )
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._retire(request)
         return updates
+
+    @staticmethod
+    def _append_sampled(request: Request, token_ids: Sequence[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the first that stops the request; the tokens kept."""
+        if len(token_ids) == 1:
+            request.append_output_token_id(token_ids[0])
+            check_stop(request, max_model_len)
+            return list(token_ids)
+        kept: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token_id(token_id)
+            kept.append(token_id)
+            if check_stop(request, max_model_len):
+                break
+        return kept
 
     def add_prefilled_request(self, request: Request, num_prefilled_tokens: int) -> list[int] | None:
         """Admit a request whose first `num_prefilled_tokens` tokens were computed elsewhere (disaggregated
@@ -246,6 +268,7 @@ class Scheduler:
         request.num_computed_tokens = num_prefilled_tokens
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
+        self._num_sent_blocks.pop(request.request_id, None)  # the runner gets the whole table at the next step
         return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]
 
     def commit_prefilled(self, request_id: str) -> None:
@@ -298,6 +321,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self._num_sent_blocks.pop(request.request_id, None)
         self.waiting.appendleft(request)
         step.drop(request)
 
@@ -314,7 +338,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
-            step.add(request, num_new_tokens, is_new=True)
+            step.add(request, num_new_tokens)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         output = SchedulerOutput(
@@ -322,20 +346,27 @@ class Scheduler:
             finished_request_ids=self._finished_request_ids,
         )
         self._finished_request_ids = []
-        for request, num_new_tokens, is_new in step.entries.values():
-            start = request.num_computed_tokens
-            output.scheduled.append(
+        sent, get_blocks = self._num_sent_blocks, self.kv_manager.get_blocks
+        scheduled, num_batched_tokens = output.scheduled, 0
+        for request, num_new_tokens in step.entries.values():
+            request_id, start = request.request_id, request.num_computed_tokens
+            all_token_ids, blocks = request.all_token_ids, get_blocks(request)
+            num_sent = sent.get(request_id)
+            new_blocks = blocks if num_sent is None else blocks[num_sent:]
+            sent[request_id] = len(blocks)
+            scheduled.append(
                 ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + num_new_tokens],
-                    num_computed_tokens=start,
-                    num_new_tokens=num_new_tokens,
-                    block_ids=self.kv_manager.get_block_ids(request),
-                    sample=start + num_new_tokens == request.num_tokens,
-                    is_new=is_new,
+                    request_id,
+                    all_token_ids[start : start + num_new_tokens],
+                    start,
+                    num_new_tokens,
+                    [block.block_id for block in new_blocks],
+                    start + num_new_tokens == len(all_token_ids),
+                    num_sent is None,
                 )
             )
-            output.num_batched_tokens += num_new_tokens
+            num_batched_tokens += num_new_tokens
+        output.num_batched_tokens = num_batched_tokens
         return output
 
     def _retire(self, request: Request) -> None:
@@ -345,4 +376,5 @@ class Scheduler:
             self.kv_manager.free(request)
         del self.requests[request.request_id]
         del self._arrival_key[request.request_id]
+        self._num_sent_blocks.pop(request.request_id, None)
         self._finished_request_ids.append(request.request_id)

@@ -19,6 +19,7 @@ __all__ = [
     "ACCELERATORS",
     "AttentionMetadata",
     "KernelOps",
+    "batch_invariant_linear",
     "build_attention_metadata",
     "get_ops",
     "resolve_accelerator",
@@ -91,6 +92,14 @@ def get_ops(accelerator: str) -> KernelOps:
     if unknown or "accelerator" in overrides:
         raise ValueError(f"{accelerator} kernels override unknown ops: {sorted(unknown)}")
     return replace(ops, **overrides)
+
+
+def batch_invariant_linear(accelerator: str) -> Callable[..., Any]:
+    """F.linear with a reduction order independent of the batch: the fixed-tile Triton matmul on CUDA, its
+    row-by-row torch twin elsewhere (see deepinfer.kernels.triton_matmul)."""
+    from deepinfer.kernels import triton_matmul
+
+    return triton_matmul.linear if accelerator == "cuda" else triton_matmul.rowwise_linear
 
 
 def resolve_accelerator(setting: str, device: Any = None) -> str:

@@ -32,7 +32,9 @@ class Sampler(torch.nn.Module):
         """Raw logprobs → logit bias → penalties → greedy argmax / (temperature → top-k → top-p → min-p →
         softmax → exponential race with counter-based noise)."""
         logits = logits.float()
-        log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1], raw distribution
+        # Raw logprobs, row by row: softmax kernels reduce each row on its own whatever the batch size, where a
+        # generic reduction (logsumexp) may split differently per shape and break batch invariance by an ulp.
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
         processed = apply_penalties(logits, meta)
         if meta.any_random:
             probs = apply_sampling_filters(processed, meta)
@@ -43,11 +45,10 @@ class Sampler(torch.nn.Module):
                 token_ids = torch.where(meta.is_greedy, processed.argmax(dim=-1), token_ids)
         else:
             token_ids = processed.argmax(dim=-1)
-        logprobs = (logits.gather(1, token_ids.unsqueeze(1)) - log_normaliser).squeeze(1)
+        logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_ids = top_logprobs = None
         if meta.max_num_logprobs > 0:
-            top_values, top_ids = logits.topk(meta.max_num_logprobs, dim=-1)
-            top_logprobs = top_values - log_normaliser
+            top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 

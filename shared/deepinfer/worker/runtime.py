@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ class WorkerRuntime:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
         started = time.perf_counter()
         self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
