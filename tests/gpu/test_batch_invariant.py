@@ -38,15 +38,19 @@ def make_runner(tmp_path, batch_invariant: bool, use_cuda_graphs: bool = True):
     return runner, config
 
 
-def generate(runner, config, prompts, max_tokens: int, temperature: float = 0.0):
-    """Every prompt in one batch through Scheduler + runner: [(token id, logprob), ...] per prompt."""
+def generate(runner, config, prompts, max_tokens: int, temperature: float = 0.0, seeds=None):
+    """Every prompt in one batch through Scheduler + runner: [(token id, logprob), ...] per prompt.
+
+    `seeds[i]` is prompt i's seed (default 100 + i): a request keeps its seed wherever it sits in the batch.
+    """
     from deepinfer.engine.request import Request
     from deepinfer.engine.scheduler import Scheduler
     from deepinfer.sampling.params import SamplingParams
 
     scheduler = Scheduler(config)
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=100 + i,
+        seed = 100 + i if seeds is None else seeds[i]
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed,
                                 logprobs=0)
         scheduler.add_request(Request(f"r{i}", prompt, params, arrival_time=float(i)))
     tokens: dict[str, list[tuple[int, float]]] = {}
@@ -77,7 +81,8 @@ def test_tokens_and_logprobs_are_bit_identical_alone_and_in_batches(tmp_path, te
         batched = generate(runner, config, [target, *others[:num_others]], 24, temperature)[0]
         assert batched == alone, f"differs inside a batch of {num_others} others"
     # arriving last (admitted in a later step, beside running decodes) changes nothing either
-    assert generate(runner, config, [*others[:7], target], 24, temperature)[-1] == alone
+    last = generate(runner, config, [*others[:7], target], 24, temperature, seeds=[*range(101, 108), 100])[-1]
+    assert last == alone
 
 
 def test_default_mode_graph_buckets_match_eager_decode(tmp_path):
