@@ -218,3 +218,12 @@ def test_get_ops_and_resolve_reject_unknown_accelerators():
     assert resolve_accelerator("auto", torch.device("cpu")) == "cpu"
     assert resolve_accelerator("auto", "cuda:1") == "cuda"
     assert resolve_accelerator("cuda", torch.device("cpu")) == "cuda"
+
+
+def test_ascend_names_the_triton_kernel_source_and_auto_picks_npu():
+    from deepinfer.kernels import _ACCELERATED_MODULES
+
+    # CANN images run the same Triton source through triton-ascend (untested hardware, see the module doc).
+    assert _ACCELERATED_MODULES["ascend"] == _ACCELERATED_MODULES["cuda"] == "deepinfer.kernels.triton_ops"
+    assert resolve_accelerator("auto", "npu:0") == "ascend"
+    assert resolve_accelerator("ascend") == "ascend"

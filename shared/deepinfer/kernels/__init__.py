@@ -30,7 +30,10 @@ logger = logging.getLogger(__name__)
 ACCELERATORS = ("cpu", "cuda", "ascend")
 
 #: accelerator -> module that may provide faster ops through `overrides() -> dict[op name, callable]`.
-_ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops"}
+#: CUDA 13 images run the Triton kernels; CANN 9.2 images (torch_npu + triton-ascend) compile the same kernel
+#: source for Ascend NPUs. The Ascend path is UNTESTED HARDWARE: no CI or team machine has an NPU; only this
+#: selection logic is tested (on the CPU).
+_ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops", "ascend": "deepinfer.kernels.triton_ops"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ def resolve_accelerator(setting: str, device: Any = None) -> str:
     import torch
 
     if device is not None:
-        device_type = torch.device(device).type
+        # "npu" parses as a torch device only once torch_npu is imported: read the type from the string first.
+        device_type = device.split(":", 1)[0] if isinstance(device, str) else torch.device(device).type
         return {"cuda": "cuda", "npu": "ascend"}.get(device_type, "cpu")
     if torch.cuda.is_available():
         return "cuda"
