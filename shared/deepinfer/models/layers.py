@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.distributed.layers import down_projection, gate_up_projection, o_projection, qkv_projection
+from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
+from deepinfer.distributed.sharding import config_head_shard
 from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.rope import compute_cos_sin_cache
@@ -74,22 +77,28 @@ class AttentionOptions:
 
 
 class Attention(nn.Module):
-    """Fused-QKV self-attention over the paged KV cache."""
+    """Fused-QKV self-attention over the paged KV cache; under tensor parallelism, this rank's heads only."""
 
     def __init__(
-        self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding, options: AttentionOptions
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        rotary: RotaryEmbedding,
+        options: AttentionOptions,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = config_head_shard(config, tp.world_size, tp.rank)
+        self.num_heads = heads.num_q_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = options.sliding_window
         self.ops = ops
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=options.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.qkv_proj = qkv_projection(config, options.qkv_bias, tp)
+        self.o_proj = o_projection(config, options.o_bias, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if options.qk_norm else None
@@ -119,11 +128,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = gate_up_projection(config, tp)
+        self.down_proj = down_projection(config, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -134,13 +143,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block; carries the residual stream apart so norms can fuse the add."""
 
     def __init__(
-        self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding, options: AttentionOptions
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        rotary: RotaryEmbedding,
+        options: AttentionOptions,
+        tp: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops, rotary, options)
+        self.self_attn = Attention(config, ops, rotary, options, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = MLP(config, ops, tp)
 
     def forward(
         self,

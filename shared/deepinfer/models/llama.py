@@ -7,6 +7,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from deepinfer.distributed.layers import lm_head, parallel_logits, token_embedding
+from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
+from deepinfer.distributed.weights import load_sharded_hf_weights
 from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import AttentionOptions, DecoderLayer, RMSNorm, RotaryEmbedding
@@ -16,12 +19,14 @@ from deepinfer.models.weights import FusedShards, load_hf_weights
 class DecoderModel(nn.Module):
     """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, options: AttentionOptions) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, options: AttentionOptions, tp: TensorParallelGroup = SINGLE_RANK
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config, tp)
         rotary = RotaryEmbedding(config, config.head_dim, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, rotary, options) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, ops, rotary, options, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -44,17 +49,25 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder over the paged KV cache; subclasses change only `attention_options`."""
+    """Llama decoder over the paged KV cache; subclasses change only `attention_options`.
 
-    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
+    With a `tp` group of several ranks this is one rank's shard (deepinfer.distributed): its heads, MLP columns
+    and vocabulary rows; every rank returns the same hidden states and logits.
+    """
+
+    #: Builds with a TensorParallelGroup of any size (deepinfer.distributed).
+    supports_tensor_parallel = True
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
-        self.model = DecoderModel(config, ops, self.attention_options(config))
+        self.tp = tp
+        self.model = DecoderModel(config, ops, self.attention_options(config), tp)
         # Tied models read the embedding matrix directly: no second parameter to keep tied.
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = lm_head(config, tp)
 
     @classmethod
     def attention_options(cls, config: ModelConfig) -> AttentionOptions:
@@ -77,6 +90,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.world_size > 1:
+            return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
         return nn.functional.linear(hidden, weight).float()
 
     def fused_shards(self) -> FusedShards:
@@ -95,8 +110,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head is None and name == "lm_head.weight"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; unknown names, shape mismatches and missing tensors raise ValueError."""
-        load_hf_weights(self, weights, self.fused_shards(), self.ignores_weight)
+        """Load HF-named tensors (a shard keeps its slice of each); unknown names, shape mismatches and missing
+        tensors raise ValueError."""
+        if self.tp.world_size > 1:
+            load_sharded_hf_weights(self, weights, self.fused_shards(), self.ignores_weight)
+        else:
+            load_hf_weights(self, weights, self.fused_shards(), self.ignores_weight)
 
     def rebuild_buffers(self) -> None:
         """Recompute non-persistent buffers (the RoPE cache) after materialising from the "meta" device."""
