@@ -3,6 +3,7 @@
 
     python bench/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
                         [--batch-invariant]   # also: the engine in batch-invariant mode (prefill, decode)
+                        [--async-scheduling off|on|both]   # decode, idle, serving with async scheduling
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
 Each section appends to the JSON as soon as it ends, so a run cut short keeps what it measured.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_decode import CONTEXT, busy_fraction, decode_ours, greedy, replay_ms, run_async
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
@@ -31,7 +33,7 @@ LLAMA_31_8B = {
     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16", "hidden_act": "silu",
 }
-PREFILL_SEQS, PREFILL_LEN, CONTEXT = 4, 4096, 2048
+PREFILL_SEQS, PREFILL_LEN = 4, 4096
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
@@ -59,7 +61,8 @@ def ceilings() -> dict:
     return {"matmul_tflops": round(2 * n**3 / mm_s / 1e12, 1), "copy_gb_s": round(2 * src.nbytes / cp_s / 1e9, 1)}
 
 
-def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False):
+def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False,
+                async_scheduling: bool = False):
     """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
     from deepinfer.engine.args import EngineArgs
     from deepinfer.engine.core import EngineCore
@@ -68,7 +71,8 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
                       enable_kv_events=False, progress=False, gpu_memory_utilization=0.9,
-                      batch_invariant=batch_invariant, enforce_eager=batch_invariant)
+                      batch_invariant=batch_invariant, enforce_eager=batch_invariant,
+                      async_scheduling=async_scheduling)
     start = time.perf_counter()
     engine = EngineCore(args)
     if batch_invariant and not engine.runner.batch_invariant:  # EngineCore does not pass the flag on yet
@@ -81,13 +85,6 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
     return engine, time.perf_counter() - start
 
 
-def greedy(max_tokens: int):
-    """Greedy, exactly max_tokens new tokens."""
-    from deepinfer.sampling.params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
-
-
 def prefill_ours(engine, rng, reps: int = 3) -> float:
     """Median seconds of one engine step over 4 fresh random 4096-token prompts (cold: no prefix hits)."""
     vocab = engine.model_config.vocab_size
@@ -96,6 +93,8 @@ def prefill_ours(engine, rng, reps: int = 3) -> float:
         for _ in range(PREFILL_SEQS):
             engine.add_request(f"p{rng.integers(1 << 62)}", rng.integers(0, vocab, PREFILL_LEN).tolist(), greedy(1))
         outputs = engine.step()
+        while len(outputs) < PREFILL_SEQS and engine.has_unfinished_requests():  # async: tokens come a step later
+            outputs += engine.step()
         assert len(outputs) == PREFILL_SEQS and all(o.finish_reason for o in outputs), outputs
 
     return timed(step, reps)
@@ -115,111 +114,6 @@ def prefill_attention_s(engine) -> float:
                         dtype=kv.dtype)
         attention = engine.ops.paged_attention
         return timed(lambda: attention(q, kv, inputs.meta, cfg.head_dim**-0.5), reps=5) * cfg.num_hidden_layers
-
-
-def start_decodes(engine, rng, batch: int, num_tokens: int) -> list[str]:
-    """`batch` requests whose first CONTEXT tokens are already in the cache (as a disaggregated decode)."""
-    vocab, ids = engine.model_config.vocab_size, []
-    for _ in range(batch):
-        rid = f"d{rng.integers(1 << 62)}"
-        request = engine.new_request(rid, rng.integers(0, vocab, CONTEXT + 1).tolist(), greedy(num_tokens))
-        assert engine.scheduler.add_prefilled_request(request, CONTEXT) is not None, "KV cache too small"
-        engine.scheduler.commit_prefilled(rid)
-        ids.append(rid)
-    return ids
-
-
-def decode_ours(engine, rng, batch: int, steps: int, eager: bool) -> dict:
-    """Decode tok/s at CONTEXT tokens of context: `steps` engine steps of `batch` one-token decodes."""
-    graphs = engine.runner.graphs
-    engine.runner.graphs = None if eager else graphs
-    try:
-        ids = start_decodes(engine, rng, batch, steps + 16)  # warm-up, timed and phase steps all decode
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        elapsed = time.perf_counter() - start
-        phases = step_phases(engine, 8)
-        engine.abort_requests(ids)
-    finally:
-        engine.runner.graphs = graphs
-    return {"tok_s": round(batch * steps / elapsed, 1), "step_ms": round(1e3 * elapsed / steps, 3), **phases}
-
-
-def step_phases(engine, steps: int) -> dict:
-    """Host ms per step in schedule(), in execute() (which waits for the GPU) and in update()."""
-    totals = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
-    owners = {"schedule": engine.scheduler, "execute": engine.runner, "update": engine.scheduler}
-    originals = {name: getattr(owner, name) for name, owner in owners.items()}
-
-    def timed_call(name):
-        def call(*a, **k):
-            start = time.perf_counter()
-            try:
-                return originals[name](*a, **k)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return call
-
-    for name, owner in owners.items():
-        setattr(owner, name, timed_call(name))
-    try:
-        for _ in range(steps):
-            engine.step()
-    finally:
-        for name, owner in owners.items():
-            delattr(owner, name)  # the instance attribute shadowed the method
-    return {f"{name}_ms": round(1e3 * t / steps, 3) for name, t in totals.items()}
-
-
-def replay_ms(engine, batch: int, max_seq_len: int) -> float:
-    """GPU time of the captured forward alone (back-to-back replays, CUDA events): the step's floor."""
-    graphs = engine.runner.graphs
-    graph = graphs.graphs[batch, graphs.bucket(max_seq_len)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 10
-
-
-def busy_fraction(engine, rng, batch: int, steps: int, eager: bool) -> dict:
-    """GPU busy time (union of kernel intervals from the torch profiler) over the span of `steps` decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graphs = engine.runner.graphs
-    engine.runner.graphs = None if eager else graphs
-    try:
-        ids = start_decodes(engine, rng, batch, steps + 16)  # warm-up, timed and phase steps all decode
-        for _ in range(3):
-            engine.step()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-        engine.abort_requests(ids)
-    finally:
-        engine.runner.graphs = graphs
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
-        return {"error": "the profiler recorded no GPU events"}
-    busy, cur_start, cur_end = 0.0, *spans[0]
-    for s, e in spans[1:]:
-        if s > cur_end:
-            busy, cur_start, cur_end = busy + cur_end - cur_start, s, e
-        else:
-            cur_end = max(cur_end, e)
-    busy += cur_end - cur_start
-    window = spans[-1][1] - spans[0][0]
-    return {"gpu_busy_fraction": round(busy / window, 3), "idle_fraction": round(1 - busy / window, 3),
-            "window_ms": round(window / 1e3, 2), "num_gpu_events": len(spans)}
 
 
 def serving_lengths(num_requests: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -274,9 +168,10 @@ def decode_roofline(engine, batch: int, context: float, copy_gb_s: float) -> flo
     return batch / ((weights + kv) / (copy_gb_s * 1e9))
 
 
-def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_requests: int) -> None:
+def run_ours(model_dir: Path, cfg: dict, sections: set, res: dict, save, num_requests: int,
+             async_scheduling: bool = False) -> None:
     """Every section of our engine, one engine built once (graphs captured once)."""
-    engine, build_s = make_engine(model_dir)
+    engine, build_s = make_engine(model_dir, async_scheduling=async_scheduling)
     res["ours_build_s"] = round(build_s, 1)
     res["capture_sizes"] = engine.runner.graphs.sizes
     res["seq_len_buckets"] = engine.runner.graphs.seq_len_buckets
@@ -347,6 +242,16 @@ def print_table(res: dict) -> None:
               f"   host ms/step {d.get('graphs_phases_ms')}")
     for mode, v in res.get("idle_b64", {}).items():
         print(f"idle fraction between kernels, decode B=64, {mode}: {v['idle_fraction']} over {v['window_ms']} ms")
+    a = res.get("async", {})
+    for batch, d in a.get("decode", {}).items():
+        sync = res.get("decode", {}).get(batch, {}).get("graphs_tok_s", "-")
+        print(f"async scheduling, decode B={batch}: {d['graphs_tok_s']} tok/s (sync {sync}), "
+              f"step {d['graphs_step_ms']} ms, host ms/step {d['graphs_phases_ms']}")
+    for mode, v in a.get("idle_b64", {}).items():
+        print(f"async scheduling, idle fraction B=64, {mode}: {v.get('idle_fraction')} "
+              f"(GPU busy {v.get('gpu_busy_fraction')}) over {v.get('window_ms')} ms")
+    if a.get("serving"):
+        print(f"async scheduling, serving: {a['serving']['output_tok_s']} output tok/s, {a['serving']['steps']} steps")
     bi = res.get("batch_invariant")
     if bi:
         print(f"batch-invariant: prefill 4x4096 {bi.get('prefill_tok_s')} tok/s; decode tok/s (graphs) "
@@ -377,12 +282,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--batch-invariant", action="store_true", help="also measure batch-invariant mode")
+    parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
+                        help="on: the engine runs async; both: sync, then decode/idle/serving again async")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     out = args.out or (Path(os.environ["OUT"]) / "gpu-bench.json" if os.environ.get("OUT") else None)
     cfg = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
     res: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "layers": args.layers, "sections": sorted(sections), "date": time.strftime("%Y-%m-%d")}
+                 "layers": args.layers, "sections": sorted(sections), "date": time.strftime("%Y-%m-%d"),
+                 "async_scheduling": args.async_scheduling}
 
     def save() -> None:
         if out is not None:
@@ -396,7 +304,13 @@ def main() -> None:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(cfg))
         if sections & {"prefill", "decode", "idle", "serving"}:
-            guarded(res, "ours_error", lambda: run_ours(model_dir, cfg, sections, res, save, args.num_requests))
+            on = args.async_scheduling == "on"
+            guarded(res, "ours_error", lambda: run_ours(model_dir, cfg, sections, res, save, args.num_requests, on))
+            gc.collect()
+            torch.cuda.empty_cache()
+        if args.async_scheduling == "both" and sections & {"decode", "idle", "serving"}:
+            serving = lambda engine: serving_ours(engine, args.num_requests)  # noqa: E731
+            guarded(res, "async_error", lambda: run_async(make_engine, model_dir, sections, res, save, serving))
             gc.collect()
             torch.cuda.empty_cache()
         if args.batch_invariant:

@@ -60,6 +60,10 @@ class EngineArgs:
     #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
     #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.
     batch_invariant: bool = False
+    #: True = schedule step N+1 on the host while the device runs step N (vLLM's name): the next step's inputs
+    #: take the tokens sampled by the step in flight on the device (deepinfer.engine.async_scheduler). Same
+    #: tokens as the synchronous loop; a step after one that used penalties waits for its tokens first.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

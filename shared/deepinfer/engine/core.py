@@ -9,11 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.async_scheduler import AsyncScheduler
+from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from deepinfer.kernels import get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
@@ -68,7 +70,8 @@ class EngineCore:
             eos_ids = (eos if isinstance(eos, list) else [eos]) if eos is not None else []
             self.eos_token_ids = {int(t) for t in eos_ids} | set(self.model_config.eos_token_ids)
         self.fingerprint = model_fingerprint(self.model_dir, args.model_revision)
-        self.scheduler = Scheduler(
+        scheduler_class = AsyncScheduler if args.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(
             EngineConfig(
                 num_blocks=self.kv_plan.num_blocks,
                 max_model_len=self.max_model_len,
@@ -92,6 +95,8 @@ class EngineCore:
             use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda",
             batch_invariant=args.batch_invariant,
         )
+        #: Async scheduling: the step launched last and not updated yet.
+        self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
             self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
@@ -167,21 +172,38 @@ class EngineCore:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """One engine step: schedule → execute → update."""
+        """One engine step: schedule → execute → update (async scheduling: see `_step_async`)."""
+        if self.args.async_scheduling:
+            return self._step_async()
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled, self.scheduler.requests)
         updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-        return [
-            EngineOutput(
-                request_id=u.request_id,
-                new_token_ids=u.new_token_ids,
-                new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
-                finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
-                stop_reason=u.stop_reason,
-                num_cached_tokens=u.num_cached_tokens,
-            )
-            for u in updates
-        ]
+        return _engine_outputs(updates, sampled)
+
+    def _step_async(self) -> list[EngineOutput]:
+        """schedule(N+1) → launch(N+1) → update(N) with N's tokens: the device never waits for the host.
+
+        Returns step N's outputs (nothing on the first call). Once no request is left, the step still in flight
+        (whose tokens all belong to finished requests) is drained, so no stale step outlives the batch.
+        """
+        outputs: list[EngineOutput] = []
+        if self._in_flight is not None and self._in_flight[1].needs_sync:
+            outputs = self._finish_in_flight()  # its tokens feed the next step's penalties on the host
+        scheduled = self.scheduler.schedule()
+        launched = (scheduled, self.runner.execute_async(scheduled, self.scheduler.requests))
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+        self._in_flight = launched
+        if not self.scheduler.has_unfinished_requests():
+            outputs += self._finish_in_flight()
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineOutput]:
+        scheduled, pending = self._in_flight
+        self._in_flight = None
+        sampled = pending.result()
+        updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
+        return _engine_outputs(updates, sampled)
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -229,3 +251,17 @@ class EngineCore:
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+
+
+def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
+    return [
+        EngineOutput(
+            request_id=u.request_id,
+            new_token_ids=u.new_token_ids,
+            new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
+            finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
+            stop_reason=u.stop_reason,
+            num_cached_tokens=u.num_cached_tokens,
+        )
+        for u in updates
+    ]

@@ -21,7 +21,7 @@ Padding rows write no KV (slot -1) and attend to one key of the reserved null bl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -183,8 +183,16 @@ class CudaGraphRunner:
         """The smallest captured context bucket that holds max_seq_len."""
         return next((b for b in self.seq_len_buckets if b >= max_seq_len), self.seq_len_buckets[-1])
 
-    def run(self, batch: HostBatch, block_table: BlockTable) -> torch.Tensor:
-        """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden]."""
+    def run(
+        self,
+        batch: HostBatch,
+        block_table: BlockTable,
+        before_replay: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden].
+
+        `before_replay(input_ids)` runs on the static input ids [bs] after the copy (device-side fills).
+        """
         bs = padded_batch_size(self.sizes, batch.num_seqs)
         assert bs is not None and batch.is_decode_only, (batch.num_seqs, batch.num_tokens)
         key = (bs, self.bucket(max(batch.seq_lens)))
@@ -193,6 +201,8 @@ class CudaGraphRunner:
         self.static64.copy_(self.inputs.host64, non_blocking=True)
         self.static32[:n32].copy_(self.inputs.host32[:n32], non_blocking=True)
         self._copied.record()
+        if before_replay is not None:
+            before_replay(self.static64[0, :bs])
         self.graphs[key].replay()
         self.num_replays += 1
         return self.outputs[key]

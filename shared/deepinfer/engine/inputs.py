@@ -120,6 +120,10 @@ class HostBatch:
     sampled: list[ScheduledRequest] = field(default_factory=list)  # [S]
     #: Longest block list among the sequences (the width of the step's block table).
     max_num_blocks: int = 0
+    #: Async scheduling: rows of input_ids whose token the previous step sampled and the host has not seen yet
+    #: (fed as 0 here; the runner fills them on the device), and the block-table row of each one's request.
+    placeholder_indices: list[int] = field(default_factory=list)
+    placeholder_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +164,11 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
         block_ids = all_block_ids[row]
         start, num_new = s.num_computed_tokens, s.num_new_tokens
         input_ids.extend(s.token_ids)
+        if len(s.token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
+            assert len(s.token_ids) == num_new - 1, (s.request_id, len(s.token_ids), num_new)
+            batch.placeholder_indices.append(len(input_ids))
+            batch.placeholder_rows.append(row)
+            input_ids.append(0)
         if num_new == 1:
             positions.append(start)
             slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
@@ -193,6 +202,8 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
         logits_indices=batch.logits_indices,
         sampled=batch.sampled,
         max_num_blocks=max(batch.max_num_blocks, 1),
+        placeholder_indices=batch.placeholder_indices,
+        placeholder_rows=batch.placeholder_rows,
     )
 
 

@@ -21,18 +21,19 @@ depends on which other rows share its step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
 from deepinfer.sampling.metadata import SamplingMetadata
-from deepinfer.sampling.sampler import Sampler
+from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import CudaGraphRunner
@@ -83,6 +84,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.sampler = Sampler()
         self.stager = InputStager(self.device)
+        #: Async scheduling: the last sampled id of each block-table row, read by the next step's placeholders.
+        self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, self.device)
         # Columns grow on demand when max_model_len is unknown.
         self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
         self.batch_invariant = batch_invariant
@@ -120,15 +123,34 @@ class ModelRunner:
         bare list of ScheduledRequest also works (rows of requests no longer running are then reclaimed from
         `requests` when the table runs out of rows).
         """
+        launched = self._forward_and_sample(output, requests)
+        return {} if launched is None else self._to_host(launched[0], launched[1])
+
+    @torch.inference_mode()
+    def execute_async(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> PendingSample:
+        """Launch forward + sample without waiting for the device: the sampled ids stay on the device for the
+        next step's placeholders and travel to the host in the background (`PendingSample.result()`)."""
+        launched = self._forward_and_sample(output, requests)
+        if launched is None:
+            return PendingSample(None, [])
+        out, chosen, sampled, needs_sync = launched
+        rows = self.block_table.rows
+        self.sampled_tokens.record([rows[s.request_id] for s in sampled], out.token_ids, self.block_table.table.shape[0])
+        return PendingSample(out, chosen, needs_sync)
+
+    def _forward_and_sample(
+        self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
+    ) -> tuple[SamplerOutput, list[Request], list[ScheduledRequest], bool] | None:
+        """(sampler output, sampled requests, their ScheduledRequests, penalties used); None when none samples."""
         if self.batch_invariant:
             hidden, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
         else:
             batch = self.prepare_batch(output, requests)
             if not batch.num_seqs:
-                return {}
+                return None
             hidden, sampled = self.forward(batch), batch.sampled
         if not sampled:
-            return {}
+            return None
         with self._linear_mode():
             logits = self.model.compute_logits(hidden)
         chosen = [requests[s.request_id] for s in sampled]
@@ -137,12 +159,12 @@ class ModelRunner:
             positions=[s.num_computed_tokens + s.num_new_tokens for s in sampled],
             seeds=[r.sampling_params.seed for r in chosen],
             prompt_token_ids=[r.prompt_token_ids for r in chosen],
-            output_token_ids=[r.output_token_ids for r in chosen],
+            output_token_ids=_output_token_ids(chosen, sampled),
             vocab_size=logits.shape[-1],
             device=self.device,
             eos_token_ids=self.eos_token_ids,
         )
-        return self._to_host(self.sampler(logits, meta), chosen)
+        return self.sampler(logits, meta), chosen, sampled, meta.need_penalties
 
     def prepare_batch(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request] | None = None
@@ -166,13 +188,16 @@ class ModelRunner:
 
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
         """Final hidden states of the sampled rows [S, hidden]: a graph replay when one fits, else eager."""
+        fill = self._fill_placeholders(batch) if batch.placeholder_indices else None
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, self.block_table)
+            hidden = self.graphs.run(batch, self.block_table, fill)
             num_sampled = len(batch.sampled)
             if num_sampled == batch.num_seqs:
                 return hidden[:num_sampled]
             return hidden[torch.tensor(batch.logits_indices, device=self.device)]
         inputs = self.stager.stage(batch, self.block_table)
+        if fill is not None:
+            fill(inputs.input_ids)
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
@@ -182,6 +207,10 @@ class ModelRunner:
         with self._linear_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden[inputs.logits_indices]
+
+    def _fill_placeholders(self, batch: HostBatch) -> Callable[[torch.Tensor], None]:
+        """Writes the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device."""
+        return lambda input_ids: self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows)
 
     def _forward_invariant(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
@@ -210,20 +239,21 @@ class ModelRunner:
         batch = build_host_batch(scheduled, table, self.block_size)
         return self.stager.stage(batch, table)
 
-    def _to_host(self, out, chosen: list[Request]) -> dict[str, SampledToken]:
-        # One device->host copy per step for all rows.
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result: dict[str, SampledToken] = {}
-        for i, request in enumerate(chosen):
-            k = request.sampling_params.logprobs
-            top = None
-            if k and top_ids is not None:
-                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-            result[request.request_id] = SampledToken(token_ids[i], logprobs[i], top)
-        return result
+    def _to_host(self, out: SamplerOutput, chosen: list[Request]) -> dict[str, SampledToken]:
+        # One device->host copy per tensor per step for all rows.
+        tensors = (out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
+        return sampled_tokens(chosen, *(None if t is None else t.tolist() for t in tensors))
+
+
+def _output_token_ids(chosen: list[Request], sampled: list[ScheduledRequest]) -> list[list[int]]:
+    """Each sampled request's output ids as the sampler sees them. A row fed a placeholder has one more output
+    token than the host knows: its count matters for min_tokens (penalties never see a placeholder: the engine
+    updates before scheduling after a step that used them), so a stand-in id is appended there."""
+    output_token_ids = [r.output_token_ids for r in chosen]
+    for i, s in enumerate(sampled):
+        if len(s.token_ids) < s.num_new_tokens and chosen[i].sampling_params.min_tokens:
+            output_token_ids[i] = [*output_token_ids[i], 0]
+    return output_token_ids
 
 
 def load_dummy_model(

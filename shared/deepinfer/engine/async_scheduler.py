@@ -1,0 +1,155 @@
+"""`AsyncScheduler`: schedule step N+1 before step N's tokens reach the host (vLLM v1's async scheduling). No torch.
+
+The loop it serves (EngineCore with `async_scheduling=True`):
+
+    schedule(N+1) → launch(N+1) → wait for N's tokens → update(N)       (at most one step in flight)
+
+A running request whose step N samples a token holds one *output placeholder* until update(N) appends the real
+token. schedule(N+1) counts it as if it were appended, so positions and block allocation are right:
+
+    all_token_ids  | p0 p1 p2 o0 o1 |  ?  |        ? = placeholder (sampled by step N, not on the host yet)
+    num_computed   |<-- after N ---->|     |       advanced at schedule time, not in update()
+    step N+1 feeds |                 |  ?  |       ScheduledRequest.token_ids = [] (the runner takes the id
+                                                   from step N's sampled ids on the device)
+
+Stops discovered late (eos, stop id, max_tokens only once update(N) sees the token) mean step N+1 computed one
+token too many for that request: update(N) finishes it and frees its blocks, update(N+1) drops the extra token.
+A request whose pending tokens already reach max_tokens or max_model_len is not scheduled (update(N) ends it).
+A request preempted while its step is in flight keeps its placeholder; update() still appends that token.
+Mixed prefill+decode steps need nothing special: prefill chunks only feed known tokens (a request is never
+re-admitted while it holds a placeholder, since preemption steps admit nobody and update(N) runs before
+schedule(N+2)).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput, _Step
+
+
+class AsyncScheduler(Scheduler):
+    """A Scheduler whose schedule() may run once more before update() of the previous step (see module doc)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        #: Sampled tokens of each request not appended yet: at most 2 (the step in flight and the one just
+        #: scheduled, between schedule(N+1) and update(N)).
+        self.num_output_placeholders: dict[str, int] = {}
+        #: Steps scheduled but not updated, oldest first, with the Request objects they scheduled (an id may be
+        #: aborted and added again while its step is in flight; the object tells them apart).
+        self._in_flight: deque[tuple[SchedulerOutput, list[Request]]] = deque()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled and not updated yet."""
+        return len(self._in_flight)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next step counting in-flight tokens as appended; decodes first, as the base does."""
+        step = _Step(self.config.max_num_batched_tokens)
+        placeholders, max_model_len = self.num_output_placeholders, self.config.max_model_len
+        decodes, prefills = [], []
+        for r in self.running:
+            num_pending = placeholders.get(r.request_id, 0)
+            if num_pending and self._reaches_length(r, num_pending, max_model_len):
+                continue  # its in-flight token ends it; update() will finish it
+            remaining = r.num_tokens + num_pending - r.num_computed_tokens
+            (decodes if remaining == 1 else prefills).append(r)
+        running_status = RequestStatus.RUNNING
+        for request in decodes + prefills:
+            if step.token_budget == 0:
+                break
+            if request.status is not running_status:  # preempted earlier in this step
+                continue
+            num_new_tokens = self._chunk_size(request, request.num_computed_tokens, step.token_budget)
+            if self._allocate_or_preempt(request, num_new_tokens, step):
+                step.add(request, num_new_tokens)
+        if not step.preempted_request_ids:
+            self._admit_waiting(step)
+        return self._build_output(step)
+
+    @staticmethod
+    def _reaches_length(request: Request, num_pending: int, max_model_len: int) -> bool:
+        max_tokens = request.stop_rule.max_tokens
+        if max_tokens is not None and request.num_output_tokens + num_pending >= max_tokens:
+            return True
+        return request.num_tokens + num_pending >= max_model_len
+
+    def _chunk_size(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_pending = self.num_output_placeholders.get(request.request_id, 0)
+        num_new_tokens = min(request.num_tokens + num_pending - num_computed_tokens, token_budget)
+        threshold = self.config.long_prefill_token_threshold
+        return num_new_tokens if threshold is None else min(num_new_tokens, threshold)
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        output = super()._build_output(step)
+        placeholders = self.num_output_placeholders
+        requests = []
+        for scheduled, (request, _) in zip(output.scheduled, step.entries.values(), strict=True):
+            requests.append(request)
+            # A placeholder is fed: the known tokens stop short of num_new_tokens and the step samples.
+            if len(scheduled.token_ids) < scheduled.num_new_tokens:
+                # Never on a fresh runner row: the placeholder's id sits in the row that sampled it.
+                assert not scheduled.is_new, scheduled.request_id
+                assert placeholders.get(request.request_id, 0) == scheduled.num_new_tokens - len(scheduled.token_ids)
+                scheduled.sample = True
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.sample:
+                placeholders[request.request_id] = placeholders.get(request.request_id, 0) + 1
+        self._in_flight.append((output, requests))
+        return output
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[RequestUpdate]:
+        """Apply the oldest in-flight step's tokens: resolve placeholders, cache full blocks, finish, discard."""
+        if not self._in_flight or self._in_flight[0][0] is not output:
+            raise ValueError("update() must take the oldest scheduled step that has not been updated")
+        missing = [
+            s.request_id for s in output.scheduled if s.sample and not sampled_token_ids.get(s.request_id)
+        ]
+        if missing:  # checked before any change, so a bad runner result leaves the scheduler as it was
+            raise ValueError(f"no sampled token for requests {missing}, which had to sample")
+        _, scheduled_requests = self._in_flight.popleft()
+        live, placeholders = self.requests, self.num_output_placeholders
+        max_model_len, cache_blocks = self.config.max_model_len, self.kv_manager.cache_blocks
+        updates, finished = [], []
+        for scheduled, request in zip(output.scheduled, scheduled_requests, strict=True):
+            if live.get(request.request_id) is not request:
+                continue  # finished or aborted since schedule(): an extra token, never emitted
+            was_preempted = request.status is RequestStatus.PREEMPTED
+            if scheduled.sample:
+                placeholders[request.request_id] -= 1
+                new_token_ids = self._append_sampled(request, sampled_token_ids[request.request_id], max_model_len)
+            if request.status is RequestStatus.RUNNING:
+                # Blocks full of known tokens; their KV is written by this step or one queued after it.
+                cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            if not scheduled.sample:
+                continue
+            if request.is_finished:
+                finished.append((request, was_preempted))
+            updates.append(
+                RequestUpdate(
+                    request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
+                    request.stop_reason,
+                )
+            )
+        if finished:
+            self._finish(finished)
+        return updates
+
+    def _finish(self, finished: list[tuple[Request, bool]]) -> None:
+        done = {id(r) for r, _ in finished}
+        self.running = [r for r in self.running if id(r) not in done]
+        for request, was_preempted in finished:
+            if was_preempted:  # preempted while its step was in flight: it waits in the queue
+                self.waiting.remove(request)
+            self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        self.num_output_placeholders.pop(request.request_id, None)
+        super()._retire(request)
