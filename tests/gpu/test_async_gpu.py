@@ -24,7 +24,9 @@ _spec.loader.exec_module(checkpoints)
 def outputs(model_dir, async_scheduling: bool):
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), max_num_seqs=8, max_model_len=256, async_scheduling=async_scheduling, progress=False)
+    # An explicit KV budget: the first engine of the test still holds its memory when the second starts.
+    llm = LLM(str(model_dir), max_num_seqs=8, max_model_len=256, async_scheduling=async_scheduling,
+              kv_cache_bytes=64 << 20, progress=False)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(6)]
     params = [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
