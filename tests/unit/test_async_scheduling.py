@@ -283,3 +283,17 @@ def test_max_model_len_reached(tiny_dir):
         results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs])
     assert results[1] == results[0]
     assert [(len(ids), reason) for ids, reason in results[0]] == [(4, "length"), (21, "length")]
+
+
+def test_a_request_finishing_on_its_first_token_still_caches_its_prompt(tiny_dir):
+    # The prefill worker's requests (max_tokens=1) must leave their prompt blocks in the prefix cache.
+    prompt = list(range(5, 26))
+    for async_scheduling in (False, True):
+        core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False,
+                                     async_scheduling=async_scheduling))
+        cached = []
+        for request_id in ("a", "b"):
+            core.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            while core.has_unfinished_requests():
+                cached += [o.num_cached_tokens for o in core.step() if o.finish_reason]
+        assert cached == [0, 20], async_scheduling

@@ -139,6 +139,12 @@ class WorkerSettings(ServiceSettings):
         None, ge=1, description="KV cache budget in bytes (e.g. 2GiB); overrides gpu_memory_utilization, used on CPU."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
+    async_scheduling: bool = Field(
+        False, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md)."
+    )
+    batch_invariant: bool = Field(
+        False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
+    )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
     _block_size = field_validator("block_size")(_power_of_two)

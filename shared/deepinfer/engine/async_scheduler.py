@@ -125,8 +125,9 @@ class AsyncScheduler(Scheduler):
             if scheduled.sample:
                 placeholders[request.request_id] -= 1
                 new_token_ids = self._append_sampled(request, sampled_token_ids[request.request_id], max_model_len)
-            if request.status is RequestStatus.RUNNING:
-                # Blocks full of known tokens; their KV is written by this step or one queued after it.
+            if request.status is RequestStatus.RUNNING or request.is_finished:
+                # Blocks full of known tokens; their KV is written by this step or one queued after it. A request
+                # that just finished still owns its blocks here (retired below), so its prompt stays cached.
                 cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             if not scheduled.sample:
                 continue

@@ -23,6 +23,8 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_bytes=int(settings.kv_cache_bytes) if settings.kv_cache_bytes is not None else None,
         enable_prefix_caching=settings.enable_prefix_caching,
+        async_scheduling=settings.async_scheduling,
+        batch_invariant=settings.batch_invariant,
         enable_kv_events=True,
         model_revision=common.model_revision,
         cache_dir=common.model_cache_dir,
