@@ -144,11 +144,11 @@ def _decode_tok_s(llm_factory, batch: int, num_tokens: int) -> float:
 
 
 def test_decode_tok_s_batch_64_tp1_vs_tp2(model_dir):
-    from deepinfer.distributed.llm_tp import TensorParallelLLM
+    from deepinfer import LLM
 
     common = {"load_format": "dummy", "enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 64,
               "kv_cache_bytes": 8 << 30, "progress": False}
-    tp1 = _decode_tok_s(lambda: TensorParallelLLM(str(model_dir), tensor_parallel_size=1, **common), 64, 128)
-    tp2 = _decode_tok_s(lambda: TensorParallelLLM(str(model_dir), tensor_parallel_size=2, **common), 64, 128)
+    tp1 = _decode_tok_s(lambda: LLM(str(model_dir), tensor_parallel_size=1, **common), 64, 128)
+    tp2 = _decode_tok_s(lambda: LLM(str(model_dir), tensor_parallel_size=2, **common), 64, 128)
     print(f"\ndecode tok/s at batch 64 (eager, 32-token prompts, 128 new tokens): TP=1 {tp1:.0f}  TP=2 {tp2:.0f}")
     assert tp1 > 0 and tp2 > 0

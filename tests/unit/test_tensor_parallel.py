@@ -12,7 +12,6 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.executor import WorkerSpec, spawn_tensor_parallel
 from deepinfer.distributed.layers import ColumnParallelLinear, VocabParallelEmbedding
-from deepinfer.distributed.llm_tp import TensorParallelLLM
 from deepinfer.distributed.loader import build_empty_shard
 from deepinfer.distributed.parallel_state import TensorParallelGroup, free_tcp_init_method
 from deepinfer.distributed.sharding import ColumnShard, head_shard, shard_config, vocab_range
@@ -207,7 +206,7 @@ def test_llm_tp2_greedy_tokens_equal_tp1(tiny_dir, load_format):
     kwargs = {"block_size": 4, "progress": False, "load_format": load_format, "dummy_seed": 5}
     expected = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), **kwargs).generate(
         PROMPTS, params_, use_tqdm=False)]
-    with TensorParallelLLM(str(tiny_dir), tensor_parallel_size=2, **kwargs) as llm:
+    with LLM(str(tiny_dir), tensor_parallel_size=2, **kwargs) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params_, use_tqdm=False)]
         # a second call reuses the workers' KV shards (and rank 0's prefix cache)
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], params_, use_tqdm=False)]

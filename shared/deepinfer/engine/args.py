@@ -44,6 +44,8 @@ class EngineArgs:
     #: KV budget in bytes; None = derived from gpu_memory_utilization on a GPU, 1 GiB on the CPU.
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
+    #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.
+    tensor_parallel_size: int = 1
     enable_kv_events: bool = False
     #: Pins the model fingerprint in block hashes (else computed from the files).
     model_revision: str | None = None
@@ -70,7 +72,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -57,7 +57,11 @@ class EngineCore:
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
-        if args.load_format == "dummy":
+        if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
+            from deepinfer.distributed.engine import start_tensor_parallel
+
+            model, self.model_config = start_tensor_parallel(args, self.model_dir, self.dtype, self.device, self.ops)
+        elif args.load_format == "dummy":
             model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
@@ -92,7 +96,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs,
-            use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda",
+            use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1,
             batch_invariant=args.batch_invariant,
         )
         #: Async scheduling: the step launched last and not updated yet.
@@ -165,6 +169,12 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests now and drop every block reference they hold."""
         self.scheduler.abort_requests(list(request_ids))
+
+    def close(self) -> None:
+        """Release what outlives the object: the tensor-parallel worker processes (no-op otherwise)."""
+        close = getattr(self.runner.model, "close", None)
+        if close is not None:
+            close()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is running or waiting."""

@@ -48,6 +48,16 @@ class LLM:
         self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
         self._request_counter = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op for a single-process engine."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (with its chat template)."""
         return self.tokenizer
