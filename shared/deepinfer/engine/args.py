@@ -41,7 +41,8 @@ class EngineArgs:
     max_model_len: int | None = None
     #: Fraction of GPU memory the engine may use (weights + activations + KV).
     gpu_memory_utilization: float = 0.9
-    #: KV budget in bytes; None = derived from gpu_memory_utilization on a GPU, 1 GiB on the CPU.
+    #: KV budget in bytes; None = from gpu_memory_utilization on a GPU; on the CPU room for 8 full-length
+    #: sequences, at most 1 GiB.
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.

@@ -26,6 +26,9 @@ from deepinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+#: Full-length sequences the default CPU KV budget holds (below its byte cap).
+CPU_KV_SEQUENCES = 8
+
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -231,7 +234,7 @@ class EngineCore:
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.args.block_size
         budget = self.args.kv_cache_bytes
         if budget is None:
-            budget = self._device_kv_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
+            budget = self._device_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget(per_block)
         return plan_kv_cache(
             budget_bytes=budget,
             bytes_per_block=per_block,
@@ -239,6 +242,12 @@ class EngineCore:
             max_model_len=self.max_model_len,
             what=str(self.device),
         )
+
+    def _cpu_kv_budget(self, bytes_per_block: int) -> int:
+        """Room for CPU_KV_SEQUENCES full-length sequences, capped at DEFAULT_CPU_KV_CACHE_BYTES: a small model does
+        not pin a whole GiB of RAM per engine (tests build dozens), a large one gets the cap."""
+        blocks_per_sequence = -(-self.max_model_len // self.args.block_size)
+        return min(DEFAULT_CPU_KV_CACHE_BYTES, (CPU_KV_SEQUENCES * blocks_per_sequence + 1) * bytes_per_block)
 
     def _device_kv_budget(self) -> int:
         """GPU bytes left for KV: utilisation share minus what is in use now, minus activation headroom."""
