@@ -1,6 +1,7 @@
 """The decode worker. Per DecodeRequest on `decode(model, worker_id)`:
 
-    receive → pull the prompt's KV by handle (data plane) → Release to the prefill worker
+    receive → pull the prompt's KV by handle (device to device on one host, else data plane) → Release to the
+    prefill worker
     → join the running batch → reply DecodeAccepted
     → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs)
 
@@ -20,6 +21,7 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscription
 from deepinfer.config import DecodeSettings
 from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
+from deepinfer.distributed.kv_device_transfer import PeerCaches, admit_from_device, host_id
 from deepinfer.engine.core import EngineOutput
 from deepinfer.engine.handoff import admit_prefilled
 from deepinfer.protocol import (
@@ -68,6 +70,7 @@ class DecodeHandler:
         self.runtime.on_cancel = self._on_cancel
         self._streams: dict[str, _Stream] = {}
         self._clients: dict[str, DataPlaneClient] = {}
+        self._peers = PeerCaches(host_id())
         self._tasks: set[asyncio.Task[None]] = set()
         self._subscriptions: list[Subscription] = []
         self._step = 0
@@ -114,6 +117,7 @@ class DecodeHandler:
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
+        self._peers.clear()
         await self.runtime.close()
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -141,16 +145,20 @@ class DecodeHandler:
             params = engine_sampling(request.sampling)
         except ValueError as exc:
             return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid sampling: {exc}")
-        payloads = None
-        if request.kv_handle is not None:
+        handle = request.kv_handle
+        if handle is not None:
             try:
-                check_layout(request.kv_handle, self.runtime.layout)
+                check_layout(handle, self.runtime.layout)
             except LayoutMismatch as exc:
                 return DecodeAccepted(request_id=request_id, accepted=False, reason=str(exc))
-            payloads = await self._pull(request.kv_handle)
+        on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
+            handle, self.runtime.core.runner.device)
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None)
         try:
-            kv = await self._admit(request, params, payloads)
+            kv = await self._admit_on_device(request, params) if on_device else None
+            if kv is None:
+                payloads = await self._pull(handle) if handle is not None else None
+                kv = await self._admit(request, params, payloads)
         except ValueError as exc:
             self._streams.pop(request_id, None)
             return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid request: {exc}")
@@ -171,6 +179,23 @@ class DecodeHandler:
             output_token_ids=request.output_token_ids))
         return "recomputed" if request.kv_handle is not None else "local"
 
+    async def _admit_on_device(self, request: DecodeRequest, params: SamplingParams) -> str | None:
+        """Admit with the KV copied device to device from a same-host owner (CUDA IPC); None: use the data plane."""
+        engine, handle = self.runtime.engine, request.kv_handle
+        assert engine is not None and handle is not None and handle.device_transfer is not None
+        export = handle.device_transfer
+        args = (request.request_id, request.prompt_token_ids, request.output_token_ids, params)
+        try:
+            admitted = await engine.call(lambda core: admit_from_device(
+                core, *args, self._peers.get(export), handle.block_ids, request.cache_salt))
+        except RuntimeError as exc:  # mapping refused, GPU not visible, a CUDA error in the copy
+            log.warning("device pull from %s failed (%s): using the data plane", handle.owner_worker_id, exc)
+            return None
+        self._release(handle)  # the copy has completed: the owner may reuse its blocks
+        if admitted:
+            return "device"
+        return await self._admit(request, params, None)
+
     async def _pull(self, handle: KvHandle) -> list[bytes] | None:
         """The handle's blocks, or None (lease gone, peer down, checksum): the caller recomputes."""
         try:
@@ -181,8 +206,11 @@ class DecodeHandler:
             log.warning("pull from %s failed (%s): recomputing the prompt", handle.owner_worker_id, exc)
             return None
         finally:
-            release = Release(request_id=handle.request_id)
-            self._spawn(self.bus.publish(subjects.release(self.runtime.model, handle.owner_worker_id), release))
+            self._release(handle)
+
+    def _release(self, handle: KvHandle) -> None:
+        release = Release(request_id=handle.request_id)
+        self._spawn(self.bus.publish(subjects.release(self.runtime.model, handle.owner_worker_id), release))
 
     def _client(self, address: str) -> DataPlaneClient:
         client = self._clients.get(address)

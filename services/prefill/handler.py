@@ -19,6 +19,7 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscription
 from deepinfer.config import PrefillSettings
 from deepinfer.dataplane import DataPlaneServer, LeaseExpired
+from deepinfer.distributed.kv_device_transfer import export_for_handles, host_id
 from deepinfer.engine.core import EngineOutput
 from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, release_held
 from deepinfer.kvcache.hashing import hash_blocks
@@ -32,6 +33,7 @@ from deepinfer.protocol import (
     TokenLogprobs,
     WorkerRole,
 )
+from deepinfer.protocol.kv import KvDeviceExport
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter, request_context
 from deepinfer.worker.runtime import WorkerRuntime
@@ -60,6 +62,8 @@ class PrefillHandler:
         self.runtime.on_outputs = self._on_outputs
         self.runtime.on_cancel = self._on_cancel
         self.data_plane: DataPlaneServer | None = None
+        #: The KV cache exported once for same-host CUDA IPC pulls; None on the CPU (data plane only).
+        self._device_export: KvDeviceExport | None = None
         self._pending: dict[str, _Pending] = {}
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -70,6 +74,9 @@ class PrefillHandler:
     async def load(self) -> None:
         """Load the model and bind the data plane (before the internal server reports ready)."""
         await self.runtime.load()
+        assert self.runtime.engine is not None
+        local_host = host_id()
+        self._device_export = await self.runtime.engine.call(lambda core: export_for_handles(core, local_host))
         secret = self.settings.common.data_plane_secret
         self.data_plane = DataPlaneServer(
             self, host=self.settings.data_plane_host, port=self.settings.data_plane_port,
@@ -194,6 +201,7 @@ class PrefillHandler:
             layout=self.runtime.layout,
             layout_id=self.runtime.layout.layout_id(),
             lease_expires_at_unix_s=time.time() + self.settings.kv_lease_s,
+            device_transfer=self._device_export,
         )
         self._leases[request_id] = asyncio.get_running_loop().call_later(
             self.settings.kv_lease_s, self._expire, request_id)

@@ -32,6 +32,40 @@ class KvLayout(Message):
         )
 
 
+class CudaIpcTensor(Message):
+    """One CUDA tensor shared by IPC: the fields of `torch.multiprocessing.reductions.reduce_tensor`, no pickle."""
+
+    kind = "cuda_ipc_tensor"
+
+    #: Owner's device index and its GPU UUID (the receiver maps the UUID to its own index).
+    device: int = Field(ge=0)
+    device_uuid: str = ""
+    storage_handle: bytes
+    storage_size_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: bytes
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: bytes | None = None
+    event_sync_required: bool = False
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    #: Tensor offset in its storage, in elements.
+    storage_offset: int = Field(0, ge=0)
+
+
+class KvDeviceExport(Message):
+    """The owner's KV cache exported for same-host device-to-device pulls (one CudaIpcTensor per layer)."""
+
+    kind = "kv_device_export"
+
+    #: Where the owner runs; a receiver on another host id uses the data plane.
+    host_id: str
+    #: Changes whenever the owner re-exports (restart): receivers map each export once.
+    export_id: str
+    layers: list[CudaIpcTensor] = Field(default_factory=list)
+
+
 class KvHandle(Message):
     """Self-describing reference to KV blocks held (and leased) by their owner worker."""
 
@@ -50,6 +84,9 @@ class KvHandle(Message):
     layout_id: str
     #: Owner's clock; receivers treat it as advisory (an expired lease means recompute).
     lease_expires_at_unix_s: float
+    #: Set when the owner exported its cache for CUDA IPC: a receiver on the same host may copy the blocks
+    #: device to device instead of pulling them over the data plane (added in 1.0; old readers ignore it).
+    device_transfer: KvDeviceExport | None = None
 
     @model_validator(mode="after")
     def _layout_id_matches(self) -> KvHandle:
