@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from deepinfer.kernels import torch_ops
+from deepinfer.kernels import torch_mla, torch_moe, torch_ops
 from deepinfer.kernels.metadata import AttentionMetadata, build_attention_metadata
 
 __all__ = [
@@ -38,7 +38,8 @@ _ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops", "ascend": "deepi
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The ops a model calls; every field has the signature of its torch twin in `torch_ops`."""
+    """The ops a model calls; every field has the signature of its torch twin (`torch_ops`, `torch_mla`,
+    `torch_moe`); the DeepSeek ops default to their twins."""
 
     accelerator: str
     reshape_and_cache: Callable[..., None]
@@ -47,6 +48,8 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
+    fused_moe: Callable[..., Any] = torch_moe.fused_moe
+    mla_paged_attention: Callable[..., Any] = torch_mla.mla_paged_attention
 
     def implementations(self) -> dict[str, str]:
         """Op name -> 'module.function' that implements it (for logs and start-up banners)."""
@@ -66,6 +69,8 @@ def _torch_twins(accelerator: str) -> KernelOps:
         fused_add_rms_norm=torch_ops.fused_add_rms_norm,
         rotary_embedding=torch_ops.rotary_embedding,
         silu_and_mul=torch_ops.silu_and_mul,
+        fused_moe=torch_moe.fused_moe,
+        mla_paged_attention=torch_mla.mla_paged_attention,
     )
 
 

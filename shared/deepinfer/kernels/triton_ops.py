@@ -11,11 +11,15 @@ from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.triton_activation import silu_and_mul
 from deepinfer.kernels.triton_attention import paged_decode_attention, prefill_attention
 from deepinfer.kernels.triton_cache import reshape_and_cache
+from deepinfer.kernels.triton_mla import mla_paged_attention
+from deepinfer.kernels.triton_moe import fused_moe
 from deepinfer.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from deepinfer.kernels.triton_rotary import rotary_embedding
 
 __all__ = [
     "fused_add_rms_norm",
+    "fused_moe",
+    "mla_paged_attention",
     "overrides",
     "paged_attention",
     "reshape_and_cache",
@@ -48,4 +52,6 @@ def overrides() -> dict[str, Callable[..., Any]]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "fused_moe": fused_moe,
+        "mla_paged_attention": mla_paged_attention,
     }

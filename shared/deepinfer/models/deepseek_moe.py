@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer.kernels import KernelOps, torch_moe
+from deepinfer.kernels import KernelOps
 from deepinfer.models.config import MoeConfig
 
 #: (router_logits [T, E] f32, e_score_correction_bias [E] f32, config) -> (topk_weights [T, k] f32, topk_ids [T, k])
@@ -122,7 +122,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, hidden_size: int, config: MoeConfig, ops: KernelOps) -> None:
         super().__init__()
         self.ops = ops
-        self.fused_moe = getattr(ops, "fused_moe", torch_moe.fused_moe)  # twin until KernelOps carries it
+        self.fused_moe = ops.fused_moe  # Triton on CUDA, the torch twin elsewhere (deepinfer.kernels)
         inter = config.moe_intermediate_size
         self.gate = Router(hidden_size, config)
         # Named as transformers' fused experts: [E, 2I, H] gate rows then up rows, and [E, H, I].

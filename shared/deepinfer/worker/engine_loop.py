@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore, EngineOutput
+from deepinfer.engine.handoff import EngineStats, engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class EngineLoop:
         self._stopping = False
         self.num_steps = 0
         self.error: BaseException | None = None
+        #: Load numbers as of the last step or command, replaced (never mutated) by the engine thread, so
+        #: heartbeats read them without waiting for a long step (a big prefill can take seconds on a CPU).
+        self.stats: EngineStats = engine_stats(core)
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -75,11 +79,13 @@ class EngineLoop:
         try:
             while not self._stopping:
                 self._run_commands(block=not self.core.has_unfinished_requests())
+                self.stats = engine_stats(self.core)
                 if self._stopping or not self.core.has_unfinished_requests():
                     continue
                 outputs = self.core.step()
                 events = self.core.scheduler.take_kv_events()
                 self.num_steps += 1
+                self.stats = engine_stats(self.core)
                 if outputs or events:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs, events)
         except BaseException as exc:  # a failed step leaves the engine unusable: report it, never hang callers

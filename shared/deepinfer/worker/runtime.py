@@ -22,7 +22,7 @@ from deepinfer.bus import IncomingMsg, MessageBus, Subscription
 from deepinfer.config import WorkerSettings
 from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
 from deepinfer.engine.core import EngineCore, EngineOutput
-from deepinfer.engine.handoff import EngineStats, engine_stats
+from deepinfer.engine.handoff import EngineStats
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.protocol import Cancel, KvEvent, KvEventBatch, KvEventKind, KvLayout, WorkerLoad, WorkerRole
 from deepinfer.telemetry import gauge
@@ -105,8 +105,7 @@ class WorkerRuntime:
     async def heartbeat(self) -> None:
         """Publish one WorkerLoad with fresh engine numbers."""
         assert self.core is not None and self.engine is not None and self.layout is not None
-        if self.engine.alive:
-            self.stats = await self.engine.call(engine_stats)
+        self.stats = self.engine.stats  # the engine thread's last snapshot: never wait for a running step
         for name, value in (
             ("running_requests", self.stats.num_running), ("waiting_requests", self.stats.num_waiting),
             ("held_leases", self.stats.num_held), ("free_blocks", self.stats.num_free_blocks),

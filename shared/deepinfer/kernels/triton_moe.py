@@ -1,0 +1,196 @@
+"""Triton fused MoE: tokens grouped by expert on the device, then one grouped GEMM per projection.
+
+Twin: `deepinfer.kernels.torch_moe.fused_moe`. The T*k (token, slot) pairs p = t * k + slot are sorted by
+expert and each expert's segment is padded to a multiple of BLOCK_M, so every BLOCK_M block of the sorted
+list belongs to one expert (vLLM's `moe_align_block_size`, here with device-side torch ops, no host sync):
+
+    sorted_pair_ids  | e0 e0 e0 -- | e2 e2 e2 e2 | e2 -- -- -- | e5 -- -- -- |  ("--" = num_pairs, padding)
+    block_expert_ids |     0       |      2      |      2      |      5      | E E ...  (E: unused block)
+
+GEMM 1 (gate and up together, SiLU-and-mul fused): act[p] = silu(x[t] · w13[e, :I]^T) * (x[t] · w13[e, I:]^T).
+GEMM 2: pair_out[p] = weight[p] * act[p] · w2[e]^T in float32; the k slots of a token are then summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels.triton_rounding import round_to
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _block_rows(sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, pair ids [BLOCK_M], valid mask, token ids) of this program's block of the sorted pairs."""
+    m_block = tl.program_id(0)
+    expert = tl.load(block_expert_ids_ptr + m_block)
+    pair_ids = tl.load(sorted_pair_ids_ptr + m_block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair_ids < num_pairs
+    tokens = tl.where(valid, pair_ids // TOP_K, 0).to(tl.int64)
+    return expert, pair_ids.to(tl.int64), valid, tokens
+
+
+@triton.jit
+def _gate_up_kernel(
+    act_ptr, hidden_ptr, w13_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
+    stride_ht, stride_we, stride_wn, stride_at, num_pairs, num_experts, hidden_size, inter_size,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """One (pair block, column block of I): act [BLOCK_M, BLOCK_N] = silu(gate) * up of one expert."""
+    expert, pair_ids, valid, tokens = _block_rows(sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs,
+                                                  TOP_K, BLOCK_M)
+    if expert >= num_experts:  # a block past the last expert's padded segment
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    gate_rows = w_base + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N] rows of w13, read as columns
+    up_rows = gate_rows + inter_size * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < hidden_size
+        x = tl.load(hidden_ptr + tokens[:, None] * stride_ht + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_gate = tl.load(gate_rows + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_up = tl.load(up_rows + offs_k[:, None], mask=w_mask, other=0.0)
+        if F32_DOT:
+            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+    dtype = act_ptr.dtype.element_ty
+    # the twin rounds gate/up (F.linear), then silu(gate), then the product to the model dtype
+    gate = round_to(acc_gate, dtype).to(tl.float32)
+    up = round_to(acc_up, dtype).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    tl.store(act_ptr + pair_ids[:, None] * stride_at + offs_n[None, :], round_to(silu * up, dtype),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    pair_out_ptr, act_ptr, w2_ptr, topk_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
+    stride_at, stride_we, stride_wn, stride_pt, num_pairs, num_experts, hidden_size, inter_size,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    """One (pair block, column block of H): pair_out [BLOCK_M, BLOCK_N] = weight * act · w2[e]^T (float32)."""
+    expert, pair_ids, valid, _ = _block_rows(sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs,
+                                             TOP_K, BLOCK_M)
+    if expert >= num_experts:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden_size
+    w_cols = w2_ptr + expert.to(tl.int64) * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < inter_size
+        a = tl.load(act_ptr + pair_ids[:, None] * stride_at + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if F32_DOT:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    weight = tl.load(topk_weights_ptr + pair_ids, mask=valid, other=0.0).to(tl.float32)
+    expert_out = round_to(acc, act_ptr.dtype.element_ty).to(tl.float32)  # the twin's expert output dtype
+    tl.store(pair_out_ptr + pair_ids[:, None] * stride_pt + offs_n[None, :], expert_out * weight[:, None],
+             mask=valid[:, None] & n_mask[None, :])
+
+
+def align_pairs_to_blocks(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pair_ids [max_padded] int32, block_expert_ids [max_padded / block_m] int32), all on the device.
+
+    max_padded = T*k + min(E, T*k) * (block_m - 1) rounded up to block_m: known on the host without a sync.
+    """
+    flat_ids = topk_ids.reshape(-1).long()
+    num_pairs, device = flat_ids.shape[0], flat_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat_ids, stable=True)  # pair ids grouped by expert
+    sorted_experts = flat_ids[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[dest] = order.to(torch.int32)
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert_ids = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)  # E when unused
+    return sorted_pair_ids, block_expert_ids
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: small for decode (few pairs per expert), 64 once experts see many tokens."""
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    """Assert the shapes, dtypes and unit strides the kernels index with."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    assert w13.shape == (num_experts, two_inter, hidden_size) and two_inter % 2 == 0, (
+        f"w13 must be [E, 2I, {hidden_size}], got {tuple(w13.shape)}"
+    )
+    assert w2.shape == (num_experts, hidden_size, two_inter // 2), (
+        f"w2 must be [{num_experts}, {hidden_size}, {two_inter // 2}], got {tuple(w2.shape)}"
+    )
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens, (
+        f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} must be [T={num_tokens}, k]"
+    )
+    assert hidden.dtype == w13.dtype == w2.dtype and hidden.dtype in _DTYPES, (
+        f"dtypes differ: hidden {hidden.dtype}, w13 {w13.dtype}, w2 {w2.dtype}"
+    )
+    assert hidden.stride(1) == w13.stride(2) == w2.stride(2) == 1, "hidden, w13 and w2 need unit last strides"
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [T, H] -> [T, H] in hidden.dtype."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w13.shape
+    inter_size, top_k = two_inter // 2, topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return hidden.new_zeros(num_tokens, hidden_size)
+    block_m = block_m or _block_m(num_pairs, num_experts)
+    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    num_blocks = block_expert_ids.shape[0]
+    f32_dot = hidden.device.type == "cpu"  # the interpreter's numpy matmul cannot multiply bfloat16
+    precision = "ieee" if hidden.dtype == torch.float32 or f32_dot else "tf32"
+    block_n, block_k = (32, 32) if f32_dot else (64, 64)
+
+    act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)  # row p = pair p
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
+        act, hidden, w13, sorted_pair_ids, block_expert_ids,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), num_pairs, num_experts, hidden_size,
+        inter_size, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        F32_DOT=f32_dot, num_warps=4, num_stages=3,
+    )
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        pair_out, act, w2, weights, sorted_pair_ids, block_expert_ids,
+        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), num_pairs, num_experts, hidden_size,
+        inter_size, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        F32_DOT=f32_dot, num_warps=4, num_stages=3,
+    )
+    # every pair row is written exactly once (each pair sits in one block), so no zero-fill is needed
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
