@@ -8,9 +8,6 @@ the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -18,6 +15,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import build_attention_metadata, get_ops, torch_ops
+from deepinfer.testing.triton_interpret import interpreted_kernels
 
 KERNEL_MODULES = ("triton_activation", "triton_attention", "triton_cache", "triton_norm", "triton_rotary", "triton_ops")
 TOLERANCES = {  # (rtol, atol): fp32 to 1e-5; half types to about one unit in the last place
@@ -27,50 +25,11 @@ TOLERANCES = {  # (rtol, atol): fp32 to 1e-5; half types to about one unit in th
 }
 
 
-def _reimported(name: str) -> bool:
-    """Modules the fixture imports afresh: triton's Python modules (not its C extension) and our kernels."""
-    return name == "triton" or (name.startswith("triton.") and not name.startswith("triton._C")) or (
-        name.startswith("deepinfer.kernels.triton_")
-    )
-
-
-def _fix_interpreter_index(interpreter) -> None:
-    """Triton 3.6's interpreter calls int() on 1-element arrays, an error since numpy 2.4 (triton#9171)."""
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
 @pytest.fixture(scope="module")
 def ops() -> Iterator[SimpleNamespace]:
-    """Our Triton kernel modules, imported with TRITON_INTERPRET=1 on a fresh triton, as one namespace."""
-    import deepinfer.kernels as kernels_package
-
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if _reimported(name)}
-    previous_env = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.runtime.interpreter as interpreter
-
-        _fix_interpreter_index(interpreter)
-        yield SimpleNamespace(**{m: importlib.import_module(f"deepinfer.kernels.{m}") for m in KERNEL_MODULES})
-    finally:
-        for name in [name for name in sys.modules if _reimported(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        for attr in [a for a in vars(kernels_package) if a.startswith("triton_")]:
-            delattr(kernels_package, attr)
-        for name, module in saved.items():
-            if name.startswith("deepinfer.kernels."):
-                setattr(kernels_package, name.rsplit(".", 1)[1], module)
-        if previous_env is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous_env
+    """Our Triton kernel modules in Triton's interpreter, as one namespace."""
+    with interpreted_kernels(KERNEL_MODULES) as modules:
+        yield modules
 
 
 @pytest.fixture(autouse=True)
