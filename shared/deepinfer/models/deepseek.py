@@ -16,13 +16,13 @@ from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.deepseek_moe import DeepseekMoE, GatedMLP, Router
 from deepinfer.models.deepseek_weights import load_deepseek_weights
-from deepinfer.models.layers import RMSNorm, RotaryEmbedding
+from deepinfer.models.layers import DecoderStack, PreNormBlock, RMSNorm, RotaryEmbedding
 from deepinfer.models.mla import MlaAttention
 
 logger = logging.getLogger(__name__)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormBlock):
     """Pre-norm block: MLA, then a dense MLP (first_k_dense_replace layers) or the MoE."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding, use_moe: bool) -> None:
@@ -35,23 +35,6 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp: nn.Module = DeepseekMoE(config.hidden_size, config.moe, ops)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, ops)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        latent_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (this block's output, residual stream before it); their sum is the true hidden state."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, latent_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class MtpLayer(DeepseekDecoderLayer):
@@ -66,7 +49,7 @@ class MtpLayer(DeepseekDecoderLayer):
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding) -> None:
@@ -77,23 +60,6 @@ class DeepseekModel(nn.Module):
             DeepseekDecoderLayer(config, ops, rotary, use_moe=i >= first_moe) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, latent_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, latent_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class DeepseekForCausalLM(nn.Module):

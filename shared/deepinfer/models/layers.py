@@ -139,22 +139,12 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm transformer block; carries the residual stream apart so norms can fuse the add."""
+class PreNormBlock(nn.Module):
+    """Pre-norm transformer block; carries the residual stream apart so norms can fuse the add.
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        ops: KernelOps,
-        rotary: RotaryEmbedding,
-        options: AttentionOptions,
-        tp: TensorParallelGroup = SINGLE_RANK,
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops, rotary, options, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops, tp)
+    Subclasses set `input_layernorm`, `self_attn(positions, hidden, cache, meta)`, `post_attention_layernorm`
+    and `mlp`.
+    """
 
     def forward(
         self,
@@ -172,3 +162,42 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class DecoderLayer(PreNormBlock):
+    """The Llama-family block: GQA attention over the paged KV cache and a gated MLP."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        rotary: RotaryEmbedding,
+        options: AttentionOptions,
+        tp: TensorParallelGroup = SINGLE_RANK,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, ops, rotary, options, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops, tp)
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, the decoder blocks and the final norm (HF's `model.` prefix); subclasses build the three."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden

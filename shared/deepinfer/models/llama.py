@@ -12,11 +12,11 @@ from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGrou
 from deepinfer.distributed.weights import load_sharded_hf_weights
 from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
-from deepinfer.models.layers import AttentionOptions, DecoderLayer, RMSNorm, RotaryEmbedding
+from deepinfer.models.layers import AttentionOptions, DecoderLayer, DecoderStack, RMSNorm, RotaryEmbedding
 from deepinfer.models.weights import FusedShards, load_hf_weights
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(DecoderStack):
     """Embeddings, the decoder stack and the final norm (HF's `model.` prefix)."""
 
     def __init__(
@@ -29,23 +29,6 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, ops, rotary, options, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
