@@ -48,9 +48,8 @@ class AsyncScheduler(Scheduler):
         """Steps scheduled and not updated yet."""
         return len(self._in_flight)
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose the next step counting in-flight tokens as appended; decodes first, as the base does."""
-        step = _Step(self.config.max_num_batched_tokens)
+    def _split_running(self) -> tuple[list[Request], list[Request]]:
+        """As the base, counting in-flight tokens as appended; a request they already end is left out."""
         placeholders, max_model_len = self.num_output_placeholders, self.config.max_model_len
         decodes, prefills = [], []
         for r in self.running:
@@ -59,18 +58,7 @@ class AsyncScheduler(Scheduler):
                 continue  # its in-flight token ends it; update() will finish it
             remaining = r.num_tokens + num_pending - r.num_computed_tokens
             (decodes if remaining == 1 else prefills).append(r)
-        running_status = RequestStatus.RUNNING
-        for request in decodes + prefills:
-            if step.token_budget == 0:
-                break
-            if request.status is not running_status:  # preempted earlier in this step
-                continue
-            num_new_tokens = self._chunk_size(request, request.num_computed_tokens, step.token_budget)
-            if self._allocate_or_preempt(request, num_new_tokens, step):
-                step.add(request, num_new_tokens)
-        if not step.preempted_request_ids:
-            self._admit_waiting(step)
-        return self._build_output(step)
+        return decodes, prefills
 
     @staticmethod
     def _reaches_length(request: Request, num_pending: int, max_model_len: int) -> bool:

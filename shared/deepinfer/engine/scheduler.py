@@ -174,9 +174,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating (or preempting for) their blocks."""
         step = _Step(self.config.max_num_batched_tokens)
-        decodes, prefills = [], []
-        for r in self.running:
-            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        decodes, prefills = self._split_running()
         running_status = RequestStatus.RUNNING
         for request in decodes + prefills:
             if step.token_budget == 0:
@@ -189,6 +187,13 @@ class Scheduler:
         if not step.preempted_request_ids:
             self._admit_waiting(step)
         return self._build_output(step)
+
+    def _split_running(self) -> tuple[list[Request], list[Request]]:
+        """Running requests to schedule this step: (decodes, prefill chunks); decodes go first."""
+        decodes, prefills = [], []
+        for r in self.running:
+            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        return decodes, prefills
 
     def update(
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
