@@ -18,30 +18,28 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOL_FACTOR = 3.0
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32}
+# wide enough that the Triton tiles are exercised (64 experts, kv_lora_rank 128, 16 heads)
+DEEPSEEK_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+                  "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                  "n_routed_experts": 64, "num_experts_per_tok": 6}
 NEW_TOKENS = 24
 
 
-def _load_checkpoints_module():
-    """deepinfer.testing.checkpoints without the package __init__, which imports the bus (opentelemetry, absent
-    from bare GPU images); the module itself needs only torch, transformers and tokenizers."""
-    import importlib.util
-    from pathlib import Path
+@pytest.fixture(scope="module", params=["llama", "deepseek_v2", "deepseek_v3"])
+def checkpoint(request, tmp_path_factory):
+    """Tiny-ish random models with clear greedy winners: a Llama with llama3 RoPE scaling, and DeepSeek V2
+    (V2-Lite routing: softmax greedy top-k, no q-LoRA) and V3 (grouped sigmoid routing, q-LoRA, YaRN) with MLA
+    over the paged latent cache and the Triton fused-MoE and MLA decode kernels."""
+    from deepinfer.testing import checkpoints, checkpoints_deepseek
 
-    import deepinfer
-
-    path = Path(deepinfer.__file__).parent / "testing" / "checkpoints.py"
-    spec = importlib.util.spec_from_file_location("_tiny_checkpoints", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny-ish Llama with llama3 RoPE scaling, wide random weights (clear greedy winners)."""
-    checkpoints = _load_checkpoints_module()
-    return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", std=0.1, seed=3,
-                                rope_scaling=checkpoints.LLAMA3_ROPE_SCALING, **SHAPE)
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        return checkpoints.make_tiny_checkpoint(path, "llama", std=0.1, seed=3,
+                                                rope_scaling=checkpoints.LLAMA3_ROPE_SCALING, **SHAPE)
+    overrides = DEEPSEEK_SHAPE | ({"q_lora_rank": None} if request.param == "deepseek_v2" else
+                                 {"rope_parameters": checkpoints_deepseek.DEEPSEEK_YARN})
+    return checkpoints_deepseek.make_tiny_deepseek_checkpoint(path, request.param, std=0.1, seed=3, **overrides)
 
 
 def hf_model(checkpoint, dtype):
@@ -95,7 +93,7 @@ def test_prefill_logits_match_transformers(checkpoint, reference, bf16_tolerance
     cfg = model.config
     seqs = prompts(3, seed=1)
     block_size, next_block = 16, 1
-    kv = [torch.randn(2, 64, block_size, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = [torch.randn(cfg.kv_cache_shape(64, block_size), device="cuda", dtype=torch.bfloat16)
           for _ in range(cfg.num_hidden_layers)]
     tables, slots = [], []
     for seq in seqs:
