@@ -85,7 +85,36 @@ def test_mla_decode_matches_twin(triton_ops, block_size, dtype):
     assert_close(out, torch_mla.mla_paged_attention(query, latent_cache, meta, scale, KV_LORA_RANK))
 
 
+def test_mla_cache_write_matches_twin(triton_ops):
+    latent_cache, meta, _ = make_latent_batch([2048] * 4, 64, torch.bfloat16)
+    slots = torch.randperm(latent_cache.shape[0] * 64, device="cuda")[:300]
+    slots[::7] = -1  # padding rows
+    kv_c = torch.randn(300, KV_LORA_RANK, device="cuda", dtype=torch.bfloat16)
+    k_pe = torch.randn(300, ROPE_DIM, device="cuda", dtype=torch.bfloat16)
+    expected = latent_cache.clone()
+    torch_mla.mla_cache_write(kv_c, k_pe, expected, slots)
+    triton_ops.mla_cache_write(kv_c, k_pe, latent_cache, slots)
+    assert torch.equal(latent_cache, expected)
+
+
+@pytest.mark.parametrize(("q_lens", "k_lens"), [([2048, 2048], [2048, 2048]), ([512, 1, 100], [2048, 700, 100])])
+def test_sdpa_varlen_matches_twin(triton_ops, q_lens, k_lens):
+    """MLA prefill rows: per-head K [Tk, 16, 192] and V [Tk, 16, 128], cold prompts and cached prefixes."""
+    torch.manual_seed(0)
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    query = torch.randn(cu_q[-1], NUM_HEADS, 192, device="cuda", dtype=torch.bfloat16)
+    key = torch.randn(cu_k[-1], NUM_HEADS, 192, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(cu_k[-1], NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    out = triton_ops.varlen_causal_attention(query, key, value, cu_q, cu_k, 192**-0.5)
+    assert_close(out, torch_mla.varlen_causal_attention(query, key, value, cu_q, cu_k, 192**-0.5))
+
+
 def test_cuda_ops_carry_the_deepseek_kernels(triton_ops):
     cuda_ops = get_ops("cuda")
     assert cuda_ops.fused_moe is triton_ops.fused_moe
     assert cuda_ops.mla_paged_attention is triton_ops.mla_paged_attention
+    assert cuda_ops.mla_cache_write is triton_ops.mla_cache_write
+    assert cuda_ops.varlen_causal_attention is triton_ops.varlen_causal_attention

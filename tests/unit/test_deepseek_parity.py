@@ -175,6 +175,17 @@ def test_kv_bytes_per_token_is_latent_size(models):
     assert c.kv_cache_shape(10, BLOCK_SIZE) == (10, BLOCK_SIZE, latent)
 
 
+def test_activation_headroom_counts_moe_pairs_and_mla_expansion(models):
+    """Per batched token, bf16: max(dense MLP, MoE top-k pairs + router + shared experts) + MLA's K/V/Q."""
+    c = models[0].config
+    moe, h = c.moe, c.hidden_size
+    dense = (4 * c.intermediate_size + 8 * h) * 2
+    routed = moe.num_experts_per_tok * (moe.moe_intermediate_size * 2 + 4 * h) + 4 * moe.num_experts
+    routed += 4 * moe.num_shared_experts * moe.moe_intermediate_size * 2 + 8 * h * 2
+    mla = 4 * c.num_attention_heads * c.mla.qk_head_dim * 2
+    assert c.activation_bytes_per_token(2) == max(dense, routed) + mla
+
+
 # -- MTP ----------------------------------------------------------------------------------------------------------
 
 

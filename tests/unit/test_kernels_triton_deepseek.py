@@ -136,6 +136,18 @@ def test_mla_decode_matches_twin(ops, block_size, num_heads, kv_lora_rank, rope_
     assert_close(whole, expected)  # one partition
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_cache_write_matches_twin(ops, dtype):
+    g = torch.Generator().manual_seed(3)
+    kv_c, k_pe = torch.randn(7, 48, generator=g).to(dtype), torch.randn(7, 16, generator=g).to(dtype)
+    slots = torch.tensor([5, 70, -1, 0, 33, -1, 127])  # two padding rows (slot -1) are skipped
+    expected = torch.randn(8, 16, 64, generator=g).to(dtype)
+    actual = expected.clone()
+    torch_mla.mla_cache_write(kv_c, k_pe, expected, slots)
+    ops.triton_mla.mla_cache_write(kv_c, k_pe, actual, slots)
+    assert torch.equal(actual, expected)
+
+
 def test_mla_paged_attention_hands_prefill_rows_to_the_twin(ops):
     b = make_latent_batch([20, 9], 16, 4, 32, 16, torch.float32, q_lens=[3, 9])
     out = ops.triton_ops.mla_paged_attention(b.query, b.latent_cache, b.meta, 0.2, 32)
@@ -146,5 +158,7 @@ def test_cuda_ops_carry_the_deepseek_kernels(ops):
     cuda_ops, cpu_ops = get_ops("cuda"), get_ops("cpu")
     assert cuda_ops.fused_moe is ops.triton_ops.fused_moe is ops.triton_moe.fused_moe
     assert cuda_ops.mla_paged_attention is ops.triton_ops.mla_paged_attention
+    assert cuda_ops.mla_cache_write is ops.triton_mla.mla_cache_write
+    assert cpu_ops.mla_cache_write is torch_mla.mla_cache_write
     assert cpu_ops.fused_moe is torch_moe.fused_moe
     assert cpu_ops.mla_paged_attention is torch_mla.mla_paged_attention

@@ -36,14 +36,16 @@ def caches(num_layers: int, num_blocks: int, dtype=torch.bfloat16, seed: int = 0
     return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen).to(dtype) for _ in range(num_layers)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_copy_by_ids_is_bitwise_and_touches_nothing_else(dtype):
+# staging: every layer in one chunk; 1 byte = one layer per chunk; a chunk of 2 layers with a remainder of 1
+@pytest.mark.parametrize(("dtype", "staging_bytes"),
+                         [(torch.bfloat16, 1 << 20), (torch.float32, 1), (torch.float32, 2 * 12 * 128 * 4)])
+def test_copy_by_ids_is_bitwise_and_touches_nothing_else(dtype, staging_bytes):
     src, dst = caches(3, 40, dtype, seed=1), caches(3, 25, dtype, seed=2)
     before = [kv.clone() for kv in dst]
     gen = torch.Generator().manual_seed(3)
     src_ids = (torch.randperm(39, generator=gen)[:12] + 1).tolist()
     dst_ids = (torch.randperm(24, generator=gen)[:12] + 1).tolist()
-    copy_blocks(src, src_ids, dst, dst_ids)
+    copy_blocks(src, src_ids, dst, dst_ids, staging_bytes=staging_bytes)
     for layer in range(3):
         for s, d in zip(src_ids, dst_ids, strict=True):
             assert torch.equal(dst[layer][:, d].view(torch.uint8), src[layer][:, s].view(torch.uint8))

@@ -147,3 +147,21 @@ def test_latent_blocks_export_import_roundtrip():
     for src, dst in zip(caches, targets, strict=True):
         assert torch.equal(dst[7], src[5]) and torch.equal(dst[1], src[2])
         assert dst[3].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("q_lens", "k_lens"), [([5, 1, 7], [5, 4, 7]), ([3, 0, 2], [10, 0, 2])])
+def test_sdpa_varlen_matches_the_twin(q_lens, k_lens):
+    """The fused-SDPA override (cold prompts: is_causal; cached prefixes: bottom-right mask; V narrower than QK)."""
+    from deepinfer.kernels.sdpa_varlen import varlen_causal_attention as sdpa_varlen
+
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    query = torch.randn(cu_q[-1] + 2, 3, 24, generator=g)  # 2 padding rows past cu_q[-1]
+    key, value = torch.randn(cu_k[-1], 3, 24, generator=g), torch.randn(cu_k[-1], 3, 16, generator=g)
+    out = sdpa_varlen(query, key, value, cu_q, cu_k, 0.2)
+    torch.testing.assert_close(out, varlen_causal_attention(query, key, value, cu_q, cu_k, 0.2), rtol=1e-5,
+                               atol=1e-5)
+    assert not out[cu_q[-1]:].any()

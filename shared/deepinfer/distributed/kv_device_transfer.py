@@ -15,6 +15,7 @@ reuse the blocks.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import uuid
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from deepinfer.sampling.params import SamplingParams
 log = logging.getLogger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: Most bytes of pulled blocks staged per peer copy (a chunk of layers); bounds the transient memory on each GPU.
+STAGING_BYTES = 256 << 20
 
 
 class DeviceTransferError(RuntimeError):
@@ -55,11 +58,16 @@ def copy_blocks(
     src_block_ids: Sequence[int],
     dst_caches: Sequence[torch.Tensor],
     dst_block_ids: Sequence[int],
+    *,
+    staging_bytes: int = STAGING_BYTES,
 ) -> None:
-    """dst[dst_block_ids[i]] = src[src_block_ids[i]] in every layer: one gather, one copy, one scatter per layer.
+    """dst[dst_block_ids[i]] = src[src_block_ids[i]] in every layer.
 
     The caches may live on different devices (CPU, or two GPUs: the copy between them is a peer copy).
-    Block shapes and dtypes must agree; the number of blocks per cache may differ.
+    Block shapes and dtypes must agree; the number of blocks per cache may differ. Layers go in chunks of at
+    most `staging_bytes` of pulled blocks: gather a chunk's layers into one staging tensor on the source
+    device, one peer copy of it, scatter on the destination. One large copy instead of one per layer keeps
+    the link busy (each cross-device copy waits on both devices' streams).
     """
     if len(src_caches) != len(dst_caches):
         raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
@@ -80,10 +88,18 @@ def copy_blocks(
             )
     src_index = _index(src_caches[0], src_block_ids)
     dst_index = _index(dst_caches[0], dst_block_ids)
-    for src, dst in zip(src_caches, dst_caches, strict=True):
-        dim = _block_dim(src)
-        gathered = src.index_select(dim, src_index)  # on the source device: [2, n, bs, H, D]
-        dst.index_copy_(dim, dst_index, gathered.to(dst.device, non_blocking=True))
+    first, dim = src_caches[0], _block_dim(src_caches[0])
+    pulled_shape = first.shape[:dim] + (len(src_block_ids),) + first.shape[dim + 1 :]  # one layer's pulled blocks
+    layer_bytes = math.prod(pulled_shape) * first.element_size()
+    layers_per_chunk = max(1, staging_bytes // layer_bytes)
+    for start in range(0, len(src_caches), layers_per_chunk):
+        chunk = range(start, min(start + layers_per_chunk, len(src_caches)))
+        staging = torch.empty((len(chunk), *pulled_shape), dtype=first.dtype, device=first.device)
+        for j, layer in enumerate(chunk):
+            torch.index_select(src_caches[layer], dim, src_index, out=staging[j])
+        moved = staging.to(dst_caches[0].device, non_blocking=True)
+        for j, layer in enumerate(chunk):
+            dst_caches[layer].index_copy_(dim, dst_index, moved[j])
 
 
 def _index(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:

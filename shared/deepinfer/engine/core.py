@@ -255,14 +255,15 @@ class EngineCore:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
         tokens = self.args.max_num_batched_tokens
-        # Peak activations of one step: the MLP's gate/up pair dominates; logits are float32 per sampled row.
-        activations = tokens * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
+        # Peak activations of one step (MLP or MoE, MLA's expanded K/V); logits are float32 per sampled row.
+        activations = tokens * cfg.activation_bytes_per_token(elem)
         logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
         if not self.args.enforce_eager:
             # The CUDA graphs' private pool: one decode step of max_num_seqs rows, split-K partials included.
             num_seqs, num_partitions = self.args.max_num_seqs, -(-self.max_model_len // 512)
-            activations += num_seqs * (4 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
-            activations += num_seqs * cfg.num_attention_heads * num_partitions * (cfg.head_dim + 2) * 4
+            head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
+            activations += num_seqs * cfg.activation_bytes_per_token(elem)
+            activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
         used = total - free
         return int(total * self.args.gpu_memory_utilization) - used - activations - logits - (256 << 20)
 

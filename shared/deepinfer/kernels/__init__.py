@@ -50,6 +50,8 @@ class KernelOps:
     silu_and_mul: Callable[..., Any]
     fused_moe: Callable[..., Any] = torch_moe.fused_moe
     mla_paged_attention: Callable[..., Any] = torch_mla.mla_paged_attention
+    mla_cache_write: Callable[..., None] = torch_mla.mla_cache_write
+    varlen_causal_attention: Callable[..., Any] = torch_mla.varlen_causal_attention
 
     def implementations(self) -> dict[str, str]:
         """Op name -> 'module.function' that implements it (for logs and start-up banners)."""
@@ -71,6 +73,8 @@ def _torch_twins(accelerator: str) -> KernelOps:
         silu_and_mul=torch_ops.silu_and_mul,
         fused_moe=torch_moe.fused_moe,
         mla_paged_attention=torch_mla.mla_paged_attention,
+        mla_cache_write=torch_mla.mla_cache_write,
+        varlen_causal_attention=torch_mla.varlen_causal_attention,
     )
 
 

@@ -26,10 +26,10 @@ def _check_latent_cache(latent_cache: torch.Tensor) -> None:
     assert latent_cache.is_contiguous(), "latent_cache must be contiguous"
 
 
-def mla_cache_write(
+def check_cache_write(
     kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write [kv_c ‖ k_pe] rows ([T, kv_lora_rank], [T, rope_dim]) into their slots; slot < 0 = padding."""
+    """Assert the shapes and dtypes of an `mla_cache_write` call (shared with its Triton version)."""
     _check_latent_cache(latent_cache)
     latent_dim = latent_cache.shape[2]
     assert kv_c.dim() == 2 and k_pe.dim() == 2 and kv_c.shape[0] == k_pe.shape[0], (
@@ -44,6 +44,14 @@ def mla_cache_write(
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (kv_c.shape[0],), (
         f"slot_mapping must be [T={kv_c.shape[0]}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
     )
+
+
+def mla_cache_write(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write [kv_c ‖ k_pe] rows ([T, kv_lora_rank], [T, rope_dim]) into their slots; slot < 0 = padding."""
+    check_cache_write(kv_c, k_pe, latent_cache, slot_mapping)
+    latent_dim = latent_cache.shape[2]
     flat = latent_cache.view(-1, latent_dim)  # [num_slots, latent_dim]
     keep = slot_mapping >= 0
     flat.index_copy_(0, slot_mapping[keep], torch.cat((kv_c, k_pe), dim=-1)[keep])

@@ -89,6 +89,42 @@ def _mla_decode_kernel(
         tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
 
 
+@triton.jit
+def _mla_cache_write_kernel(
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_mapping_ptr, stride_ct, stride_pt, stride_cb, stride_co,
+    KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One token: its [kv_c ‖ k_pe] row to slot_mapping[t]; a slot < 0 is padding (no host-side mask)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot < 0:
+        return
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    c_mask, r_mask = offs_c < KV_RANK, offs_r < ROPE_DIM
+    tl.store(row + offs_c, tl.load(kv_c_ptr + t * stride_ct + offs_c, mask=c_mask), mask=c_mask)
+    tl.store(row + KV_RANK + offs_r, tl.load(k_pe_ptr + t * stride_pt + offs_r, mask=r_mask), mask=r_mask)
+
+
+def mla_cache_write(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The twin's `mla_cache_write` without its boolean mask (a host sync), so CUDA graphs can capture it."""
+    torch_mla.check_cache_write(kv_c, k_pe, latent_cache, slot_mapping)
+    assert kv_c.stride(1) == 1 and k_pe.stride(1) == 1 and slot_mapping.is_contiguous()
+    if kv_c.shape[0] == 0:
+        return
+    kv_lora_rank, rope_dim = kv_c.shape[1], k_pe.shape[1]
+    _mla_cache_write_kernel[(kv_c.shape[0],)](
+        kv_c, k_pe, latent_cache, slot_mapping, kv_c.stride(0), k_pe.stride(0),
+        latent_cache.stride(0), latent_cache.stride(1),
+        KV_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_C=triton.next_power_of_2(kv_lora_rank),
+        BLOCK_R=triton.next_power_of_2(rope_dim), BLOCK_SIZE=latent_cache.shape[1], num_warps=4,
+    )
+
+
 def _check_inputs(query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int):
     """Assert the shapes, dtypes and strides the kernel indexes with."""
     assert latent_cache.dim() == 3 and latent_cache.is_contiguous(), (

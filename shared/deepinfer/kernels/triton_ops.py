@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.sdpa_varlen import varlen_causal_attention
 from deepinfer.kernels.triton_activation import silu_and_mul
 from deepinfer.kernels.triton_attention import paged_decode_attention, prefill_attention
 from deepinfer.kernels.triton_cache import reshape_and_cache
-from deepinfer.kernels.triton_mla import mla_paged_attention
+from deepinfer.kernels.triton_mla import mla_cache_write, mla_paged_attention
 from deepinfer.kernels.triton_moe import fused_moe
 from deepinfer.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from deepinfer.kernels.triton_rotary import rotary_embedding
@@ -19,6 +20,7 @@ from deepinfer.kernels.triton_rotary import rotary_embedding
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "mla_cache_write",
     "mla_paged_attention",
     "overrides",
     "paged_attention",
@@ -26,6 +28,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "varlen_causal_attention",
 ]
 
 
@@ -54,4 +57,6 @@ def overrides() -> dict[str, Callable[..., Any]]:
         "silu_and_mul": silu_and_mul,
         "fused_moe": fused_moe,
         "mla_paged_attention": mla_paged_attention,
+        "mla_cache_write": mla_cache_write,
+        "varlen_causal_attention": varlen_causal_attention,
     }

@@ -103,6 +103,24 @@ class ModelConfig:
             return (num_blocks, block_size, self.mla.latent_dim)
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def activation_bytes_per_token(self, itemsize: int) -> int:
+        """Peak bytes one batched token needs inside a layer (the engine's KV planning headroom).
+
+        The MLP's gate/up pair (dense layers) or, for MoE layers, its top-k (gate/up, act) rows plus the float32
+        per-pair outputs, the router's float32 scores and the shared experts; MLA adds the per-head K/V its
+        prefill rows expand from the latent (query, key and value, value padded to the QK width).
+        """
+        dense = 4 * self.intermediate_size + 8 * self.hidden_size
+        per_token = dense * itemsize
+        if self.moe is not None:
+            moe = self.moe
+            shared = 4 * moe.num_shared_experts * moe.moe_intermediate_size * itemsize
+            pairs = moe.num_experts_per_tok * (moe.moe_intermediate_size * itemsize + 4 * self.hidden_size)
+            per_token = max(per_token, pairs + 4 * moe.num_experts + shared + 8 * self.hidden_size * itemsize)
+        if self.mla is not None:
+            per_token += 4 * self.num_attention_heads * self.mla.qk_head_dim * itemsize
+        return per_token
+
     def kv_bytes_per_token(self, dtype: Any) -> int:
         """Bytes of KV cache that one token occupies over all layers, for a torch dtype or its name."""
         itemsize = getattr(dtype, "itemsize", None)
