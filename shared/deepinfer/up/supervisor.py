@@ -14,18 +14,17 @@ child spawned outlives it. On Linux a child also gets SIGTERM if the supervisor 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.process import die_with_parent_preexec
 from deepinfer.up.logs import tail
 from deepinfer.up.probes import Probe, ProbeResult
 
@@ -33,7 +32,6 @@ log = logging.getLogger(__name__)
 
 #: A service's exit status for a bad setting (deepinfer.config.loading): restarting cannot help.
 EXIT_BAD_CONFIG = 2
-_PR_SET_PDEATHSIG = 1
 
 
 class SupervisorError(RuntimeError):
@@ -121,7 +119,7 @@ class Supervisor:
         self._monitor: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: SupervisorError | None = None
-        self._prctl = _load_prctl()
+        self._prctl = die_with_parent_preexec()
 
     def add(self, spec: ChildSpec) -> None:
         """Register a child (spawned by `start()`, or by the monitor soon when already started)."""
@@ -377,18 +375,3 @@ def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
     # all gone (or a leader already reaped with no members left) raises ProcessLookupError: nothing to do.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
-
-
-def _load_prctl() -> Callable[[], None] | None:
-    """A preexec function asking Linux to SIGTERM the child when the spawning thread dies; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now: nothing is loaded after fork
-    except (OSError, AttributeError):
-        return None
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-    return die_with_parent
