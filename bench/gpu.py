@@ -4,6 +4,7 @@
     python bench/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
                         [--batch-invariant]   # also: the engine in batch-invariant mode (prefill, decode)
                         [--async-scheduling off|on|both]   # decode, idle, serving with async scheduling
+    python bench/gpu.py --model deepseek [--tiny] [--hf-compile]   # DeepSeek-V2-Lite shape: bench/gpu_deepseek.py
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
 Each section appends to the JSON as soon as it ends, so a run cut short keeps what it measured.
@@ -85,17 +86,17 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
     return engine, time.perf_counter() - start
 
 
-def prefill_ours(engine, rng, reps: int = 3) -> float:
-    """Median seconds of one engine step over 4 fresh random 4096-token prompts (cold: no prefix hits)."""
+def prefill_ours(engine, rng, reps: int = 3, num_seqs: int = PREFILL_SEQS, seq_len: int = PREFILL_LEN) -> float:
+    """Median seconds of one engine step over num_seqs fresh random seq_len-token prompts (cold: no prefix hits)."""
     vocab = engine.model_config.vocab_size
 
     def step():
-        for _ in range(PREFILL_SEQS):
-            engine.add_request(f"p{rng.integers(1 << 62)}", rng.integers(0, vocab, PREFILL_LEN).tolist(), greedy(1))
+        for _ in range(num_seqs):
+            engine.add_request(f"p{rng.integers(1 << 62)}", rng.integers(0, vocab, seq_len).tolist(), greedy(1))
         outputs = engine.step()
-        while len(outputs) < PREFILL_SEQS and engine.has_unfinished_requests():  # async: tokens come a step later
+        while len(outputs) < num_seqs and engine.has_unfinished_requests():  # async: tokens come a step later
             outputs += engine.step()
-        assert len(outputs) == PREFILL_SEQS and all(o.finish_reason for o in outputs), outputs
+        assert len(outputs) == num_seqs and all(o.finish_reason for o in outputs), outputs
 
     return timed(step, reps)
 
@@ -278,13 +279,23 @@ def main() -> None:
     """Run the chosen sections; table, then one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="ceilings,prefill,decode,idle,serving,hf")
-    parser.add_argument("--layers", type=int, default=LLAMA_31_8B["num_hidden_layers"])
+    parser.add_argument("--layers", type=int, default=None, help="default: the model's own")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--batch-invariant", action="store_true", help="also measure batch-invariant mode")
     parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                         help="on: the engine runs async; both: sync, then decode/idle/serving again async")
+    parser.add_argument("--model", choices=("llama", "deepseek"), default="llama",
+                        help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu_deepseek.py)")
+    parser.add_argument("--tiny", action="store_true", help="deepseek: a toy config on the CPU (code paths only)")
+    parser.add_argument("--hf-compile", action="store_true", help="deepseek: let transformers compile its decode")
     args = parser.parse_args()
+    if args.model == "deepseek":
+        from gpu_deepseek import main_deepseek
+
+        main_deepseek(args)
+        return
+    args.layers = args.layers or LLAMA_31_8B["num_hidden_layers"]
     sections = set(args.sections.split(","))
     out = args.out or (Path(os.environ["OUT"]) / "gpu-bench.json" if os.environ.get("OUT") else None)
     cfg = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
