@@ -3,7 +3,7 @@
     python bench/gpu_moe_tiles.py [--tokens 1,64,8192]
 
 For each token count: every candidate (block_m, block_n, block_k, warps, stages) checked against the torch
-twin (relative L2 error) and timed, beside the floor of that shape (touched expert bytes at the copy rate, or
+twin (relative L2 error) and timed, eagerly (host launches included) and as CUDA-graph replays (device time), beside the floor of that shape (touched expert bytes at the copy rate, or
 FLOPs at the matmul rate, both measured here). Prints a table and one JSON line ($OUT/gpu-moe-tiles.json).
 """
 
@@ -44,6 +44,16 @@ def floor_s(num_tokens: int, ids: torch.Tensor, ceil: dict) -> float:
     return max(bytes_ / (ceil["copy_gb_s"] * 1e9), flops / (ceil["matmul_tflops"] * 1e12))
 
 
+def graph_ms(fn, replays: int = 20) -> float:
+    """Device ms of fn() without the host: captured once in a CUDA graph, median over replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1e3 * timed(lambda: [graph.replay() for _ in range(replays)], 3) / replays
+
+
 def sweep(num_tokens: int, ceil: dict) -> dict:
     """Every candidate of the token count's regime: error vs the twin and median ms."""
     from deepinfer.kernels import torch_moe, triton_moe
@@ -60,8 +70,9 @@ def sweep(num_tokens: int, ceil: dict) -> dict:
         try:
             got = triton_moe.fused_moe(hidden, w13, w2, weights, ids, **kwargs)
             err = ((got.float() - ref).norm() / ref.norm()).item()
-            ms = 1e3 * timed(lambda kw=kwargs: triton_moe.fused_moe(hidden, w13, w2, weights, ids, **kw), 10)
-            out[name] = {"ms": round(ms, 4), "rel_err": round(err, 5)}
+            call = lambda kw=kwargs: triton_moe.fused_moe(hidden, w13, w2, weights, ids, **kw)  # noqa: E731
+            ms = 1e3 * timed(call, 10)
+            out[name] = {"ms": round(ms, 4), "graph_ms": round(graph_ms(call), 4), "rel_err": round(err, 5)}
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile (shared memory) is a result
             out[name] = {"error": str(exc)[:200]}
     return out

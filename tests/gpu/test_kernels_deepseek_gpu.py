@@ -47,7 +47,7 @@ def make_moe(num_tokens: int, dtype: torch.dtype, seed: int = 0):
     return hidden, w13, w2, topk_weights.float(), topk_ids
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 1000])
+@pytest.mark.parametrize("num_tokens", [1, 64, 1000, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_moe_matches_twin(triton_ops, num_tokens, dtype):
     hidden, w13, w2, topk_weights, topk_ids = make_moe(num_tokens, dtype)
