@@ -152,3 +152,28 @@ def run_async(make_engine, model_dir, sections: set, res: dict, save, serving=No
         out["serving"] = serving(engine)
         save()
     del engine
+
+
+def kernel_profile(engine, rng, batch: int, steps: int = 4, top: int = 12) -> dict:
+    """Where an eager decode step's device time goes: the `top` CUDA kernels by time (torch.profiler), ms/step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        ids = start_decodes(engine, rng, batch, steps + 8)
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        engine.abort_requests(ids)
+    finally:
+        engine.runner.graphs = graphs
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total_ms = sum(e.device_time_total for e in events) / 1e3 / steps
+    rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:top]
+    return {"device_ms_per_step": round(total_ms, 3),
+            "top_kernels": [{"name": e.key[:90], "ms_per_step": round(e.device_time_total / 1e3 / steps, 4),
+                             "calls_per_step": e.count // steps} for e in rows]}

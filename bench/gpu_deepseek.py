@@ -26,7 +26,7 @@ from unittest import mock
 import numpy as np
 import torch
 from gpu import ceilings, guarded, prefill_ours, timed
-from gpu_decode import CONTEXT, decode_ours, replay_ms
+from gpu_decode import CONTEXT, decode_ours, kernel_profile, replay_ms
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -206,6 +206,12 @@ def run_ours(model_dir: Path, shape: Shape, sections: set, res: dict, save) -> N
         for batch, steps in shape.ours_decode:
             guarded(res, f"ours_decode_{batch}_error",
                     lambda b=batch, n=steps: ours_decode(engine, split, b, n, res, save))
+    if "profile" in sections and engine.device.type == "cuda":
+        rng = np.random.default_rng(3)
+        for batch in (1, 64):
+            guarded(res, f"profile_{batch}_error", lambda b=batch: res.setdefault("profile", {}).update(
+                {str(b): kernel_profile(engine, rng, b)}))
+            save()
 
 
 def hf_model(model_dir: Path, device: str) -> tuple[torch.nn.Module, str]:
@@ -323,6 +329,9 @@ def print_table(res: dict) -> None:
               f"{roof.get('distinct_experts_per_layer', '-'):>7} {hf.get('tok_s', '-'):>12} {hf.get('cache', '-'):>8}")
     if res.get("roofline_formula"):
         print(f"roofline: {res['roofline_formula']}")
+    for batch, prof in res.get("profile", {}).items():
+        print(f"eager decode B={batch}: {prof['device_ms_per_step']} device ms/step; top kernels (ms/step, calls): "
+              + "; ".join(f"{k['name'][:48]} {k['ms_per_step']} ({k['calls_per_step']})" for k in prof["top_kernels"]))
     for key, value in res.items():
         if key.endswith("_error"):
             print(f"{key}: {value.strip().splitlines()[-1]}")
@@ -331,7 +340,7 @@ def print_table(res: dict) -> None:
 def main_deepseek(args: argparse.Namespace) -> None:
     """Ceilings, our engine, then transformers; table, then one JSON line (bench/gpu.py --model deepseek)."""
     shape = TINY if args.tiny else FULL
-    sections = set(args.sections.split(",")) & {"ceilings", "prefill", "decode", "hf"}
+    sections = set(args.sections.split(",")) & {"ceilings", "prefill", "decode", "hf", "profile"}
     cfg = {**DEEPSEEK_V2_LITE, **(TINY_OVERRIDES if args.tiny else {})}
     if args.layers:
         cfg["num_hidden_layers"] = args.layers

@@ -162,3 +162,11 @@ def test_cuda_ops_carry_the_deepseek_kernels(ops):
     assert cpu_ops.mla_cache_write is torch_mla.mla_cache_write
     assert cpu_ops.fused_moe is torch_moe.fused_moe
     assert cpu_ops.mla_paged_attention is torch_mla.mla_paged_attention
+
+
+def test_single_token_blocks_hold_one_pair_each(ops):
+    _, _, _, _, topk_ids = make_moe(1, 8, 3, 16, 16, torch.float32, seed=2)
+    sorted_pair_ids, block_expert_ids = ops.triton_moe.pairs_in_own_blocks(topk_ids, 16)
+    assert block_expert_ids.tolist() == topk_ids.reshape(-1).tolist()
+    assert sorted_pair_ids.view(3, 16)[:, 0].tolist() == [0, 1, 2]
+    assert (sorted_pair_ids.view(3, 16)[:, 1:] == 3).all(), "the other rows are padding (= num_pairs)"

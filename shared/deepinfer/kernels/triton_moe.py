@@ -22,6 +22,7 @@ import triton.language as tl
 from deepinfer.kernels.triton_rounding import round_to
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_BLOCK_M = 16  # the smallest row count tl.dot takes
 
 
 @triton.jit
@@ -151,10 +152,21 @@ def _tiles(block_m: int, dtype: torch.dtype) -> MoeTiles:
     return MoeTiles(128, block_k, 8, 3) if block_m >= 128 else MoeTiles(64, block_k, 4, 3)
 
 
+def pairs_in_own_blocks(topk_ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs_to_blocks`' output with pair p alone in block p (rows 1.. of each block are padding).
+
+    Two device ops instead of the sort's dozen: the decode of a single sequence, whose launches dominate.
+    """
+    num_pairs = topk_ids.numel()
+    rows = torch.arange(num_pairs * block_m, dtype=torch.int32, device=topk_ids.device)
+    sorted_pair_ids = torch.where(rows % block_m == 0, rows // block_m, num_pairs)
+    return sorted_pair_ids, topk_ids.reshape(-1).to(torch.int32)
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: small for decode (few pairs per expert), 128 once experts see hundreds of tokens."""
     per_expert = num_pairs / max(num_experts, 1)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 192 else 128
+    return MIN_BLOCK_M if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 192 else 128
 
 
 def _check_inputs(hidden, w13, w2, topk_weights, topk_ids) -> None:
@@ -196,8 +208,13 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return hidden.new_zeros(num_tokens, hidden_size)
-    block_m = block_m or _block_m(num_pairs, num_experts)
-    sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    if block_m is None and num_tokens == 1:
+        # one token's k experts are distinct: a block per pair reads each expert once, with no sort
+        block_m = MIN_BLOCK_M
+        sorted_pair_ids, block_expert_ids = pairs_in_own_blocks(topk_ids, block_m)
+    else:
+        block_m = block_m or _block_m(num_pairs, num_experts)
+        sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
     num_blocks = block_expert_ids.shape[0]
     f32_dot = hidden.device.type == "cpu"  # the interpreter's numpy matmul cannot multiply bfloat16
     precision = "ieee" if hidden.dtype == torch.float32 or f32_dot else "tf32"
