@@ -133,7 +133,14 @@ def test_mla_decode_matches_twin(ops, block_size, num_heads, kv_lora_rank, rope_
     assert_close(split, expected)
     assert not split[sum(q_lens) :].any(), "batch padding rows must come back as zeros"
     whole = ops.triton_ops.mla_paged_attention(b.query, b.latent_cache, b.meta, scale, kv_lora_rank)
-    assert_close(whole, expected)  # one partition
+    assert_close(whole, expected)  # the default partitioning (16-key partitions here)
+
+
+@pytest.mark.parametrize(("max_seq_len", "num_programs", "expected"),
+                         [(2048, 1, 128), (2048, 64, 512), (8192, 1, 512), (512, 1, 32), (100_000, 1, 8192)])
+def test_mla_partitions_fill_the_gpu_within_the_reduce_kernels_limit(ops, max_seq_len, num_programs, expected):
+    size = ops.triton_mla._partition_size(max_seq_len, num_programs, 32)
+    assert size == expected and -(-max_seq_len // size) <= ops.triton_mla.MAX_PARTITIONS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,6 +25,9 @@ from deepinfer.kernels.triton_rounding import round_to
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TARGET_PROGRAMS = 264  # two per SM of an H100/H200
+MAX_PARTITION = 512
+MAX_PARTITIONS = 16
 
 
 @triton.jit
@@ -143,9 +146,22 @@ def _check_inputs(query: torch.Tensor, latent_cache: torch.Tensor, meta: Attenti
     assert meta.query_start_loc_cpu[-1] <= query.shape[0], "query_start_loc exceeds the query rows"
 
 
+def _partition_size(max_seq_len: int, num_programs: int, block_n: int) -> int:
+    """Keys per split-K partition: enough programs to fill the GPU (TARGET_PROGRAMS), at most 512 keys, and at
+    most MAX_PARTITIONS partitions (the reduce kernel holds them all in registers).
+
+    One sequence's 16 heads share a program, so a single decode at 2k keys with 512-key partitions ran 4
+    programs (38 us a layer on an H200); 128-key partitions make it 16.
+    """
+    max_seq_len = max(max_seq_len, 1)
+    wanted = triton.next_power_of_2(triton.cdiv(max_seq_len * num_programs, TARGET_PROGRAMS))
+    fewest = triton.next_power_of_2(triton.cdiv(max_seq_len, MAX_PARTITIONS))
+    return max(block_n, fewest, min(MAX_PARTITION, wanted))
+
+
 def mla_decode_attention(
     query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_lora_rank: int,
-    *, partition_size: int = 512,
+    *, partition_size: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA for batches with at most one new token per sequence: -> [T, H, kv_lora_rank] in query.dtype."""
     _check_inputs(query, latent_cache, meta, kv_lora_rank)
@@ -157,12 +173,15 @@ def mla_decode_attention(
         return out
     f32_dot = query.device.type == "cpu"  # the interpreter's numpy matmul cannot multiply bfloat16
     block_n = 16 if f32_dot or query.dtype == torch.float32 else 32  # fp32 tiles: half the shared memory
+    block_h = 16
+    if partition_size is None:
+        partition_size = _partition_size(meta.max_seq_len, num_seqs * triton.cdiv(num_heads, block_h), block_n)
     assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
     num_partitions = triton.cdiv(max(meta.max_seq_len, 1), partition_size)
     split = num_partitions > 1
     if not split:
         partition_size = max(meta.max_seq_len, 1)
-    block_c, block_h = triton.next_power_of_2(kv_lora_rank), 16
+    block_c = triton.next_power_of_2(kv_lora_rank)
     part_out = part_ml = out  # placeholders, unused without a split
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_partitions, block_c, dtype=torch.float32,
