@@ -1,10 +1,11 @@
-"""Same-host KV handoff device to device: CUDA IPC of the owner's cache, one peer copy per layer.
+"""Same-host KV handoff device to device: CUDA IPC of the owner's cache, one peer copy per chunk of layers.
 
 The prefill worker (owner) exports, once at start, a CUDA IPC description of each layer's KV cache
 (`export_caches` → `KvDeviceExport`, msgpack fields only, never pickle) and puts it on every `KvHandle`. A
 decode worker on the same host (same `host_id()`, the owner's GPU visible here) maps the owner's cache once
-(`PeerCaches.get`) and copies the leased block ids into its own blocks (`admit_from_device`): per layer one
-`index_select` on the owner's GPU, one peer copy, one `index_copy_` on ours. Otherwise (another host, the GPU
+(`PeerCaches.get`) and copies the leased block ids into its own blocks (`admit_from_device`): per chunk of
+layers, `index_select`s into one staging tensor on the owner's GPU, one peer copy, `index_copy_`s on ours
+(`copy_blocks`). Otherwise (another host, the GPU
 not visible, IPC refused) the decode worker pulls over the data plane.
 
 Ordering: the owner's KV writes are complete before the handle leaves it (the prefill step syncs on the
