@@ -94,21 +94,9 @@ def replay_ms(engine, batch: int, max_seq_len: int) -> float:
 
 def busy_fraction(engine, rng, batch: int, steps: int, eager: bool) -> dict:
     """GPU busy time (union of kernel intervals from the torch profiler) over the span of `steps` decode steps."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    graphs = engine.runner.graphs
-    engine.runner.graphs = None if eager else graphs
-    try:
-        ids = start_decodes(engine, rng, batch, steps + 16)  # warm-up, timed and phase steps all decode
-        for _ in range(3):
-            engine.step()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-        engine.abort_requests(ids)
-    finally:
-        engine.runner.graphs = graphs
+    prof = profiled_decode(engine, rng, batch, steps, eager, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
@@ -154,23 +142,32 @@ def run_async(make_engine, model_dir, sections: set, res: dict, save, serving=No
     del engine
 
 
-def kernel_profile(engine, rng, batch: int, steps: int = 4, top: int = 12) -> dict:
-    """Where an eager decode step's device time goes: the `top` CUDA kernels by time (torch.profiler), ms/step."""
-    from torch.profiler import ProfilerActivity, profile
+def profiled_decode(engine, rng, batch: int, steps: int, eager: bool, activities):
+    """torch.profiler over `steps` decode steps of `batch` requests (after 3 warm-up steps); graphs off if eager."""
+    from torch.profiler import profile
 
-    graphs, engine.runner.graphs = engine.runner.graphs, None
+    graphs = engine.runner.graphs
+    engine.runner.graphs = None if eager else graphs
     try:
-        ids = start_decodes(engine, rng, batch, steps + 8)
+        ids = start_decodes(engine, rng, batch, steps + 16)
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
         engine.abort_requests(ids)
     finally:
         engine.runner.graphs = graphs
+    return prof
+
+
+def kernel_profile(engine, rng, batch: int, steps: int = 4, top: int = 12) -> dict:
+    """Where an eager decode step's device time goes: the `top` CUDA kernels by time (torch.profiler), ms/step."""
+    from torch.profiler import ProfilerActivity
+
+    prof = profiled_decode(engine, rng, batch, steps, True, [ProfilerActivity.CUDA])
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total_ms = sum(e.device_time_total for e in events) / 1e3 / steps
     rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:top]

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels.torch_mla import ragged_sequences
+
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] -> [1, H, T, D] (a view)."""
@@ -32,20 +34,11 @@ def varlen_causal_attention(
     scale: float,
 ) -> torch.Tensor:
     """query [Tq, H, Dqk], key [Tk, H, Dqk], value [Tk, H, Dv] -> [Tq, H, Dv]; rows past cu_seqlens_q[-1] zero."""
-    assert query.dim() == key.dim() == value.dim() == 3 and query.shape[1:] == key.shape[1:], (
-        f"shapes differ: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-    )
-    assert key.shape[:2] == value.shape[:2] and value.shape[2] <= query.shape[2]
-    assert len(cu_seqlens_q) == len(cu_seqlens_k), "one cumulative length per sequence for q and k"
+    assert value.shape[2] <= query.shape[2], f"V width {value.shape[2]} exceeds the QK width {query.shape[2]}"
     head_dim_v, pad = value.shape[2], query.shape[2] - value.shape[2]
     out = query.new_zeros(query.shape[0], query.shape[1], head_dim_v)
-    for b in range(len(cu_seqlens_q) - 1):
-        q_start, q_end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        k_start, k_end = cu_seqlens_k[b], cu_seqlens_k[b + 1]
+    for (q_start, q_end), (k_start, k_end) in ragged_sequences(query, key, value, cu_seqlens_q, cu_seqlens_k):
         q_len, k_len = q_end - q_start, k_end - k_start
-        if q_len == 0:
-            continue
-        assert q_len <= k_len, f"sequence {b}: {q_len} queries but {k_len} keys"
         v = value[k_start:k_end]
         if pad:
             v = F.pad(v, (0, pad))

@@ -12,7 +12,7 @@ qk_rope_head_dim: per token the normalised compressed KV latent `c_kv` then the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -115,6 +115,24 @@ def gather_latent(
     return torch.cat(parts), cu_seqlens_k
 
 
+def ragged_sequences(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens_q: Sequence[int],
+    cu_seqlens_k: Sequence[int],
+) -> Iterator[tuple[tuple[int, int], tuple[int, int]]]:
+    """Check a varlen attention call's shapes; yield each sequence's (query rows, key rows), skipping q_len 0."""
+    assert query.dim() == key.dim() == value.dim() == 3, "query/key/value must be [T, H, D]"
+    assert key.shape[:2] == value.shape[:2] and query.shape[1:] == key.shape[1:], (
+        f"shapes differ: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    )
+    assert len(cu_seqlens_q) == len(cu_seqlens_k), "one cumulative length per sequence for q and k"
+    for b in range(len(cu_seqlens_q) - 1):
+        q_rows, k_rows = (cu_seqlens_q[b], cu_seqlens_q[b + 1]), (cu_seqlens_k[b], cu_seqlens_k[b + 1])
+        q_len, k_len = q_rows[1] - q_rows[0], k_rows[1] - k_rows[0]
+        assert q_len <= k_len, f"sequence {b}: {q_len} queries but {k_len} keys"
+        if q_len:
+            yield q_rows, k_rows
+
+
 def varlen_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -128,19 +146,9 @@ def varlen_causal_attention(
     query [Tq, H, Dqk], key [Tk, H, Dqk], value [Tk, H, Dv] -> [Tq, H, Dv] in query.dtype; rows past
     cu_seqlens_q[-1] come back as zeros.
     """
-    assert query.dim() == key.dim() == value.dim() == 3, "query/key/value must be [T, H, D]"
-    assert key.shape[:2] == value.shape[:2] and query.shape[1:] == key.shape[1:], (
-        f"shapes differ: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-    )
-    assert len(cu_seqlens_q) == len(cu_seqlens_k), "one cumulative length per sequence for q and k"
     out = query.new_zeros(query.shape[0], query.shape[1], value.shape[2])
-    for b in range(len(cu_seqlens_q) - 1):
-        q_start, q_end = cu_seqlens_q[b], cu_seqlens_q[b + 1]
-        k_start, k_end = cu_seqlens_k[b], cu_seqlens_k[b + 1]
+    for (q_start, q_end), (k_start, k_end) in ragged_sequences(query, key, value, cu_seqlens_q, cu_seqlens_k):
         q_len, k_len = q_end - q_start, k_end - k_start
-        if q_len == 0:
-            continue
-        assert q_len <= k_len, f"sequence {b}: {q_len} queries but {k_len} keys"
         q = query[q_start:q_end].float()
         scores = torch.einsum("qhd,khd->hqk", q, key[k_start:k_end].float()) * scale
         q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
