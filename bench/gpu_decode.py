@@ -167,7 +167,11 @@ def kernel_profile(engine, rng, batch: int, steps: int = 4, top: int = 12) -> di
     """Where an eager decode step's device time goes: the `top` CUDA kernels by time (torch.profiler), ms/step."""
     from torch.profiler import ProfilerActivity
 
-    prof = profiled_decode(engine, rng, batch, steps, True, [ProfilerActivity.CUDA])
+    return top_kernels(profiled_decode(engine, rng, batch, steps, True, [ProfilerActivity.CUDA]), steps, top)
+
+
+def top_kernels(prof, steps: int, top: int = 12) -> dict:
+    """A profile's device ms per step and its `top` CUDA kernels by device time."""
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total_ms = sum(e.device_time_total for e in events) / 1e3 / steps
     rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:top]

@@ -26,7 +26,7 @@ from unittest import mock
 import numpy as np
 import torch
 from gpu import ceilings, guarded, prefill_ours, timed
-from gpu_decode import CONTEXT, decode_ours, kernel_profile, replay_ms
+from gpu_decode import CONTEXT, decode_ours, kernel_profile, replay_ms, top_kernels
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -212,6 +212,18 @@ def run_ours(model_dir: Path, shape: Shape, sections: set, res: dict, save) -> N
             guarded(res, f"profile_{batch}_error", lambda b=batch: res.setdefault("profile", {}).update(
                 {str(b): kernel_profile(engine, rng, b)}))
             save()
+        guarded(res, "profile_prefill_error", lambda: res.setdefault("profile", {}).update(
+            prefill=prefill_profile(engine, rng, shape)))
+        save()
+
+
+def prefill_profile(engine, rng, shape: Shape) -> dict:
+    """Top CUDA kernels of the cold prefill step (two steps: timed()'s warm-up and one rep)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_ours(engine, rng, reps=1, num_seqs=shape.prefill_seqs, seq_len=shape.prefill_len)
+    return top_kernels(prof, steps=2)
 
 
 def hf_model(model_dir: Path, device: str) -> tuple[torch.nn.Module, str]:
@@ -330,7 +342,8 @@ def print_table(res: dict) -> None:
     if res.get("roofline_formula"):
         print(f"roofline: {res['roofline_formula']}")
     for batch, prof in res.get("profile", {}).items():
-        print(f"eager decode B={batch}: {prof['device_ms_per_step']} device ms/step; top kernels (ms/step, calls): "
+        what = "prefill" if batch == "prefill" else f"eager decode B={batch}"
+        print(f"{what}: {prof['device_ms_per_step']} device ms/step; top kernels (ms/step, calls): "
               + "; ".join(f"{k['name'][:48]} {k['ms_per_step']} ({k['calls_per_step']})" for k in prof["top_kernels"]))
     for key, value in res.items():
         if key.endswith("_error"):

@@ -55,6 +55,17 @@ def test_fused_moe_matches_twin(triton_ops, num_tokens, dtype):
     assert_close(out, torch_moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids))
 
 
+@pytest.mark.parametrize("num_tokens", [2, 64, 170])
+def test_one_program_alignment_equals_the_sorting_one(triton_ops, num_tokens):
+    from deepinfer.kernels import triton_moe
+
+    *_, topk_ids = make_moe(num_tokens, torch.bfloat16, seed=num_tokens)
+    for block_m in (16, 32):
+        expected = triton_moe.align_pairs_to_blocks(topk_ids, NUM_EXPERTS, block_m)
+        actual = triton_moe.align_pairs_one_program(topk_ids, NUM_EXPERTS, block_m)
+        assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+
+
 def make_latent_batch(seq_lens, block_size, dtype, seed=0):
     """Random latent cache (every slot filled), shuffled block tables, absorbed decode queries on the GPU."""
     g = torch.Generator().manual_seed(seed)

@@ -171,6 +171,17 @@ def test_cuda_ops_carry_the_deepseek_kernels(ops):
     assert cpu_ops.mla_paged_attention is torch_mla.mla_paged_attention
 
 
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m"),
+                         [(37, 8, 3, 16), (100, 6, 2, 32), (5, 64, 6, 16), (300, 20, 4, 64)])
+def test_one_program_alignment_equals_the_sorting_one(ops, num_tokens, num_experts, top_k, block_m):
+    """Same blocks, same pair order (a stable sort) across several 128-pair chunks; an idle expert."""
+    _, _, _, _, topk_ids = make_moe(num_tokens, num_experts, top_k, 16, 16, torch.float32, seed=num_tokens,
+                                    idle_expert=num_experts // 2)
+    expected = ops.triton_moe.align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    actual = ops.triton_moe.align_pairs_one_program(topk_ids, num_experts, block_m)
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
+
+
 def test_single_token_blocks_hold_one_pair_each(ops):
     _, _, _, _, topk_ids = make_moe(1, 8, 3, 16, 16, torch.float32, seed=2)
     sorted_pair_ids, block_expert_ids = ops.triton_moe.pairs_in_own_blocks(topk_ids, 16)

@@ -23,6 +23,8 @@ from deepinfer.kernels.triton_rounding import round_to
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_BLOCK_M = 16  # the smallest row count tl.dot takes
+ONE_PROGRAM_MAX_PAIRS = 1024  # up to here one program aligns the pairs (decode); above, torch's sort (prefill)
+ALIGN_CHUNK = 128  # pairs per step of the one-program alignment
 
 
 @triton.jit
@@ -132,6 +134,55 @@ def align_pairs_to_blocks(
     return sorted_pair_ids, block_expert_ids
 
 
+@triton.jit
+def _align_kernel(
+    topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """`align_pairs_to_blocks` in one program (sorted_pair_ids pre-filled with num_pairs): count the pairs per
+    expert, pad each expert's segment to BLOCK_M, then place every pair at segment start + its rank among the
+    expert's pairs in pair order (a stable sort), and name each block's expert (num_experts past the last)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    running = padded_end - padded  # where each expert's next pair goes
+    for p0 in range(0, num_pairs, BLOCK_P):
+        pairs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+        earlier = tl.cumsum(one_hot, axis=0) - one_hot  # same-expert pairs before this one in the chunk
+        dest = tl.sum(one_hot * (running[None, :] + earlier), axis=1)
+        tl.store(sorted_pair_ids_ptr + dest, pairs, mask=pairs < num_pairs)
+        running += tl.sum(one_hot, axis=0)
+    padded_end = tl.where(experts < num_experts, padded_end, 1 << 30)
+    for b0 in range(0, num_blocks, BLOCK_P):
+        blocks = b0 + tl.arange(0, BLOCK_P)
+        expert = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ids_ptr + blocks, tl.minimum(expert, num_experts), mask=blocks < num_blocks)
+
+
+def align_pairs_one_program(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs_to_blocks` as one Triton program (two launches with the fill instead of ~25 torch ops): for
+    decode batches, where launches, not pairs, cost the time."""
+    flat_ids = topk_ids.reshape(-1)
+    num_pairs = flat_ids.shape[0]
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat_ids.device)
+    block_expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=flat_ids.device)
+    _align_kernel[(1,)](
+        flat_ids.contiguous(), sorted_pair_ids, block_expert_ids, num_pairs, num_experts, num_blocks,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_P=ALIGN_CHUNK, num_warps=4,
+    )
+    return sorted_pair_ids, block_expert_ids
+
+
 @dataclass(frozen=True)
 class MoeTiles:
     """Column/reduction tile and launch shape of both GEMM kernels (rows per block: `block_m`)."""
@@ -214,7 +265,8 @@ def fused_moe(
         sorted_pair_ids, block_expert_ids = pairs_in_own_blocks(topk_ids, block_m)
     else:
         block_m = block_m or _block_m(num_pairs, num_experts)
-        sorted_pair_ids, block_expert_ids = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+        align = align_pairs_one_program if num_pairs <= ONE_PROGRAM_MAX_PAIRS else align_pairs_to_blocks
+        sorted_pair_ids, block_expert_ids = align(topk_ids, num_experts, block_m)
     num_blocks = block_expert_ids.shape[0]
     f32_dot = hidden.device.type == "cpu"  # the interpreter's numpy matmul cannot multiply bfloat16
     precision = "ieee" if hidden.dtype == torch.float32 or f32_dot else "tf32"
