@@ -79,7 +79,7 @@ def _phases(src, src_ids, dst, dst_ids) -> dict:
 
 
 def _receiver(conn, result_conn) -> None:
-    from deepinfer.distributed.kv_device_transfer import PeerCaches, _peer_accessible, copy_blocks, host_id
+    from deepinfer.distributed.kv_device_transfer import PeerCaches, copy_blocks, host_id
     from deepinfer.protocol.kv import KvDeviceExport
 
     export = KvDeviceExport.from_bytes(conn.recv_bytes())
@@ -90,21 +90,13 @@ def _receiver(conn, result_conn) -> None:
     dst_ids = (torch.randperm(RECEIVER_BLOCKS - 1, generator=gen)[:NUM_PULLED] + 1).tolist()
     dst = [torch.zeros(2, RECEIVER_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
                        device="cuda:1") for _ in range(NUM_LAYERS)]
+    pull_s = _timed(lambda: copy_blocks(src, src_ids, dst, dst_ids))
     # The oracle: the owner's cache redrawn here from its seed, on our GPU (never read through the mapping).
     expected = _fill("cuda:1")
-
-    def pulled_equal() -> bool:
-        return all(torch.equal(d[:, dst_ids].view(torch.int16), e[:, src_ids].view(torch.int16))
-                   for d, e in zip(dst, expected, strict=True))
-
-    staged_s = _timed(lambda: copy_blocks(src, src_ids, dst, dst_ids, method="staged"))
-    staged_equal = pulled_equal()
-    for kv in dst:
-        kv.zero_()
-    auto_method = "peer" if _peer_accessible(src[0].device, dst[0].device) else "staged"
-    pull_s = _timed(lambda: copy_blocks(src, src_ids, dst, dst_ids))  # auto
-    untouched = sorted(set(range(RECEIVER_BLOCKS)) - set(dst_ids))
-    equal = staged_equal and pulled_equal() and not any(kv[:, untouched].any() for kv in dst)
+    equal = all(
+        torch.equal(d[:, dst_ids].view(torch.int16), e[:, src_ids].view(torch.int16))
+        for d, e in zip(dst, expected, strict=True)
+    )
     nbytes = NUM_PULLED * NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
     raw = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
     raw_s = _timed(lambda: raw.to("cuda:1"))
@@ -112,7 +104,6 @@ def _receiver(conn, result_conn) -> None:
     phases = _phases(src, src_ids, dst, dst_ids)
     result_conn.send_bytes(json.dumps({
         "equal": equal, "nbytes": nbytes, "ipc_pull_s": pull_s, "raw_copy_s": raw_s, "phases_s": phases,
-        "staged_pull_s": staged_s, "auto_method": auto_method,
         "block_nbytes": nbytes // NUM_PULLED, "devices": devices,
     }).encode())
     conn.send_bytes(b"done")
@@ -137,12 +128,11 @@ def test_ipc_pull_of_128_blocks_is_bitwise_equal_and_reports_gbps():
                 proc.kill()
     assert receiver.exitcode == 0 and owner.exitcode == 0
     assert result["block_nbytes"] == 2 * 1024 * 1024
-    assert result["equal"], "pulled blocks differ from the owner's, or other blocks were written"
-    assert result["auto_method"] == "peer", "two GPUs of one host should read each other's memory"
+    assert result["equal"], "pulled blocks differ from the owner's"
     gib = result["nbytes"] / 1e9
     print(
         f"\nKV pull by CUDA IPC, cuda:0 → cuda:1 ({result['devices']}): {NUM_PULLED} blocks × 2 MiB, "
-        f"{gib / result['ipc_pull_s']:.1f} GB/s (peer kernel; staged: {gib / result['staged_pull_s']:.1f} GB/s) vs "
+        f"{gib / result['ipc_pull_s']:.1f} GB/s (gather, one peer copy per 256 MiB, scatter) vs "
         f"raw tensor.to('cuda:1') of the same bytes {gib / result['raw_copy_s']:.1f} GB/s; phases alone (ms): "
         + ", ".join(f"{k} {1e3 * v:.3f}" for k, v in result["phases_s"].items())
     )

@@ -15,7 +15,6 @@ reuse the blocks.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import socket
@@ -61,19 +60,15 @@ def copy_blocks(
     dst_caches: Sequence[torch.Tensor],
     dst_block_ids: Sequence[int],
     *,
-    method: str = "auto",
     staging_bytes: int = STAGING_BYTES,
 ) -> None:
     """dst[dst_block_ids[i]] = src[src_block_ids[i]] in every layer.
 
-    The caches may live on different devices (CPU, or two GPUs of one host). Block shapes and dtypes must agree;
-    the number of blocks per cache may differ. Two ways (`method`; "auto" takes "peer" between two GPUs with
-    peer access, else "staged"):
-    - "peer": one Triton kernel per layer on the destination GPU reads the blocks straight from the source's
-      memory over the link (`deepinfer.kernels.triton_block_copy`);
-    - "staged": layers in chunks of at most `staging_bytes` of pulled blocks: gather a chunk's layers into one
-      staging tensor on the source device, one peer copy of it, scatter on the destination (one large copy
-      instead of one per layer: each cross-device copy waits on both devices' streams).
+    The caches may live on different devices (CPU, or two GPUs: the copy between them is a peer copy).
+    Block shapes and dtypes must agree; the number of blocks per cache may differ. Layers go in chunks of at
+    most `staging_bytes` of pulled blocks: gather a chunk's layers into one staging tensor on the source
+    device, one peer copy of it, scatter on the destination. One large copy instead of one per layer keeps
+    the link busy (each cross-device copy waits on both devices' streams).
     """
     if len(src_caches) != len(dst_caches):
         raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
@@ -94,42 +89,8 @@ def copy_blocks(
             )
     src_index = _index(src_caches[0], src_block_ids)
     dst_index = _index(dst_caches[0], dst_block_ids)
-    if method == "auto":
-        method = "peer" if _peer_accessible(src_caches[0].device, dst_caches[0].device) else "staged"
-    if method == "peer":
-        from deepinfer.kernels.triton_block_copy import copy_blocks_by_id
-
-        copy_blocks_by_id(src_caches, src_block_ids, dst_caches, dst_block_ids, _block_dim(src_caches[0]))
-        return
-    if method != "staged":
-        raise ValueError(f"method must be 'auto', 'peer' or 'staged', got {method!r}")
-    _staged_copy(src_caches, src_index, dst_caches, dst_index, staging_bytes)
-
-
-def _peer_accessible(src: torch.device, dst: torch.device) -> bool:
-    """Two different GPUs where dst can read src's memory; peer access is then enabled both ways (once)."""
-    if src.type != "cuda" or dst.type != "cuda" or src == dst:
-        return False
-    if not torch.cuda.can_device_access_peer(dst.index, src.index):
-        return False
-    _enable_peer_access(src.index, dst.index)
-    return True
-
-
-@functools.cache
-def _enable_peer_access(src_index: int, dst_index: int) -> None:
-    """torch enables peer access on its first copy between two devices: one tiny copy each way."""
-    a, b = torch.zeros(1, device=f"cuda:{src_index}"), torch.zeros(1, device=f"cuda:{dst_index}")
-    b.copy_(a)
-    a.copy_(b)
-    torch.cuda.synchronize(src_index)
-
-
-def _staged_copy(src_caches: Sequence[torch.Tensor], src_index: torch.Tensor, dst_caches: Sequence[torch.Tensor],
-                 dst_index: torch.Tensor, staging_bytes: int) -> None:
-    """Gather on the source, one copy per chunk of layers, scatter on the destination."""
     first, dim = src_caches[0], _block_dim(src_caches[0])
-    pulled_shape = first.shape[:dim] + (len(src_index),) + first.shape[dim + 1 :]  # one layer's pulled blocks
+    pulled_shape = first.shape[:dim] + (len(src_block_ids),) + first.shape[dim + 1 :]  # one layer's pulled blocks
     layer_bytes = math.prod(pulled_shape) * first.element_size()
     layers_per_chunk = max(1, staging_bytes // layer_bytes)
     for start in range(0, len(src_caches), layers_per_chunk):
