@@ -118,7 +118,11 @@ def test_ipc_pull_of_128_blocks_is_bitwise_equal_and_reports_gbps():
     owner.start()
     receiver.start()
     try:
-        assert result_recv.poll(300), "the receiver sent no result within 300 s"
+        deadline = time.monotonic() + 300
+        while not result_recv.poll(1):  # a receiver that died answers never: fail at once, not after 300 s
+            assert receiver.is_alive() and owner.is_alive(), (
+                f"a process died: receiver exit {receiver.exitcode}, owner exit {owner.exitcode}")
+            assert time.monotonic() < deadline, "the receiver sent no result within 300 s"
         result = json.loads(result_recv.recv_bytes())
     finally:
         receiver.join(60)
