@@ -100,8 +100,9 @@ def init_tensor_parallel(
         return TensorParallelGroup(device=device)
     if backend == "nccl":
         # NCCL reads its settings from the environment when it starts; NVLink multicast (NVLS) stays off on
-        # every host we run on (see the issue tracker, #7), and this is the process that starts NCCL.
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        # every host we run on (see the issue tracker, #7), and this is the process that starts NCCL. The same
+        # for torch's symmetric memory and NVSHMEM, should a collective reach for them.
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         torch.cuda.set_device(device)
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
