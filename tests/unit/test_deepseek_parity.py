@@ -7,14 +7,13 @@ above the ~5e-5 absolute differences, so greedy tokens and expert choices have c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
-from deepinfer.kernels import build_attention_metadata, get_ops
+from deepinfer.kernels import get_ops
 from deepinfer.loader.hf import iter_safetensors, load_model
 from deepinfer.testing.checkpoints_deepseek import DEEPSEEK_YARN, make_tiny_deepseek_checkpoint
+from deepinfer.testing.paged_cache import PagedCache, assert_close_logits, random_prompt
 
 REL_TOL = 1e-4
 BLOCK_SIZE = 4
@@ -29,64 +28,16 @@ CASES = {
 }
 
 
-@dataclass
-class PagedLatentCache:
-    """Per-layer latent caches (junk-filled: every read slot must be written first) and block tables."""
-
-    kv_caches: list[torch.Tensor]
-    next_block: int = 1  # block 0 is the engine's padding block
-    block_tables: dict[int, list[int]] = field(default_factory=dict)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, num_layers: int | None = None) -> PagedLatentCache:
-        """One [NUM_BLOCKS, BLOCK_SIZE, latent_dim] cache per layer."""
-        c = model.config
-        shape = c.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)
-        return cls([torch.randn(shape) * 10 for _ in range(num_layers or c.num_hidden_layers)])
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of positions start..end-1 of a sequence, allocating blocks as needed."""
-        table = self.block_tables.setdefault(seq_id, [])
-        while len(table) * BLOCK_SIZE < end:
-            table.append(self.next_block)
-            self.next_block += 1
-        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-
-    def inputs(self, chunks: list[tuple[int, list[int], int]]):
-        """(input_ids, positions, metadata) of a ragged batch of (seq_id, new token ids, first position)."""
-        input_ids, positions, slot_mapping = [], [], []
-        for seq_id, token_ids, start in chunks:
-            input_ids += token_ids
-            positions += range(start, start + len(token_ids))
-            slot_mapping += self.slots(seq_id, start, start + len(token_ids))
-        meta = build_attention_metadata(
-            query_lens=[len(t) for _, t, _ in chunks],
-            seq_lens=[start + len(t) for _, t, start in chunks],
-            block_tables=[self.block_tables[seq_id] for seq_id, _, _ in chunks],
-            slot_mapping=slot_mapping,
-        )
-        return torch.tensor(input_ids), torch.tensor(positions), meta
-
-    def step(self, model, chunks: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
-        """One forward; logits per chunk."""
-        input_ids, positions, meta = self.inputs(chunks)
-        with torch.no_grad():
-            logits = model.compute_logits(model(input_ids, positions, self.kv_caches, meta))
-        return list(logits.split([len(t) for _, t, _ in chunks]))
+def paged(model: torch.nn.Module, num_layers: int | None = None) -> PagedCache:
+    """A junk-filled paged cache for the model (deepinfer.testing.paged_cache)."""
+    return PagedCache.for_model(model, NUM_BLOCKS, BLOCK_SIZE, num_layers)
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """Elementwise error within REL_TOL of the largest reference logit."""
-    assert ours.shape == ref.shape, f"{what}: shapes {tuple(ours.shape)} vs {tuple(ref.shape)}"
-    scale = ref.abs().max().item()
-    err = (ours - ref).abs().max().item()
-    assert err <= REL_TOL * scale, f"{what}: max error {err:.3g} > {REL_TOL} * max|logit| {scale:.3g}"
+    assert_close_logits(ours, ref, REL_TOL, what)
 
 
-def prompt(length: int, seed: int, vocab_size: int) -> list[int]:
-    """Random token ids, avoiding the special tokens 0..3."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+prompt = random_prompt
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -111,7 +62,7 @@ def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
 def test_prefill_logits_match(models):
     ours, hf, _ = models
     token_ids = prompt(21, seed=1, vocab_size=ours.config.vocab_size)
-    (logits,) = PagedLatentCache.for_model(ours).step(ours, [(0, token_ids, 0)])
+    (logits,) = paged(ours).step(ours, [(0, token_ids, 0)])
     assert_close(logits, hf_logits(hf, token_ids), "prefill logits (naive MLA)")
 
 
@@ -119,7 +70,7 @@ def test_decode_logits_match(models):
     """Absorbed decode over the paged latent cache, one token at a time, against a full transformers forward."""
     ours, hf, _ = models
     token_ids = prompt(18, seed=5, vocab_size=ours.config.vocab_size)
-    cache = PagedLatentCache.for_model(ours)
+    cache = paged(ours)
     cache.step(ours, [(0, token_ids[:6], 0)])
     rows = [cache.step(ours, [(0, [t], 6 + i)])[0][0] for i, t in enumerate(token_ids[6:])]
     assert_close(torch.stack(rows), hf_logits(hf, token_ids)[6:], "decode logits (absorbed MLA)")
@@ -128,7 +79,7 @@ def test_decode_logits_match(models):
 def test_greedy_tokens_match_generate(models):
     ours, hf, _ = models
     token_ids = prompt(19, seed=2, vocab_size=ours.config.vocab_size)
-    cache = PagedLatentCache.for_model(ours)
+    cache = paged(ours)
     (logits,) = cache.step(ours, [(0, token_ids, 0)])
     generated = [int(logits[-1].argmax())]
     while len(generated) < 32:
@@ -146,9 +97,9 @@ def test_ragged_batch_equals_each_prompt_alone(models):
     ours, _, _ = models
     vocab = ours.config.vocab_size
     prompts = [prompt(n, seed=10 + n, vocab_size=vocab) for n in (7, 23, 13)]
-    batched = PagedLatentCache.for_model(ours).step(ours, [(i, p, 0) for i, p in enumerate(prompts)])
+    batched = paged(ours).step(ours, [(i, p, 0) for i, p in enumerate(prompts)])
     for i, token_ids in enumerate(prompts):
-        (alone,) = PagedLatentCache.for_model(ours).step(ours, [(0, token_ids, 0)])
+        (alone,) = paged(ours).step(ours, [(0, token_ids, 0)])
         assert_close(batched[i], alone, f"prompt {i} in a batch")
 
 
@@ -156,8 +107,8 @@ def test_prefix_reuse_matches_cold_run(models):
     ours, _, _ = models
     vocab = ours.config.vocab_size
     token_ids = prompt(27, seed=3, vocab_size=vocab)
-    (cold,) = PagedLatentCache.for_model(ours).step(ours, [(0, token_ids, 0)])
-    warm_cache = PagedLatentCache.for_model(ours)
+    (cold,) = paged(ours).step(ours, [(0, token_ids, 0)])
+    warm_cache = paged(ours)
     warm_cache.step(ours, [(0, token_ids[:16], 0)])
     # The suffix runs in one batch with a decode row (absorbed path) and a fresh prefill (naive path).
     other = prompt(9, seed=4, vocab_size=vocab)
@@ -237,7 +188,7 @@ def _hf_mtp_model(hf, path, num_layers: int):
 
 def _main_then_mtp(ours, token_ids: list[int], next_ids: list[int], hidden_override=None) -> torch.Tensor:
     """Main-model prefill, then the MTP layer over the same positions/slots in its own latent cache."""
-    cache = PagedLatentCache.for_model(ours, num_layers=ours.config.num_hidden_layers + 1)
+    cache = paged(ours, num_layers=ours.config.num_hidden_layers + 1)
     input_ids, positions, meta = cache.inputs([(0, token_ids, 0)])
     with torch.no_grad():
         hidden = ours(input_ids, positions, cache.kv_caches[:-1], meta)

@@ -6,14 +6,13 @@ measured relative to the largest logit of the compared rows, not per element.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
-from deepinfer.kernels import build_attention_metadata, get_ops
+from deepinfer.kernels import get_ops
 from deepinfer.loader.hf import load_model
 from deepinfer.testing.checkpoints import LLAMA3_ROPE_SCALING, make_tiny_checkpoint
+from deepinfer.testing.paged_cache import PagedCache, assert_close_logits, random_prompt
 
 REL_TOL = 1e-4
 BLOCK_SIZE = 4
@@ -29,61 +28,16 @@ CASES = {
 }
 
 
-@dataclass
-class PagedCache:
-    """Per-layer KV caches plus a block table per sequence; blocks are handed out sequentially."""
-
-    kv_caches: list[torch.Tensor]
-    block_size: int = BLOCK_SIZE
-    next_block: int = 0
-    block_tables: dict[int, list[int]] = field(default_factory=dict)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module) -> PagedCache:
-        """Caches filled with random junk: every read slot must have been written first."""
-        c = model.config
-        shape = (2, NUM_BLOCKS, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
-        return cls([torch.randn(shape) * 10 for _ in range(c.num_hidden_layers)])
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slots of positions start..end-1 of a sequence, allocating blocks as needed."""
-        table = self.block_tables.setdefault(seq_id, [])
-        while len(table) * self.block_size < end:
-            table.append(self.next_block)
-            self.next_block += 1
-        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
-
-    def step(self, model: torch.nn.Module, chunks: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
-        """One forward over a ragged batch of (seq_id, new token ids, first position); logits per chunk."""
-        input_ids, positions, slot_mapping = [], [], []
-        for seq_id, token_ids, start in chunks:
-            input_ids += token_ids
-            positions += range(start, start + len(token_ids))
-            slot_mapping += self.slots(seq_id, start, start + len(token_ids))
-        meta = build_attention_metadata(
-            query_lens=[len(t) for _, t, _ in chunks],
-            seq_lens=[start + len(t) for _, t, start in chunks],
-            block_tables=[self.block_tables[seq_id] for seq_id, _, _ in chunks],
-            slot_mapping=slot_mapping,
-        )
-        with torch.no_grad():
-            hidden = model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
-            logits = model.compute_logits(hidden)
-        return list(logits.split([len(t) for _, t, _ in chunks]))
+def paged(model: torch.nn.Module, num_layers: int | None = None) -> PagedCache:
+    """A junk-filled paged cache for the model (deepinfer.testing.paged_cache)."""
+    return PagedCache.for_model(model, NUM_BLOCKS, BLOCK_SIZE, num_layers)
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """Elementwise error within REL_TOL of the largest reference logit."""
-    assert ours.shape == ref.shape, f"{what}: shapes {tuple(ours.shape)} vs {tuple(ref.shape)}"
-    scale = ref.abs().max().item()
-    err = (ours - ref).abs().max().item()
-    assert err <= REL_TOL * scale, f"{what}: max error {err:.3g} > {REL_TOL} * max|logit| {scale:.3g}"
+    assert_close_logits(ours, ref, REL_TOL, what)
 
 
-def prompt(length: int, seed: int, vocab_size: int) -> list[int]:
-    """Random token ids, avoiding the special tokens 0..3."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab_size, (length,), generator=generator).tolist()
+prompt = random_prompt
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -102,7 +56,7 @@ def models(request, tmp_path_factory):
 def test_prefill_logits_match(models):
     ours, hf = models
     token_ids = prompt(21, seed=1, vocab_size=ours.config.vocab_size)
-    (logits,) = PagedCache.for_model(ours).step(ours, [(0, token_ids, 0)])
+    (logits,) = paged(ours).step(ours, [(0, token_ids, 0)])
     with torch.no_grad():
         ref = hf(torch.tensor([token_ids])).logits[0].float()
     assert_close(logits, ref, "prefill logits")
@@ -111,7 +65,7 @@ def test_prefill_logits_match(models):
 def test_greedy_tokens_match_generate(models):
     ours, hf = models
     token_ids = prompt(19, seed=2, vocab_size=ours.config.vocab_size)
-    cache = PagedCache.for_model(ours)
+    cache = paged(ours)
     (logits,) = cache.step(ours, [(0, token_ids, 0)])
     generated = [int(logits[-1].argmax())]
     while len(generated) < 32:
@@ -129,9 +83,9 @@ def test_ragged_batch_equals_each_prompt_alone(models):
     ours, _ = models
     vocab = ours.config.vocab_size
     prompts = [prompt(n, seed=10 + n, vocab_size=vocab) for n in (7, 23, 13)]
-    batched = PagedCache.for_model(ours).step(ours, [(i, p, 0) for i, p in enumerate(prompts)])
+    batched = paged(ours).step(ours, [(i, p, 0) for i, p in enumerate(prompts)])
     for i, token_ids in enumerate(prompts):
-        (alone,) = PagedCache.for_model(ours).step(ours, [(0, token_ids, 0)])
+        (alone,) = paged(ours).step(ours, [(0, token_ids, 0)])
         assert_close(batched[i], alone, f"prompt {i} in a batch")
 
 
@@ -139,8 +93,8 @@ def test_prefix_reuse_matches_cold_run(models):
     ours, _ = models
     vocab = ours.config.vocab_size
     token_ids = prompt(27, seed=3, vocab_size=vocab)
-    (cold,) = PagedCache.for_model(ours).step(ours, [(0, token_ids, 0)])
-    warm_cache = PagedCache.for_model(ours)
+    (cold,) = paged(ours).step(ours, [(0, token_ids, 0)])
+    warm_cache = paged(ours)
     warm_cache.step(ours, [(0, token_ids[:16], 0)])
     # The suffix runs in one batch with an unrelated decode row and a fresh prefill of another sequence.
     other = prompt(9, seed=4, vocab_size=vocab)
