@@ -25,8 +25,9 @@ from unittest import mock
 
 import numpy as np
 import torch
-from gpu import ceilings, guarded, prefill_ours, timed
+from gpu import ceilings, guarded, prefill_ours
 from gpu_decode import CONTEXT, decode_ours, kernel_profile, replay_ms, top_kernels
+from gpu_hf import hf_decode, hf_prefill
 
 DEEPSEEK_V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -244,48 +245,23 @@ def hf_model(model_dir: Path, device: str) -> tuple[torch.nn.Module, str]:
         return build("eager"), "eager"
 
 
-def hf_prefill(model, vocab: int, shape: Shape, reps: int = 3) -> float:
-    """Median seconds of one forward over [seqs, len] with logits of the last token only."""
-    ids = torch.randint(0, vocab, (shape.prefill_seqs, shape.prefill_len), device=shape.device)
-    with torch.inference_mode():
-        return timed(lambda: model(input_ids=ids, logits_to_keep=1), reps)
-
-
-def hf_decode(model, vocab: int, batch: int, new_tokens: int, shape: Shape, cache: str | None,
-              compile_decode: bool) -> dict:
-    """Greedy generate: decode-only time = t(1 + new_tokens new) - t(1 new), same prompts, `cache` (None: the
-    default dynamic cache); transformers' auto-compile of static-cache decode off unless `compile_decode`."""
-    ids = torch.randint(0, vocab, (batch, shape.hf_context), device=shape.device)
-    extra = {"cache_implementation": cache} if cache else {}
-
-    def gen(n: int) -> None:
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 disable_compile=not compile_decode, **extra)
-        assert out.shape == (batch, shape.hf_context + n), out.shape
-
-    t_full = timed(lambda: gen(1 + new_tokens), reps=1, warmup=1)
-    t_one = timed(lambda: gen(1), reps=1, warmup=0)
-    return {"tok_s": round(batch * new_tokens / (t_full - t_one), 1), "decode_s": round(t_full - t_one, 3),
-            "new_tokens": new_tokens, "context": shape.hf_context, "cache": cache or "dynamic"}
-
-
 def hf_decode_any_cache(model, vocab: int, batch: int, new_tokens: int, shape: Shape, compile_decode: bool) -> dict:
     """Static cache when transformers' DeepseekV2 takes it; else the default dynamic cache (the error recorded)."""
+    kwargs = {"context": shape.hf_context, "device": shape.device, "compile_decode": compile_decode}
     try:
-        return hf_decode(model, vocab, batch, new_tokens, shape, "static", compile_decode)
+        return hf_decode(model, vocab, batch, new_tokens, cache="static", **kwargs)
     except Exception as exc:  # noqa: BLE001 - any refusal of the static cache falls back, and says why
         static_error = f"{type(exc).__name__}: {exc}"[:500]
     gc.collect()
     if shape.device == "cuda":
         torch.cuda.empty_cache()
-    return {**hf_decode(model, vocab, batch, new_tokens, shape, None, compile_decode), "static_error": static_error}
+    return {**hf_decode(model, vocab, batch, new_tokens, cache=None, **kwargs), "static_error": static_error}
 
 
 def hf_prefill_section(model, shape: Shape, res: dict, save) -> None:
     """transformers' prefill over the same shape as ours."""
-    seconds = hf_prefill(model, model.config.vocab_size, shape)
+    seconds = hf_prefill(model, model.config.vocab_size, num_seqs=shape.prefill_seqs, seq_len=shape.prefill_len,
+                         device=shape.device)
     tokens = shape.prefill_seqs * shape.prefill_len
     res.setdefault("prefill", {}).update(transformers_tok_s=round(tokens / seconds, 1),
                                          transformers_s=round(seconds, 4))

@@ -20,26 +20,32 @@ def hf_model(model_dir: Path):
     return model.eval()
 
 
-def hf_prefill(model, vocab: int, reps: int = 3) -> float:
-    """Median seconds of one forward over [4, 4096] with logits of the last token only."""
-    ids = torch.randint(0, vocab, (PREFILL_SEQS, PREFILL_LEN), device="cuda")
+def hf_prefill(model, vocab: int, reps: int = 3, num_seqs: int = PREFILL_SEQS, seq_len: int = PREFILL_LEN,
+               device: str = "cuda") -> float:
+    """Median seconds of one forward over [num_seqs, seq_len] with logits of the last token only."""
+    ids = torch.randint(0, vocab, (num_seqs, seq_len), device=device)
     with torch.inference_mode():
         return timed(lambda: model(input_ids=ids, logits_to_keep=1), reps)
 
 
-def hf_decode(model, vocab: int, batch: int, new_tokens: int) -> dict:
-    """Static-cache greedy generate: decode-only time = t(1 + new_tokens new) - t(1 new), same prompts."""
-    ids = torch.randint(0, vocab, (batch, CONTEXT), device="cuda")
+def hf_decode(model, vocab: int, batch: int, new_tokens: int, context: int = CONTEXT, cache: str | None = "static",
+              device: str = "cuda", compile_decode: bool = True) -> dict:
+    """Greedy generate: decode-only time = t(1 + new_tokens new) - t(1 new), same prompts; `cache` None is the
+    default dynamic cache; compile_decode=False turns off transformers' auto-compile of static-cache decode."""
+    ids = torch.randint(0, vocab, (batch, context), device=device)
+    extra = {"cache_implementation": cache} if cache else {}
 
     def gen(n):
         with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, cache_implementation="static", pad_token_id=0)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 disable_compile=not compile_decode, **extra)
+        assert out.shape == (batch, context + n), out.shape
 
     t_full = timed(lambda: gen(1 + new_tokens), reps=1, warmup=1)
     t_one = timed(lambda: gen(1), reps=1, warmup=0)
     return {"tok_s": round(batch * new_tokens / (t_full - t_one), 1), "decode_s": round(t_full - t_one, 3),
-            "new_tokens": new_tokens}
+            "new_tokens": new_tokens, "context": context, "cache": cache or "dynamic"}
 
 
 def run_hf(model_dir: Path, cfg: dict, res: dict, save) -> None:

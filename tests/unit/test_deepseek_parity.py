@@ -7,13 +7,16 @@ above the ~5e-5 absolute differences, so greedy tokens and expert choices have c
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from deepinfer.kernels import get_ops
 from deepinfer.loader.hf import iter_safetensors, load_model
 from deepinfer.testing.checkpoints_deepseek import DEEPSEEK_YARN, make_tiny_deepseek_checkpoint
-from deepinfer.testing.paged_cache import PagedCache, assert_close_logits, random_prompt
+from deepinfer.testing.paged_cache import PagedCache, assert_close_logits
+from deepinfer.testing.paged_cache import random_prompt as prompt
 
 REL_TOL = 1e-4
 BLOCK_SIZE = 4
@@ -28,16 +31,8 @@ CASES = {
 }
 
 
-def paged(model: torch.nn.Module, num_layers: int | None = None) -> PagedCache:
-    """A junk-filled paged cache for the model (deepinfer.testing.paged_cache)."""
-    return PagedCache.for_model(model, NUM_BLOCKS, BLOCK_SIZE, num_layers)
-
-
-def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert_close_logits(ours, ref, REL_TOL, what)
-
-
-prompt = random_prompt
+paged = functools.partial(PagedCache.for_model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+assert_close = functools.partial(assert_close_logits, rel_tol=REL_TOL)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

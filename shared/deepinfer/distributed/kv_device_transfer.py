@@ -5,8 +5,8 @@ The prefill worker (owner) exports, once at start, a CUDA IPC description of eac
 decode worker on the same host (same `host_id()`, the owner's GPU visible here) maps the owner's cache once
 (`PeerCaches.get`) and copies the leased block ids into its own blocks (`admit_from_device`): per chunk of
 layers, `index_select`s into one staging tensor on the owner's GPU, one peer copy, `index_copy_`s on ours
-(`copy_blocks`). Otherwise (another host, the GPU
-not visible, IPC refused) the decode worker pulls over the data plane.
+(`copy_blocks`). Otherwise (another host, the GPU not visible, IPC refused) the decode worker pulls over the
+data plane.
 
 Ordering: the owner's KV writes are complete before the handle leaves it (the prefill step syncs on the
 sampled token), and the receiver synchronises its copy before it sends Release, after which the owner may

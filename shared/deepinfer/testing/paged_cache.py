@@ -58,7 +58,7 @@ class PagedCache:
         return list(logits.split([len(t) for _, t, _ in chunks]))
 
 
-def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float, what: str) -> None:
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, what: str, *, rel_tol: float) -> None:
     """Elementwise error within rel_tol of the largest reference logit."""
     assert ours.shape == ref.shape, f"{what}: shapes {tuple(ours.shape)} vs {tuple(ref.shape)}"
     scale = ref.abs().max().item()
