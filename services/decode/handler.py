@@ -5,8 +5,9 @@
     → join the running batch → reply DecodeAccepted
     → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs)
 
-A handle whose layout differs from ours is refused; an expired lease or a failed pull recomputes the prompt
-here instead of failing the request.
+A handle whose layout differs from ours is refused (LAYOUT_MISMATCH), as is an invalid request (BAD_REQUEST,
+CONTEXT_LENGTH) or any request while draining (OVERLOADED); an expired lease or a failed pull recomputes the
+prompt here instead of failing the request.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer import subjects
-from deepinfer.bus import IncomingMsg, Subscription
+from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import DecodeSettings
 from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
 from deepinfer.distributed.kv_device_transfer import PeerCaches, admit_from_device, host_id
@@ -28,6 +29,9 @@ from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
     DecodeRequest,
+    DecodeStatus,
+    ErrorCode,
+    ErrorDetail,
     FinishReason,
     KvHandle,
     Release,
@@ -39,13 +43,11 @@ from deepinfer.protocol import (
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter, request_context
+from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
 
 log = logging.getLogger(__name__)
-
-#: How long a pull from a prefill worker may take before we recompute instead.
-PULL_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -71,8 +73,8 @@ class DecodeHandler:
         self._streams: dict[str, _Stream] = {}
         self._clients: dict[str, DataPlaneClient] = {}
         self._peers = PeerCaches(host_id())
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._subscriptions: list[Subscription] = []
+        self._tasks = self.runtime.tasks
+        self._subscriptions = Subscriptions(ctx.bus)
         self._step = 0
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
@@ -85,8 +87,8 @@ class DecodeHandler:
     async def start(self) -> None:
         """Take decode requests; start heartbeats."""
         model, worker_id = self.runtime.model, self.runtime.worker_id
-        self._subscriptions.append(
-            await self.bus.subscribe(subjects.decode(model, worker_id), self._on_decode, message_type=DecodeRequest)
+        await self._subscriptions.subscribe(
+            "decode", subjects.decode(model, worker_id), self._on_decode, message_type=DecodeRequest
         )
         await self.runtime.start(self.ctx.internal_address, "")
 
@@ -99,21 +101,17 @@ class DecodeHandler:
         return self.runtime.not_ready_reason()
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking requests; finish the running batch within grace_s."""
+        """Stop taking requests; finish the running batch and publish its last tokens, within grace_s."""
         await self.runtime.drain()
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subscriptions.clear()
+        await self._subscriptions.unsubscribe("decode")
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await self.runtime.flush(deadline - time.monotonic())
 
     async def close(self) -> None:
         """Stop the engine and close data-plane connections."""
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._subscriptions.close()
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
@@ -123,7 +121,7 @@ class DecodeHandler:
     # -- the loop -----------------------------------------------------------------------------------------------
     async def _on_decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
         # Handlers of one subscription run one at a time; a pull must not hold up the next request.
-        self._spawn(self._decode(request, msg))
+        self._tasks.spawn(self._decode(request, msg), name=f"decode-{request.request_id}")
 
     async def _decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
         """receive → pull → release → admit → reply."""
@@ -133,24 +131,24 @@ class DecodeHandler:
             except Exception as exc:  # never leave the gateway waiting for a reply
                 log.exception("decode admission failed")
                 self._streams.pop(request.request_id, None)
-                accepted = DecodeAccepted(request_id=request.request_id, accepted=False, reason=str(exc))
+                accepted = _refused(request.request_id, error_detail(exc, "decode admission failed"))
             await self.bus.reply(msg, accepted)
 
     async def decode(self, request: DecodeRequest) -> DecodeAccepted:
         """Admit one request into the running batch (pulling its KV when a handle came with it)."""
         request_id = request.request_id
         if self.runtime.draining:
-            return DecodeAccepted(request_id=request_id, accepted=False, reason="draining")
+            return _refused(request_id, ErrorDetail(code=ErrorCode.OVERLOADED, message="draining"))
         try:
             params = engine_sampling(request.sampling)
         except ValueError as exc:
-            return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid sampling: {exc}")
+            return _refused(request_id, error_detail(exc, "invalid sampling"))
         handle = request.kv_handle
         if handle is not None:
             try:
                 check_layout(handle, self.runtime.layout)
             except LayoutMismatch as exc:
-                return DecodeAccepted(request_id=request_id, accepted=False, reason=str(exc))
+                return _refused(request_id, ErrorDetail(code=ErrorCode.LAYOUT_MISMATCH, message=str(exc)))
         on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
             handle, self.runtime.core.runner.device)
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None)
@@ -161,9 +159,9 @@ class DecodeHandler:
                 kv = await self._admit(request, params, payloads)
         except ValueError as exc:
             self._streams.pop(request_id, None)
-            return DecodeAccepted(request_id=request_id, accepted=False, reason=f"invalid request: {exc}")
+            return _refused(request_id, error_detail(exc, "invalid request"))
         self._requests.labels(kv).inc()
-        return DecodeAccepted(request_id=request_id, accepted=True)
+        return DecodeAccepted(request_id=request_id, status=DecodeStatus.ACCEPTED)
 
     async def _admit(self, request: DecodeRequest, params: SamplingParams, payloads: list[bytes] | None) -> str:
         engine = self.runtime.engine
@@ -201,7 +199,8 @@ class DecodeHandler:
         try:
             client = self._client(handle.data_plane_address)
             return await asyncio.wait_for(client.get_blocks(handle.request_id, handle.block_ids,
-                                                            layout_id=handle.layout_id), PULL_TIMEOUT_S)
+                                                            layout_id=handle.layout_id),
+                                          self.settings.kv_pull_timeout_s)
         except (DataPlaneError, OSError, TimeoutError) as exc:
             log.warning("pull from %s failed (%s): recomputing the prompt", handle.owner_worker_id, exc)
             return None
@@ -210,13 +209,14 @@ class DecodeHandler:
 
     def _release(self, handle: KvHandle) -> None:
         release = Release(request_id=handle.request_id)
-        self._spawn(self.bus.publish(subjects.release(self.runtime.model, handle.owner_worker_id), release))
+        self._tasks.spawn(self.bus.publish(subjects.release(self.runtime.model, handle.owner_worker_id), release))
 
     def _client(self, address: str) -> DataPlaneClient:
         client = self._clients.get(address)
         if client is None:
             secret = self.settings.common.data_plane_secret
-            client = DataPlaneClient(address, secret.get_secret_value() if secret else "", timeout_s=PULL_TIMEOUT_S)
+            client = DataPlaneClient(address, secret.get_secret_value() if secret else "",
+                                     timeout_s=self.settings.kv_pull_timeout_s)
             self._clients[address] = client
         return client
 
@@ -242,18 +242,17 @@ class DecodeHandler:
                 del self._streams[output.request_id]
         for gateway_id, chunks in batches.items():
             batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step, chunks=chunks)
-            self._spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
+            self._tasks.spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
 
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:
             return
         request_id = cancel.request_id
-        self._spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
+        self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+def _refused(request_id: str, error: ErrorDetail) -> DecodeAccepted:
+    return DecodeAccepted(request_id=request_id, status=DecodeStatus.REFUSED, error=error)
 
 
 def _logprobs(output: EngineOutput) -> list[TokenLogprobs] | None:

@@ -1,9 +1,10 @@
-"""The OpenAI-compatible HTTP API (FastAPI): auth, size limit, validation, then the handler's pipeline.
+"""The OpenAI-compatible HTTP API (FastAPI): auth, size limit, validation, then the request pipeline.
 
-    POST /v1/chat/completions, POST /v1/completions   stream (SSE) or not
+    POST /v1/chat/completions, POST /v1/completions   stream (SSE) or not; one presenter per API shape
     GET  /v1/models, GET /v1/models/{model}
+    GET  /health (200 when serving, else 503), GET /version: on the API port, no API key (as vLLM, SGLang)
 
-Every error is OpenAI's error object with its status; /health, /ready and /metrics live on the internal port.
+Every error is OpenAI's error object with its status; /ready and /metrics live on the internal port.
 """
 
 from __future__ import annotations
@@ -14,57 +15,62 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import deepinfer
+from deepinfer.config import GatewaySettings
+from deepinfer.protocol import ErrorCode
 from deepinfer.telemetry import request_context
 from services.gateway.errors import (
     ApiError,
     bad_request,
-    from_validation_error,
     internal,
-    not_found,
+    model_not_found,
     overloaded,
     too_large,
     unauthorized,
 )
-from services.gateway.handler import GatewayHandler
+from services.gateway.generation import Generation, collect, start_choices, stream_events
 from services.gateway.metrics import GatewayMetrics, RequestRecord
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.output import ChoiceOutput
-from services.gateway.recipe import (
-    ModelInfo,
-    cache_salt_for,
-    chat_prompt_token_ids,
-    check_model,
-    completion_prompt_token_ids,
-    sampling_params,
-    split_choices,
-)
-from services.gateway.responses import Generation, full_response, start_choices, stream_events
+from services.gateway.pipeline import RequestPipeline
+from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
+from services.gateway.recipe import ModelInfo, cache_salt_for, check_model, sampling_params, split_choices
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Routes answered without an API key: load balancers and benchmark tools probe them.
+_OPEN_PATHS = frozenset({"/health", "/version"})
 
 
 @dataclass
 class ApiState:
-    """What the routes need: the pipeline, the model, limits, metrics and whether new work is taken."""
+    """What the routes need: the pipeline, the model, metrics, the settings and whether new work is taken."""
 
-    handler: GatewayHandler
+    pipeline: RequestPipeline
     model: ModelInfo
     metrics: GatewayMetrics
-    api_keys: list[str] = field(default_factory=list)
-    max_request_bytes: int = 16 * 1024 * 1024
+    settings: GatewaySettings
     accepting: bool = True
+
+    def not_ready_reason(self) -> str:
+        """Why requests cannot be served now ("" when they can)."""
+        if not self.accepting:
+            return "draining"
+        if not self.pipeline.membership.has_prefill():
+            return "no prefill-capable worker seen in heartbeats"
+        if not self.pipeline.membership.has_decode():
+            return "no decode-capable worker seen in heartbeats"
+        return ""
 
 
 class SseResponse(StreamingResponse):
@@ -89,8 +95,8 @@ class ApiKeyMiddleware:
         self.api_keys = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """401 unless the bearer token is one of the keys (compared in constant time)."""
-        if scope["type"] != "http" or not self.api_keys:
+        """401 unless the bearer token is one of the keys (compared in constant time); probes pass freely."""
+        if scope["type"] != "http" or not self.api_keys or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -130,6 +136,17 @@ class Routes:
     def __init__(self, state: ApiState) -> None:
         self.state = state
 
+    async def health(self) -> Response:
+        """GET /health: 200 while requests can be served, else 503 saying why."""
+        reason = self.state.not_ready_reason()
+        if reason:
+            return overloaded(f"not serving: {reason}", self.state.settings.retry_after_s).response()
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> dict[str, str]:
+        """GET /version."""
+        return {"version": deepinfer.__version__}
+
     async def list_models(self) -> dict[str, Any]:
         """GET /v1/models: the one served model."""
         return ModelList(data=[self._card()]).model_dump(mode="json")
@@ -137,7 +154,7 @@ class Routes:
     async def get_model(self, model_id: str) -> Response:
         """GET /v1/models/{model}."""
         if model_id != self.state.model.served_model_name:
-            return not_found(f"The model '{model_id}' does not exist", "model", "model_not_found").response()
+            return model_not_found(model_id).response()
         return JSONResponse(self._card().model_dump(mode="json"))
 
     def _card(self) -> ModelCard:
@@ -146,18 +163,20 @@ class Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        return await self._serve(request, "chat")
+        return await self._serve(request, CHAT)
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        return await self._serve(request, "completions")
+        return await self._serve(request, COMPLETIONS)
 
-    async def _serve(self, request: Request, api: str) -> Response:
-        record = self.state.metrics.begin(api)
-        request_id = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _serve(self, request: Request, presenter: Presenter) -> Response:
+        """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
+        deadline_s = time.monotonic() + self.state.settings.request_timeout_s
+        record = self.state.metrics.begin(presenter.route)
+        request_id = f"{presenter.id_prefix}-{uuid.uuid4().hex}"
         with request_context(request_id):
             try:
-                stream, generation = await self._start(request, api, request_id, record)
+                stream, generation = await self._start(request, presenter, request_id, record, deadline_s)
             except ApiError as exc:
                 record.end(exc.status_code)
                 return exc.response()
@@ -175,7 +194,7 @@ class Routes:
 
     async def _collect(self, generation: Generation) -> Response:
         try:
-            body = await full_response(generation)
+            body = await collect(generation)
         except ApiError as exc:
             generation.end(exc.status_code)
             return exc.response()
@@ -187,34 +206,25 @@ class Routes:
         return JSONResponse(body)
 
     async def _start(
-        self, request: Request, api: str, request_id: str, record: RequestRecord
+        self, request: Request, presenter: Presenter, request_id: str, record: RequestRecord, deadline_s: float
     ) -> tuple[bool, Generation]:
         """Validate → recipe → start every choice on the workers; the Generation streams the rest."""
         state = self.state
         if not state.accepting:
-            raise overloaded("the server is shutting down")
-        data = await read_json(request, state.max_request_bytes)
-        body_cls = ChatCompletionRequest if api == "chat" else CompletionRequest
-        try:
-            body: Any = body_cls.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+            raise overloaded("the server is shutting down", state.settings.retry_after_s)
+        data = await read_json(request, int(state.settings.max_request_bytes))
+        body = presenter.parse(data)
         check_model(state.model, body.model)
-        if api == "chat":
-            prompt_token_ids = await asyncio.to_thread(chat_prompt_token_ids, state.model, body)
-            max_tokens = body.max_completion_tokens or body.max_tokens
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            prompt_token_ids = await asyncio.to_thread(completion_prompt_token_ids, state.model, body)
-            max_tokens, logprobs = body.max_tokens, body.logprobs
-        sampling = sampling_params(state.model, body, len(prompt_token_ids), max_tokens, logprobs)
-        api_key = getattr(request.state, "api_key", None)
-        requests = split_choices(request_id, prompt_token_ids, sampling, cache_salt_for(api_key, body), body.n)
+        prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
+        logprobs = presenter.logprobs(body)
+        sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
+        salt = cache_salt_for(getattr(request.state, "api_key", None), body)
+        requests = split_choices(request_id, prompt_token_ids, sampling, salt, body.n, deadline_s)
         record.prompt(len(prompt_token_ids))
-        runs = await start_choices(state.handler, requests)
+        runs = await start_choices(state.pipeline, requests)
         tokenizer = state.model.tokenizer
         generation = Generation(
-            api=api,  # type: ignore[arg-type]
+            presenter=presenter,
             response_id=request_id,
             created=int(time.time()),
             model_name=state.model.served_model_name,
@@ -232,10 +242,13 @@ class Routes:
 
 
 def _http_error(_: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape, their status kept."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
-        return not_found("Unknown route", code="not_found").response()
-    return ApiError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+        return ApiError(ErrorCode.NOT_FOUND, "Unknown route").response()
+    error = bad_request(str(exc.detail))
+    error.status_code = exc.status_code
+    return error.response()
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -243,10 +256,12 @@ def create_app(state: ApiState) -> FastAPI:
     routes = Routes(state)
     app = FastAPI(title="DeepInfer gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = state
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(ApiKeyMiddleware, api_keys=state.api_keys)
+    app.add_middleware(ApiKeyMiddleware, api_keys=state.settings.api_keys)
     return app

@@ -1,45 +1,78 @@
-"""OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
+"""OpenAI's error object `{"error": {"message", "type", "param", "code"}}`, from an `ErrorCode` through one table.
 
-Every failure the gateway reports, before or during a stream, is an `ApiError`; nothing else reaches the client
-(a bug becomes a 500 with a request id, never a traceback).
+Every failure the gateway reports, before or during a stream, is an `ApiError` carrying an `ErrorCode` (its
+own, or a worker's from the wire); `HTTP_ERRORS` decides the HTTP status, OpenAI's error type and code.
+Nothing else reaches the client (a bug becomes a 500 with a request id, never a traceback).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from deepinfer.protocol import ErrorCode, ErrorDetail
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """How one ErrorCode is reported: HTTP status, OpenAI error type, OpenAI error code, Retry-After or not."""
+
+    status_code: int
+    type: str
+    code: str | None
+    retryable: bool = False
+
+
+#: The one table from error codes to what the client sees (503s carry Retry-After; OpenAI's SDKs retry them).
+HTTP_ERRORS: dict[ErrorCode, HttpError] = {
+    ErrorCode.BAD_REQUEST: HttpError(400, "invalid_request_error", None),
+    ErrorCode.CONTEXT_LENGTH: HttpError(400, "invalid_request_error", "context_length_exceeded"),
+    ErrorCode.UNAUTHORIZED: HttpError(401, "invalid_request_error", "invalid_api_key"),
+    ErrorCode.NOT_FOUND: HttpError(404, "invalid_request_error", "not_found"),
+    ErrorCode.PAYLOAD_TOO_LARGE: HttpError(413, "invalid_request_error", "request_too_large"),
+    ErrorCode.CANCELLED: HttpError(499, "invalid_request_error", "cancelled"),
+    ErrorCode.INTERNAL: HttpError(500, "server_error", "internal_error"),
+    ErrorCode.WORKER_LOST: HttpError(502, "server_error", "upstream_error"),
+    ErrorCode.OVERLOADED: HttpError(503, "overloaded_error", "overloaded", retryable=True),
+    ErrorCode.LAYOUT_MISMATCH: HttpError(503, "overloaded_error", "layout_mismatch", retryable=True),
+    ErrorCode.TIMEOUT: HttpError(504, "server_error", "timeout"),
+}
+
 
 class ApiError(Exception):
-    """An error to report to the client in OpenAI's format."""
+    """An error to report to the client in OpenAI's format; status, type and code come from `HTTP_ERRORS`."""
 
     def __init__(
         self,
-        status_code: int,
+        error_code: ErrorCode,
         message: str,
-        type: str = "invalid_request_error",
         param: str | None = None,
+        *,
         code: str | None = None,
         retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
-        self.status_code = status_code
+        http = HTTP_ERRORS[error_code]
+        self.error_code = error_code
         self.message = message
-        self.type = type
         self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
+        self.status_code = http.status_code
+        self.type = http.type
+        #: OpenAI's finer code when the table's is too coarse (e.g. model_not_found for a NOT_FOUND).
+        self.code = code or http.code
+        self.retry_after_s = retry_after_s if http.retryable else None
 
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """Retry-After (whole seconds, at least 1) on overload errors."""
+        """Retry-After (whole seconds, at least 1) on retryable errors."""
         if self.retry_after_s is None:
             return {}
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
@@ -53,39 +86,54 @@ class ApiError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def from_wire(error: ErrorDetail, where: str, retry_after_s: float) -> ApiError:
+    """A worker's typed error or refusal as the client sees it (`where`: which hop, for the message)."""
+    return ApiError(error.code, f"{where}: {error.message}", retry_after_s=retry_after_s)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
     """400 invalid_request_error naming the offending field in `param`."""
-    return ApiError(400, message, "invalid_request_error", param, code)
+    return ApiError(ErrorCode.BAD_REQUEST, message, param)
+
+
+def context_length(message: str, param: str) -> ApiError:
+    """400 context_length_exceeded: the prompt (plus max_tokens) does not fit the model."""
+    return ApiError(ErrorCode.CONTEXT_LENGTH, message, param)
 
 
 def unauthorized(message: str) -> ApiError:
     """401 for a missing or wrong API key."""
-    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+    return ApiError(ErrorCode.UNAUTHORIZED, message)
 
 
-def not_found(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    """404 unknown model or route."""
-    return ApiError(404, message, "invalid_request_error", param, code)
+def model_not_found(name: str) -> ApiError:
+    """404 model_not_found for a model this gateway does not serve."""
+    return ApiError(ErrorCode.NOT_FOUND, f"The model '{name}' does not exist", "model", code="model_not_found")
 
 
 def too_large(max_bytes: int) -> ApiError:
     """413 request body over the limit."""
-    return ApiError(413, f"request body exceeds {max_bytes} bytes", "invalid_request_error", None, "request_too_large")
+    return ApiError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {max_bytes} bytes")
 
 
-def overloaded(message: str, retry_after_s: float | None = 1.0) -> ApiError:
+def overloaded(message: str, retry_after_s: float) -> ApiError:
     """503 capacity error with Retry-After (OpenAI's SDKs retry it)."""
-    return ApiError(503, message, "overloaded_error", None, "overloaded", retry_after_s=retry_after_s)
+    return ApiError(ErrorCode.OVERLOADED, message, retry_after_s=retry_after_s)
 
 
-def upstream_failed(message: str) -> ApiError:
+def worker_lost(message: str) -> ApiError:
     """502 a worker failed or went silent after accepting the request."""
-    return ApiError(502, message, "server_error", None, "upstream_error")
+    return ApiError(ErrorCode.WORKER_LOST, message)
+
+
+def timed_out(timeout_s: float) -> ApiError:
+    """504 the request ran past request_timeout_s (the workers are told to drop it)."""
+    return ApiError(ErrorCode.TIMEOUT, f"the request did not finish within request_timeout_s={timeout_s:g} s")
 
 
 def internal(request_id: str) -> ApiError:
     """500 with no detail beyond the request id (details stay in the logs)."""
-    return ApiError(500, f"internal error (request id {request_id})", "server_error", None, "internal_error")
+    return ApiError(ErrorCode.INTERNAL, f"internal error (request id {request_id})")
 
 
 def from_validation_error(exc: ValidationError) -> ApiError:

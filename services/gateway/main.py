@@ -1,4 +1,4 @@
-"""Wiring only: settings → lifecycle (deepinfer.service) → model metadata → Gateway (API server + handler)."""
+"""Wiring only: settings → lifecycle (deepinfer.service) → model metadata → GatewayHandler (API server + pipeline)."""
 
 from __future__ import annotations
 
@@ -7,36 +7,18 @@ import asyncio
 from deepinfer.config import GatewaySettings
 from deepinfer.model_store import resolve_model
 from deepinfer.service import ServiceContext, service_main
-from services.gateway.handler import GatewayTimeouts
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.handler import GatewayHandler
 from services.gateway.recipe import ModelInfo
-from services.gateway.runtime import Gateway
 
 
-async def build(ctx: ServiceContext[GatewaySettings]) -> Gateway:
+async def build(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
     """Load the tokenizer (no weights), then build the gateway on the runtime's bus and registry."""
     settings = ctx.settings
     common = settings.common
     model_dir = await asyncio.to_thread(resolve_model, common.model, common.model_cache_dir, False)
     served_model_name = common.served_model_name or common.model
     model = await asyncio.to_thread(ModelInfo.from_dir, model_dir, served_model_name)
-    gateway = Gateway(
-        ctx.bus,
-        model,
-        settings.gateway_id,
-        GatewayMetrics(ctx.registry),
-        settings.host,
-        settings.port,
-        settings.api_keys,
-        int(settings.max_request_bytes),
-        timeouts=GatewayTimeouts(
-            route_timeout_s=settings.route_timeout_s,
-            prefill_timeout_s=settings.prefill_timeout_s,
-            decode_timeout_s=settings.decode_timeout_s,
-            stream_timeout_s=settings.stream_timeout_s,
-        ),
-        worker_lease_s=settings.worker_lease_s,
-    )
+    gateway = GatewayHandler(settings, ctx.bus, ctx.registry, model)
     ctx.advertise_port("api", settings.port)
     return gateway
 

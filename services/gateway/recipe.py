@@ -15,7 +15,7 @@ from pathlib import Path
 from deepinfer.protocol import SamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
-from services.gateway.errors import bad_request, not_found
+from services.gateway.errors import bad_request, context_length, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # config.json keys that give a model's context length, most specific first.
@@ -50,12 +50,14 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_salt: str
+    #: When the client's request_timeout_s runs out (time.monotonic()).
+    deadline_s: float
 
 
 def check_model(model: ModelInfo, name: str) -> None:
     """404 model_not_found unless `name` is the served model."""
     if name != model.served_model_name:
-        raise not_found(f"The model '{name}' does not exist", param="model", code="model_not_found")
+        raise model_not_found(name)
 
 
 def cache_salt_for(api_key: str | None, body: SamplingFields) -> str:
@@ -110,11 +112,10 @@ def _check_prompt_length(model: ModelInfo, token_ids: list[int], param: str) -> 
     if not token_ids:
         raise bad_request("the prompt is empty", param=param)
     if model.max_model_len is not None and len(token_ids) >= model.max_model_len:
-        raise bad_request(
+        raise context_length(
             f"This model's maximum context length is {model.max_model_len} tokens; the prompt has "
             f"{len(token_ids)} tokens",
-            param=param,
-            code="context_length_exceeded",
+            param,
         )
 
 
@@ -124,11 +125,10 @@ def sampling_params(
     """Wire SamplingParams from a request body; max_tokens None = the rest of the context."""
     room = None if model.max_model_len is None else model.max_model_len - num_prompt_tokens
     if max_tokens is not None and room is not None and max_tokens > room:
-        raise bad_request(
+        raise context_length(
             f"max_tokens={max_tokens} plus the prompt's {num_prompt_tokens} tokens exceeds the model's "
             f"maximum context length of {model.max_model_len}",
-            param="max_tokens",
-            code="context_length_exceeded",
+            "max_tokens",
         )
     fields = {
         "n": 1,  # each choice is its own request on the workers
@@ -154,7 +154,8 @@ def sampling_params(
 
 
 def split_choices(
-    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int
+    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int,
+    deadline_s: float,
 ) -> list[GenerateRequest]:
     """n independent sequences, each with its own seed (choice i: derived from the request's seed, drawn here when
     the client gave none), so prefill, decode and a migrated decode of one choice draw the same tokens."""
@@ -163,5 +164,5 @@ def split_choices(
     for index in range(n):
         choice_sampling = sampling.model_copy(update={"seed": derive_seed(base_seed, index)})
         choice_id = request_id if n == 1 else f"{request_id}-{index}"
-        requests.append(GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt))
+        requests.append(GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt, deadline_s))
     return requests

@@ -10,13 +10,12 @@ its result carries the finish reason and no handle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
 from deepinfer import subjects
-from deepinfer.bus import IncomingMsg, Subscription
+from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import PrefillSettings
 from deepinfer.dataplane import DataPlaneServer, LeaseExpired
 from deepinfer.distributed.kv_device_transfer import export_for_handles, host_id
@@ -25,6 +24,8 @@ from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, 
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.protocol import (
     Cancel,
+    ErrorCode,
+    ErrorDetail,
     FinishReason,
     KvHandle,
     PrefillRequest,
@@ -36,6 +37,7 @@ from deepinfer.protocol import (
 from deepinfer.protocol.kv import KvDeviceExport
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter, request_context
+from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
 
@@ -66,8 +68,8 @@ class PrefillHandler:
         self._device_export: KvDeviceExport | None = None
         self._pending: dict[str, _Pending] = {}
         self._leases: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._subscriptions: list[Subscription] = []
+        self._tasks = self.runtime.tasks
+        self._subscriptions = Subscriptions(ctx.bus)
         self._requests = counter(registry, "prefill_requests", "Prefill requests by outcome.", ["outcome"])
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -88,11 +90,11 @@ class PrefillHandler:
         """Take prefill requests and releases; start heartbeats."""
         assert self.data_plane is not None
         model, worker_id = self.runtime.model, self.runtime.worker_id
-        self._subscriptions += [
-            await self.bus.subscribe(subjects.prefill(model, worker_id), self._on_prefill,
-                                     message_type=PrefillRequest),
-            await self.bus.subscribe(subjects.release(model, worker_id), self._on_release, message_type=Release),
-        ]
+        subscriptions = self._subscriptions
+        await subscriptions.subscribe("prefill", subjects.prefill(model, worker_id), self._on_prefill,
+                                      message_type=PrefillRequest)
+        await subscriptions.subscribe("release", subjects.release(model, worker_id), self._on_release,
+                                      message_type=Release)
         await self.runtime.start(self.ctx.internal_address, self.data_plane.address)
 
     def is_ready(self) -> bool:
@@ -104,23 +106,21 @@ class PrefillHandler:
         return "binding data plane" if self.data_plane is None else self.runtime.not_ready_reason()
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking prefills; finish running ones and let decode workers pull leased KV, within grace_s."""
+        """Stop taking prefills; finish running ones and let decode workers pull leased KV (their Releases
+        still arrive), then flush background work, within grace_s."""
         await self.runtime.drain()
-        for sub in self._subscriptions[:1]:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._subscriptions.unsubscribe("prefill")
         deadline = time.monotonic() + grace_s
         while (self._pending or self._leases) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await self.runtime.flush(deadline - time.monotonic())
 
     async def close(self) -> None:
         """Release leases, stop the data plane and the engine."""
         for handle in self._leases.values():
             handle.cancel()
         self._leases.clear()
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._subscriptions.close()
         if self.data_plane is not None:
             await self.data_plane.close(drain_timeout_s=1.0)
         await self.runtime.close()
@@ -128,9 +128,7 @@ class PrefillHandler:
     # -- the loop -----------------------------------------------------------------------------------------------
     async def _on_prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
         # Handlers of one subscription run one at a time: each prefill gets its own task.
-        task = asyncio.create_task(self._prefill(request, msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._prefill(request, msg), name=f"prefill-{request.request_id}")
 
     async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
         """receive → prefill → reply (→ lease)."""
@@ -139,7 +137,7 @@ class PrefillHandler:
                 result = await self.prefill(request)
             except Exception as exc:  # never leave the gateway waiting for a reply
                 log.exception("prefill failed")
-                result = PrefillResult(request_id=request.request_id, error=f"prefill failed: {exc}",
+                result = PrefillResult(request_id=request.request_id, error=error_detail(exc, "prefill failed"),
                                        finish_reason=FinishReason.ERROR)
             self._requests.labels("error" if result.error else "ok").inc()
             await self.bus.reply(msg, result)
@@ -151,7 +149,7 @@ class PrefillHandler:
         try:
             params = engine_sampling(request.sampling)
         except ValueError as exc:
-            return PrefillResult(request_id=request_id, error=f"invalid sampling: {exc}")
+            return PrefillResult(request_id=request_id, error=error_detail(exc, "invalid sampling"))
         first_params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
         pending = _Pending(asyncio.get_running_loop().create_future())
         self._pending[request_id] = pending
@@ -160,7 +158,7 @@ class PrefillHandler:
                 request_id, request.prompt_token_ids, first_params, request.cache_salt, hold_blocks=True))
         except ValueError as exc:
             self._pending.pop(request_id, None)
-            return PrefillResult(request_id=request_id, error=f"invalid request: {exc}")
+            return PrefillResult(request_id=request_id, error=error_detail(exc, "invalid request"))
         output = await pending.done
         return await self._result(request, params, output)
 
@@ -169,7 +167,8 @@ class PrefillHandler:
         assert engine is not None and engine.core is not None
         if output.finish_reason == FinishReason.ABORT:
             await engine.call(lambda core: release_held(core, request_id))
-            return PrefillResult(request_id=request_id, finish_reason=FinishReason.ABORT, error="cancelled")
+            cancelled = ErrorDetail(code=ErrorCode.CANCELLED, message="cancelled while prefilling")
+            return PrefillResult(request_id=request_id, finish_reason=FinishReason.ABORT, error=cancelled)
         first = output.new_token_ids[0]
         num_prompt = len(request.prompt_token_ids)
         finish = None
@@ -222,19 +221,13 @@ class PrefillHandler:
         pending = self._pending.pop(cancel.request_id, None)
         if pending is not None and self.runtime.engine is not None:
             request_id = cancel.request_id
-            task = asyncio.create_task(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
             pending.done.set_result(EngineOutput(request_id, [], None, FinishReason.ABORT, None, 0))
         elif cancel.request_id in self._leases:
-            task = asyncio.create_task(self._end_lease(cancel.request_id, "cancelled"))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._end_lease(cancel.request_id, "cancelled"))
 
     def _expire(self, request_id: str) -> None:
-        task = asyncio.create_task(self._end_lease(request_id, "expired"))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._end_lease(request_id, "expired"))
 
     async def _end_lease(self, request_id: str, why: str) -> None:
         handle = self._leases.pop(request_id, None)

@@ -21,12 +21,12 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from prometheus_client import CollectorRegistry
 
 from deepinfer import subjects
-from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import SchedulerSettings
+from deepinfer.membership import Membership
 from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus, WorkerLoad, WorkerRole
 from deepinfer.telemetry import counter, gauge, histogram, request_context
 from services.scheduler.inflight import InFlight
-from services.scheduler.membership import Membership
 from services.scheduler.policy import LeastLoadedPolicy, RoutingPolicy
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class SchedulerHandler:
         self.metrics = SchedulerMetrics(registry)
         self.tracer = tracer or NoOpTracer()
         self.sweep_interval_s = min(MAX_SWEEP_INTERVAL_S, membership.lease_s / 4)
-        self._subscriptions: list[Subscription] = []
+        self._subscriptions = Subscriptions(bus)
         self._sweeper: asyncio.Task[None] | None = None
         self._started = False
         self._draining = False
@@ -122,24 +122,15 @@ class SchedulerHandler:
 
     async def start(self) -> None:
         """Subscribe to heartbeats and peers' decisions, then to routes; start the sweeper."""
-        model = self.model
-        self._subscriptions.append(
-            await self.bus.subscribe(
-                subjects.heartbeat_all(model), self.on_heartbeat, message_type=WorkerLoad
-            )
+        model, subscriptions = self.model, self._subscriptions
+        await subscriptions.subscribe(
+            "heartbeats", subjects.heartbeat_all(model), self.on_heartbeat, message_type=WorkerLoad
         )
-        self._subscriptions.append(
-            await self.bus.subscribe(
-                subjects.decisions(model), self.on_peer_decision, message_type=RouteDecision
-            )
+        await subscriptions.subscribe(
+            "decisions", subjects.decisions(model), self.on_peer_decision, message_type=RouteDecision
         )
-        self._subscriptions.append(
-            await self.bus.subscribe(
-                subjects.route(model),
-                self.on_route,
-                queue=subjects.SCHEDULER_QUEUE,
-                message_type=RouteRequest,
-            )
+        await subscriptions.subscribe(
+            "route", subjects.route(model), self.on_route, queue=subjects.SCHEDULER_QUEUE, message_type=RouteRequest
         )
         self._sweeper = asyncio.create_task(
             self._sweep_forever(), name=f"scheduler-sweep-{self.scheduler_id}"
@@ -160,10 +151,7 @@ class SchedulerHandler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
-        subscriptions, self._subscriptions = self._subscriptions, []
-        for subscription in subscriptions:
-            with contextlib.suppress(Exception):  # the bus may be closed already
-                await subscription.unsubscribe()
+        await self._subscriptions.close()
 
     def is_ready(self) -> bool:
         """Subscribed and not draining; zero workers is fine (requests are answered overloaded)."""

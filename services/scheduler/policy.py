@@ -10,7 +10,8 @@ Rules of `LeastLoadedPolicy` (docs/services.md has the same list):
 - never a draining worker, never a worker whose model_fingerprint differs from the request's (a request
   without a fingerprint matches any worker);
 - a worker is *saturated* when it reports a KV pool (num_total_blocks > 0) with no free block left
-  (num_free_blocks == 0): heartbeats carry no max_num_seqs, and a full pool is what makes a new request wait;
+  (num_free_blocks == 0): a full pool is what makes a new request wait (max_num_seqs, also in the
+  heartbeat, is left to the prefix-aware policy's admission);
 - decode: least loaded unsaturated worker of role decode or both; none → OVERLOADED with retry_after_s;
 - prefill: least loaded unsaturated worker of role prefill or both whose layout_id equals the decode worker's
   (KV moves between them); none, or the decode worker itself → prefill_worker_id None (decode computes
@@ -25,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from deepinfer.membership import Member
 from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus
-from services.scheduler.membership import Member
 
 #: Seconds a client is told to wait before retrying an overloaded request.
 DEFAULT_RETRY_AFTER_S = 1.0

@@ -55,6 +55,19 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
         time.sleep(interval_s)
 
 
+def workers_idle(stack: Stack) -> bool:
+    """No request running, waiting or holding blocks (or a lease) on decode-0 and prefill-0."""
+    decode, prefill = metrics(stack, "decode-0"), metrics(stack, "prefill-0")
+    return (
+        decode["deepinfer_worker_running_requests"] == 0
+        and decode["deepinfer_worker_waiting_requests"] == 0
+        and decode["deepinfer_worker_free_blocks"] == decode["deepinfer_worker_total_blocks"]
+        and prefill["deepinfer_worker_running_requests"] == 0
+        and prefill["deepinfer_worker_held_leases"] == 0
+        and prefill["deepinfer_worker_free_blocks"] == prefill["deepinfer_worker_total_blocks"]
+    )
+
+
 @pytest.fixture(scope="session")
 def offline_llm(stack):
     """The offline engine on the same model, the reference for the disaggregated path."""

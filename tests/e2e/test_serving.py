@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 
-from tests.e2e.conftest import metrics, wait_until
+from tests.e2e.conftest import wait_until, workers_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -69,16 +70,39 @@ def test_client_disconnect_releases_everything(client, stack):
             break
     stream.close()
     started = time.monotonic()
-
-    def idle() -> bool:
-        decode, prefill = metrics(stack, "decode-0"), metrics(stack, "prefill-0")
-        return (
-            decode["deepinfer_worker_running_requests"] == 0
-            and decode["deepinfer_worker_waiting_requests"] == 0
-            and decode["deepinfer_worker_free_blocks"] == decode["deepinfer_worker_total_blocks"]
-            and prefill["deepinfer_worker_held_leases"] == 0
-            and prefill["deepinfer_worker_free_blocks"] == prefill["deepinfer_worker_total_blocks"]
-        )
-
-    wait_until(idle, 10, "the workers to drop the cancelled request")
+    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the cancelled request")
     assert time.monotonic() - started < 10
+
+
+REQUEST_TIMEOUT_S = 3.0
+
+
+def test_request_timeout_is_504_or_an_error_event_and_every_worker_drops_it(stack):
+    # A second gateway over the same workers, with a short request_timeout_s.
+    base_url = stack.add_gateway("gateway-short", {"DEEPINFER_GATEWAY_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)})
+    stack.wait_ready(60)
+    client = openai.OpenAI(base_url=base_url, api_key="e2e", max_retries=0, timeout=60)
+    long = {"model": stack.model_name, "messages": QUESTION, "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as failure:
+        client.chat.completions.create(**long)
+    assert failure.value.status_code == 504
+    assert failure.value.body["code"] == "timeout" and "request_timeout_s" in failure.value.message
+    assert REQUEST_TIMEOUT_S <= time.monotonic() - started < REQUEST_TIMEOUT_S + 2.0
+    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the timed-out request")
+
+    received = 0
+    with pytest.raises(openai.APIError, match="request_timeout_s"):  # the SSE error event
+        for _ in client.chat.completions.create(**long, stream=True):
+            received += 1
+    assert received > 1  # tokens flowed, then the deadline ended the stream
+    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the timed-out stream")
+
+
+def test_a_value_the_workers_refuse_is_a_400_not_a_retryable_503(client, stack):
+    # Valid for the gateway and on the wire; the engine refuses min_tokens > max_tokens (a typed BAD_REQUEST).
+    with pytest.raises(openai.BadRequestError) as failure:
+        client.chat.completions.create(
+            model=stack.model_name, messages=QUESTION, max_tokens=2, extra_body={"min_tokens": 5}
+        )
+    assert "min_tokens" in failure.value.message

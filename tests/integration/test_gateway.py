@@ -14,7 +14,7 @@ import pytest
 from deepinfer.bus import Bus
 from deepinfer.nats_server import NatsServer
 from deepinfer.telemetry import serve_internal
-from services.gateway.testing import ANSWER, MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness, write_tokenizer_dir
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ async def harness(nats_server: NatsServer, model_dir: Path) -> AsyncIterator[Har
     await gateway_bus.flush()
     yield h
     await h.fake.stop()
-    await h.state.handler.drain()
+    await h.gateway.close()
     await gateway_bus.close()
     await worker_bus.close()
 

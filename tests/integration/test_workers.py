@@ -17,6 +17,8 @@ from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
     DecodeRequest,
+    DecodeStatus,
+    ErrorCode,
     PrefillRequest,
     PrefillResult,
     SamplingParams,
@@ -104,7 +106,7 @@ async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, req
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=PROMPT, output_token_ids=first,
         sampling=sampling, kv_handle=handle, prefill_worker_id=prefill_id), DecodeAccepted, timeout_s=30)
-    if accepted.accepted:
+    if accepted.status is DecodeStatus.ACCEPTED:
         await asyncio.wait_for(done.wait(), 30)
     await sub.unsubscribe()
     return accepted, first + [t for c in chunks for t in c.token_ids]
@@ -126,7 +128,7 @@ SEEDED = SamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=Tru
 async def test_handoff_over_the_data_plane_equals_one_engine(workers, bus, tiny_dir, sampling):
     prefill, decode = workers
     accepted, tokens = await run_request(bus, "prefill-t", sampling, f"r-{sampling.temperature}")
-    assert accepted.accepted
+    assert accepted.status is DecodeStatus.ACCEPTED
     assert tokens == reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
     assert decode._requests.labels("pulled")._value.get() == 1
     # The decode worker's Release ended the lease: nothing stays held on the prefill worker.
@@ -143,14 +145,33 @@ async def test_layout_mismatch_is_refused(workers, bus):
         return handle.model_copy(update={"layout": layout, "layout_id": layout.layout_id()})
 
     accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-layout", mutate=other_layout)
-    assert not accepted.accepted
-    assert "layout" in accepted.reason
+    assert accepted.status is DecodeStatus.REFUSED
+    assert accepted.error.code is ErrorCode.LAYOUT_MISMATCH
+
+
+async def test_invalid_values_are_refused_with_typed_codes(workers, bus, tiny_dir):
+    token = MODEL_TOKEN["value"]
+    # Valid on the wire, invalid for the engine: min_tokens above max_tokens.
+    bad = SamplingParams(temperature=0, max_tokens=2, min_tokens=5)
+    for worker, request_type, reply_type in (("prefill", PrefillRequest, PrefillResult),
+                                             ("decode", DecodeRequest, DecodeAccepted)):
+        subject = subjects.prefill(token, "prefill-t") if worker == "prefill" else subjects.decode(token, "decode-t")
+        reply = await bus.request(subject, request_type(
+            request_id=f"r-bad-{worker}", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=bad), reply_type,
+            timeout_s=30)
+        assert reply.error is not None and reply.error.code is ErrorCode.BAD_REQUEST, reply
+        assert "min_tokens" in reply.error.message
+    too_long = list(PROMPT) * 100  # past the tiny model's context length
+    reply = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id="r-long", gateway_id=GATEWAY, prompt_token_ids=too_long, sampling=GREEDY), DecodeAccepted,
+        timeout_s=30)
+    assert reply.status is DecodeStatus.REFUSED and reply.error.code is ErrorCode.CONTEXT_LENGTH
 
 
 async def test_expired_lease_recomputes_the_prompt(workers, bus, tiny_dir):
     _, decode = workers
     accepted, tokens = await run_request(bus, "prefill-t", GREEDY, "r-expired", wait_before_decode_s=1.0)
-    assert accepted.accepted
+    assert accepted.status is DecodeStatus.ACCEPTED
     assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
     assert decode._requests.labels("recomputed")._value.get() == 1
 
@@ -158,7 +179,7 @@ async def test_expired_lease_recomputes_the_prompt(workers, bus, tiny_dir):
 async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir):
     _, decode = workers
     accepted, tokens = await run_request(bus, None, GREEDY, "r-local")
-    assert accepted.accepted
+    assert accepted.status is DecodeStatus.ACCEPTED
     assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
     assert decode._requests.labels("local")._value.get() == 1
 
@@ -170,7 +191,7 @@ async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id="r-cancel", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
         timeout_s=30)
-    assert accepted.accepted
+    assert accepted.status is DecodeStatus.ACCEPTED
     await asyncio.sleep(0.2)
     await bus.publish(subjects.cancel(token), Cancel(request_id="r-cancel"))
     for _ in range(100):
@@ -196,7 +217,7 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
 
     sub = await bus.subscribe(subjects.kv_events_all(token), on_events, message_type=KvEventBatch)
     accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-events")
-    assert accepted.accepted
+    assert accepted.status is DecodeStatus.ACCEPTED
     await asyncio.sleep(0.3)
     await sub.unsubscribe()
     expected = hash_blocks(PROMPT, 4, prefill.runtime.core.fingerprint, "")

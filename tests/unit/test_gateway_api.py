@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from deepinfer.kvcache.hashing import hash_blocks
-from deepinfer.protocol import WorkerLoad, WorkerRole
-from services.gateway.testing import ANSWER, MAX_MODEL_LEN, MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.protocol import ErrorCode, WorkerRole
+from deepinfer.testing.fake_workers import worker_load
+from tests.gateway_harness import ANSWER, MAX_MODEL_LEN, MODEL, Harness, make_harness, write_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +127,10 @@ async def test_completions_logprobs_shape(harness: Harness):
 
 
 async def test_block_hashes_and_cache_salt_from_heartbeats_and_key(model_dir: Path):
-    h = await make_harness(model_dir, api_keys=["sk-one"])
+    h = await make_harness(model_dir, settings={"api_keys": ["sk-one"]})
     fingerprint = b"\x07" * 32
     for worker_id, role in (("prefill-0", WorkerRole.PREFILL), ("decode-0", WorkerRole.DECODE)):
-        h.workers.observe(WorkerLoad(worker_id=worker_id, role=role, model=MODEL, model_fingerprint=fingerprint,
-                                     layout_id="l", data_plane_address="a:1", internal_address="a:2", ts=0.0))
+        h.workers.observe(worker_load(worker_id, role, MODEL, model_fingerprint=fingerprint, block_size=16))
     long_text = "The quick brown fox jumps over the lazy dog. " * 2
     await h.openai("sk-one").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}])
     salt = hashlib.sha256(b"sk-one").hexdigest()
@@ -212,7 +212,7 @@ async def test_invalid_requests_never_reach_a_worker(harness: Harness, path, bod
 
 
 async def test_bad_json_unknown_route_and_too_large(model_dir: Path):
-    h = await make_harness(model_dir, max_request_bytes=2000)
+    h = await make_harness(model_dir, settings={"max_request_bytes": 2000})
     async with h.http() as http:
         bad = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and _error(bad)["type"] == "invalid_request_error"
@@ -224,7 +224,7 @@ async def test_bad_json_unknown_route_and_too_large(model_dir: Path):
 
 
 async def test_api_keys_guard_every_route(model_dir: Path):
-    h = await make_harness(model_dir, api_keys=["sk-good"])
+    h = await make_harness(model_dir, settings={"api_keys": ["sk-good"]})
     async with h.http() as http:
         for headers in ({}, {"Authorization": "Bearer sk-bad"}, {"Authorization": "Basic sk-good"}):
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
@@ -256,11 +256,11 @@ async def test_no_scheduler_is_fast_503(model_dir: Path):
 
 
 async def test_decode_refusal_is_503_and_cancels_the_prefill(model_dir: Path):
-    h = await make_harness(model_dir, refuse_decode=True)
+    h = await make_harness(model_dir, refuse_decode=ErrorCode.OVERLOADED)
     async with h.http() as http:
         response = await http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 503 and "refused" in _error(response)["message"]
-    await h.state.handler.drain()
+    await h.gateway.pipeline.tasks.drain(1.0)
     await h.fake.bus.broker.settle()
     assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
 

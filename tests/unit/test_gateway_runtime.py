@@ -8,13 +8,14 @@ from pathlib import Path
 
 import httpx
 
+import deepinfer
+from deepinfer.nats_server import free_port
+from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing import FakeBroker, FakeBus
-from services.gateway.fake_workers import FakeWorkers
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.recipe import ModelInfo
-from services.gateway.runtime import Gateway
-from services.gateway.testing import ANSWER, MODEL, write_tokenizer_dir
+from deepinfer.testing.fake_workers import FakeWorkers
+from services.gateway.main import build
+from tests.gateway_harness import ANSWER, MODEL, gateway_settings, write_tokenizer_dir
 
 GATEWAY_DIR = Path(__file__).resolve().parents[2] / "services" / "gateway"
 GATEWAY_MODULES = [p.stem for p in GATEWAY_DIR.glob("*.py") if p.stem not in ("__init__", "__main__")]
@@ -22,23 +23,33 @@ GATEWAY_MODULES = [p.stem for p in GATEWAY_DIR.glob("*.py") if p.stem not in ("_
 
 async def test_gateway_ready_serves_and_drains(tmp_path: Path):
     broker = FakeBroker()
-    model = ModelInfo.from_dir(write_tokenizer_dir(tmp_path), MODEL, max_model_len=96)
-    gateway = Gateway(FakeBus(broker), model, "gw-1", GatewayMetrics(new_registry(False)), "127.0.0.1", 0, [], 1 << 20)
-    fake = FakeWorkers(FakeBus(broker), MODEL, model.tokenizer.encode(ANSWER))
+    settings = gateway_settings(write_tokenizer_dir(tmp_path), port=free_port(), api_keys=["sk-1"])
+    gateway = await build(ServiceContext("gateway", settings, FakeBus(broker), new_registry(False), None))
+    fake = FakeWorkers(FakeBus(broker), MODEL, gateway.state.model.tokenizer.encode(ANSWER))
     await fake.start()
     await gateway.start()
+    api = f"http://127.0.0.1:{gateway.port}"
     try:
         assert not gateway.is_ready() and "prefill" in gateway.not_ready_reason()
+        # /health and /version on the API port, without the API key (load balancers probe them)
+        async with httpx.AsyncClient(base_url=api) as http:
+            health = await http.get("/health")
+            assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+            assert (await http.get("/version")).json() == {"version": deepinfer.__version__}
         await fake.heartbeat()
         await broker.settle()
         assert gateway.is_ready(), gateway.not_ready_reason()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}") as http:
+        async with httpx.AsyncClient(base_url=api) as anonymous:
+            assert (await anonymous.get("/health")).status_code == 200
+            assert (await anonymous.get("/v1/models")).status_code == 401  # the API itself still needs the key
+        async with httpx.AsyncClient(base_url=api, headers={"Authorization": "Bearer sk-1"}) as http:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
             response = await http.post("/v1/chat/completions", json=body)
             assert response.json()["choices"][0]["message"]["content"] == ANSWER
             gateway.state.accepting = False  # what drain does first: new requests get 503
             refused = await http.post("/v1/chat/completions", json=body)
             assert refused.status_code == 503
+            assert (await http.get("/health")).status_code == 503
         await gateway.drain(grace_s=1.0)
         assert not gateway.is_ready() and gateway.not_ready_reason() == "draining"
     finally:

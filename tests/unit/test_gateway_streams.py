@@ -12,13 +12,13 @@ import openai
 import pytest
 from starlette.requests import ClientDisconnect
 
-from deepinfer.protocol import TokenBatch, TokenChunk, WorkerLoad, WorkerRole
+from deepinfer.protocol import TokenBatch, TokenChunk, WorkerRole
 from deepinfer.testing import FakeBus
-from services.gateway.handler import GatewayTimeouts
+from deepinfer.testing.fake_workers import worker_load
 from services.gateway.streams import TokenStreams
-from services.gateway.testing import MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
 
-FAST = GatewayTimeouts(stream_timeout_s=0.5, first_token_timeout_s=0.5, poll_interval_s=0.05)
+FAST = {"stream_timeout_s": 0.5, "first_token_timeout_s": 0.5, "poll_interval_s": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ async def test_stop_string_across_chunk_boundaries_cancels_the_workers(model_dir
     assert "".join(deltas) == "Hello, "
     assert finish == "stop"
     assert all("w" not in d for d in deltas)  # the partial stop string was held back, never sent
-    await h.state.handler.drain()
+    await h.gateway.pipeline.tasks.drain(1.0)
     await h.fake.bus.broker.settle()
     assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
     assert h.fake.cancels[0].reason == "stop string"
@@ -75,7 +75,7 @@ async def test_multibyte_characters_split_across_tokens(model_dir: Path):
 
 
 async def test_silent_stream_ends_with_an_error_event(model_dir: Path):
-    h = await make_harness(model_dir, timeouts=FAST, tokens_per_step=1, stall_after=3)
+    h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, stall_after=3)
     started = time.monotonic()
     async with h.http() as http:
         response = await http.post(
@@ -94,18 +94,17 @@ async def test_silent_stream_ends_with_an_error_event(model_dir: Path):
     with pytest.raises(openai.APIStatusError) as info:
         await h.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 502
-    await h.state.handler.drain()
+    await h.gateway.pipeline.tasks.drain(1.0)
     await h.fake.bus.broker.settle()
     assert len(h.fake.cancels) == 3  # each failed stream told the workers to drop it
     assert all(c.reason.startswith("gateway gave up") for c in h.fake.cancels)
 
 
 async def test_dead_decode_worker_ends_the_stream_within_the_lease(model_dir: Path):
-    timeouts = GatewayTimeouts(stream_timeout_s=30.0, first_token_timeout_s=30.0, poll_interval_s=0.05)
-    h = await make_harness(model_dir, timeouts=timeouts, lease_s=0.4, tokens_per_step=1, stall_after=2)
-    load = WorkerLoad(worker_id="decode-0", role=WorkerRole.DECODE, model=MODEL, model_fingerprint=b"f" * 32,
-                      layout_id="l", data_plane_address="a:1", internal_address="a:2", ts=0.0)
-    h.workers.observe(load)  # seen once, then never again: its lease lapses
+    settings = {"stream_timeout_s": 30.0, "first_token_timeout_s": 30.0, "poll_interval_s": 0.05,
+                "worker_lease_s": 0.4}
+    h = await make_harness(model_dir, settings=settings, tokens_per_step=1, stall_after=2)
+    h.workers.observe(worker_load("decode-0", WorkerRole.DECODE, MODEL))  # seen once, then its lease lapses
     started = time.monotonic()
     with pytest.raises(openai.APIError, match="heartbeats"):
         await _stream_text(h.openai())

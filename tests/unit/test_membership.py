@@ -1,12 +1,13 @@
-"""Worker membership from heartbeats: join, refresh, expiry after the lease, rejoin (fake clock, no sleeping)."""
+"""The one membership table (gateway and scheduler): join, refresh, the lease edge, lost then forgotten, rejoin
+(fake clock, no sleeping)."""
 
 from __future__ import annotations
 
 import pytest
 
-from deepinfer.config import CommonSettings, SchedulerSettings
+from deepinfer.config import CommonSettings, GatewaySettings, SchedulerSettings
+from deepinfer.membership import FORGET_AFTER_LEASES, Member, Membership
 from deepinfer.protocol import WorkerLoad, WorkerRole
-from services.scheduler.membership import Member, Membership
 
 
 class FakeClock:
@@ -27,6 +28,9 @@ def load(worker_id: str, role: WorkerRole = WorkerRole.DECODE, **fields) -> Work
         "model": "m",
         "model_fingerprint": b"fp-1",
         "layout_id": "layout-a",
+        "block_size": 16,
+        "max_num_seqs": 64,
+        "max_model_len": 4096,
         "data_plane_address": f"10.0.0.1:{8100 + len(worker_id)}",
         "internal_address": "10.0.0.1:8004",
         "ts": 1.0,
@@ -52,6 +56,9 @@ def test_heartbeat_makes_a_member_with_its_numbers():
         internal_address="10.0.0.1:8004",
         model_fingerprint=b"fp-1",
         layout_id="layout-a",
+        block_size=16,
+        max_num_seqs=64,
+        max_model_len=4096,
         draining=True,
         last_seen_s=100.0,
     )
@@ -109,10 +116,57 @@ def test_roles_and_counts():
         WorkerRole.PREFILL: 1,
         WorkerRole.DECODE: 1,
         WorkerRole.BOTH: 1,
-        WorkerRole.KVCACHE: 0,
     }
+    assert membership.has_prefill() and membership.has_decode()
 
 
 def test_lease_must_be_positive():
     with pytest.raises(ValueError, match="lease_s"):
         Membership(0.0)
+
+
+@pytest.mark.parametrize("settings_cls", [GatewaySettings, SchedulerSettings])
+def test_lease_edge_is_the_same_for_gateway_and_scheduler(settings_cls):
+    lease_s = settings_cls(common=CommonSettings()).worker_lease_s
+    clock = FakeClock()
+    membership = Membership(lease_s, clock=clock)
+    membership.observe(load("d1"))
+    clock.advance(lease_s - 1e-6)
+    assert membership.is_alive("d1") is True and membership.get("d1") is not None
+    clock.advance(1e-6)  # exactly lease_s since the last heartbeat: gone
+    assert membership.is_alive("d1") is False and membership.get("d1") is None
+    assert membership.members() == [] and not membership.has_decode()
+
+
+def test_a_lost_worker_is_dead_until_forgotten_then_unknown():
+    clock = FakeClock()
+    membership = Membership(1.0, clock=clock)
+    assert membership.is_alive("d1") is None  # never seen
+    membership.observe(load("d1"))
+    clock.advance(1.0)
+    assert [m.worker_id for m in membership.sweep()] == ["d1"]
+    assert membership.is_alive("d1") is False  # a request waiting on it fails at once
+    clock.advance(FORGET_AFTER_LEASES * 1.0 + 0.1)
+    membership.sweep()
+    assert membership.is_alive("d1") is None  # forgotten: the table stays bounded
+
+
+def test_an_unswept_table_forgets_silent_workers_on_later_heartbeats():
+    clock = FakeClock()
+    membership = Membership(1.0, clock=clock)  # the gateway never sweeps
+    membership.observe(load("old"))
+    clock.advance(FORGET_AFTER_LEASES * 1.0 + 0.1)
+    membership.observe(load("new"))
+    assert membership.is_alive("old") is None and membership.is_alive("new") is True
+
+
+def test_latest_member_gives_the_model_identity():
+    clock = FakeClock()
+    membership = Membership(3.0, clock=clock)
+    assert membership.latest() is None
+    membership.observe(load("p1", WorkerRole.PREFILL, model_fingerprint=b"fp-old", block_size=32))
+    clock.advance(0.5)
+    membership.observe(load("d1", model_fingerprint=b"fp-new"))
+    latest = membership.latest()
+    assert latest is not None and (latest.worker_id, latest.model_fingerprint, latest.block_size) == (
+        "d1", b"fp-new", 16)

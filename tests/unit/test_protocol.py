@@ -85,7 +85,7 @@ MESSAGES: list[p.Message] = [
         num_cached_tokens=32,
         cached_tokens_by_tier={"device": 16, "store": 16},
         finish_reason=p.FinishReason.STOP,
-        error="none really",
+        error=p.ErrorDetail(code=p.ErrorCode.CONTEXT_LENGTH, message="prompt too long"),
     ),
     LAYOUT,
     p.KvLayout(dtype="float8_e4m3", block_size=64, num_layers=61, num_kv_heads=0, head_dim=0, latent_dim=576),
@@ -100,7 +100,10 @@ MESSAGES: list[p.Message] = [
         kv_handle=HANDLE,
         prefill_worker_id="prefill-a-1",
     ),
-    p.DecodeAccepted(request_id="req-1", accepted=False, reason="draining"),
+    p.DecodeAccepted(
+        request_id="req-1", status=p.DecodeStatus.REFUSED,
+        error=p.ErrorDetail(code=p.ErrorCode.OVERLOADED, message="draining"),
+    ),
     LOGPROBS,
     CHUNK,
     p.TokenBatch(worker_id="decode-b-2", step=17, chunks=[CHUNK, p.TokenChunk(request_id="req-2", token_ids=[1])]),
@@ -122,6 +125,9 @@ MESSAGES: list[p.Message] = [
         model="smollm2-135m-instruct",
         model_fingerprint=b"\x01" * 32,
         layout_id=LAYOUT.layout_id(),
+        block_size=16,
+        max_num_seqs=256,
+        max_model_len=8192,
         num_running=3,
         num_waiting=1,
         num_free_blocks=1000,
@@ -144,6 +150,7 @@ MESSAGES: list[p.Message] = [
         evicted_block_hashes=H[2:],
         ts=1_700_000_001.0,
     ),
+    p.ErrorDetail(code=p.ErrorCode.BAD_REQUEST, message="temperature must be >= 0"),
 ]
 
 
@@ -188,8 +195,8 @@ def test_old_reader_ignores_new_fields():
 
 def test_newer_major_version_is_refused():
     raw = msgpack.unpackb(p.Release(request_id="req-1").to_bytes())
-    raw["v"] = "2.0"
-    with pytest.raises(p.ProtocolError, match=r"2\.0"):
+    raw["v"] = f"{p.PROTOCOL_MAJOR + 1}.0"
+    with pytest.raises(p.ProtocolError, match=rf"{p.PROTOCOL_MAJOR + 1}\.0"):
         p.Release.from_bytes(msgpack.packb(raw))
 
 
@@ -279,3 +286,21 @@ def test_handle_ids_cover_every_token_and_hashes_only_full_blocks():
         raw = msgpack.unpackb(HANDLE.model_copy(update=update).to_bytes())
         with pytest.raises(p.ProtocolError, match="block_"):
             p.KvHandle.from_bytes(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_a_refusal_carries_a_typed_error_and_an_acceptance_none():
+    error = p.ErrorDetail(code=p.ErrorCode.BAD_REQUEST, message="top_k must be >= -1")
+    refused = p.DecodeAccepted.from_bytes(
+        p.DecodeAccepted(request_id="r", status=p.DecodeStatus.REFUSED, error=error).to_bytes()
+    )
+    assert refused.error is not None and refused.error.code is p.ErrorCode.BAD_REQUEST
+    for status, err in ((p.DecodeStatus.REFUSED, None), (p.DecodeStatus.ACCEPTED, error)):
+        with pytest.raises(ValueError, match="refusal"):
+            p.DecodeAccepted(request_id="r", status=status, error=err)
+
+
+def test_an_unknown_error_code_is_a_protocol_error():
+    raw = msgpack.unpackb(p.ErrorDetail(code=p.ErrorCode.TIMEOUT).to_bytes())
+    raw["code"] = "gremlins"
+    with pytest.raises(p.ProtocolError, match="code"):
+        p.ErrorDetail.from_bytes(msgpack.packb(raw))

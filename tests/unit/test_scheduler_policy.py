@@ -8,12 +8,12 @@ import sys
 
 from deepinfer import subjects
 from deepinfer.config import CommonSettings, SchedulerSettings
+from deepinfer.membership import Member
 from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus, WorkerLoad, WorkerRole
 from deepinfer.telemetry import new_registry
 from deepinfer.testing import FakeBroker, FakeBus
 from services.scheduler.handler import build_handler
 from services.scheduler.inflight import InFlight
-from services.scheduler.membership import Member
 from services.scheduler.policy import LeastLoadedPolicy
 
 FP = b"fingerprint-a"
@@ -27,6 +27,9 @@ def member(worker_id: str, role: WorkerRole, running: int = 0, waiting: int = 0,
         "internal_address": "127.0.0.1:2",
         "model_fingerprint": FP,
         "layout_id": "L",
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_model_len": 4096,
         "draining": False,
         "last_seen_s": 0.0,
     }
@@ -195,6 +198,9 @@ def heartbeat(worker_id: str, role: WorkerRole, **fields) -> WorkerLoad:
         model="m",
         model_fingerprint=FP,
         layout_id="L",
+        block_size=16,
+        max_num_seqs=256,
+        max_model_len=4096,
         data_plane_address="127.0.0.1:1",
         internal_address="127.0.0.1:2",
         ts=0.0,

@@ -17,6 +17,7 @@ from deepinfer.bus.errors import (
 )
 from deepinfer.bus.interface import Handler, IncomingMsg, MessageBus, Subscription
 from deepinfer.bus.nats_bus import Bus, BusSubscription
+from deepinfer.bus.subscriptions import Subscriptions
 
 __all__ = [
     "TRACEPARENT",
@@ -35,4 +36,5 @@ __all__ = [
     "NoResponders",
     "PayloadTooLarge",
     "Subscription",
+    "Subscriptions",
 ]

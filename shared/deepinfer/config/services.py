@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode
 
 from deepinfer import subjects
 from deepinfer.config.common import CommonSettings, default_id, settings_config
+from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 MiB = 1024**2
 GiB = 1024**3
@@ -61,14 +62,27 @@ class GatewaySettings(ServiceSettings):
         repr=False,
         json_schema_extra={"secret": True},
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may take end to end.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a request may take end to end; then 504 (or a stream error event)."
+    )
     route_timeout_s: float = Field(
         2.0, gt=0, description="Wait for a scheduler's routing answer (it takes ~1 ms) before answering 503."
     )
     prefill_timeout_s: float = Field(300.0, gt=0, description="Longest a prefill (prompt compute) may take.")
-    decode_timeout_s: float = Field(30.0, gt=0, description="Wait for a decode worker to accept a request.")
+    decode_timeout_s: float = Field(
+        30.0, gt=0, description="Wait for a decode worker to accept a request (it pulls the prompt's KV first)."
+    )
+    first_token_timeout_s: float = Field(
+        120.0, gt=0, description="Silence allowed before the decode worker's first chunk (it may compute the prompt)."
+    )
     stream_timeout_s: float = Field(
         5.0, gt=0, description="Silence allowed between two token chunks before the request fails (502)."
+    )
+    poll_interval_s: float = Field(
+        0.25, gt=0, description="How often a waiting request checks worker heartbeats, silence and the client."
+    )
+    retry_after_s: float = Field(
+        1.0, ge=0, description="Retry-After of a 503 when the scheduler gives none."
     )
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is considered dead after this long without a heartbeat.")
     max_request_bytes: ByteSize = Field(
@@ -102,9 +116,6 @@ class SchedulerSettings(ServiceSettings):
         default_factory=partial(default_id, "scheduler"), description="This replica's id (a-z0-9_-)."
     )
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is dropped after this long without a heartbeat.")
-    max_queue_len: int = Field(
-        1024, ge=0, description="Requests queued while every worker is saturated; beyond it: overloaded."
-    )
 
     _scheduler_id = field_validator("scheduler_id")(_check_subject_id)
 
@@ -128,9 +139,11 @@ class WorkerSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and KV dtype; auto = the model's (float32 on CPU)."
     )
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (a power of two).")
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one batch.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens computed in one step (chunked prefill).")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="Tokens per KV block (a power of two).")
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, description="Most sequences in one batch.")
+    max_num_batched_tokens: int = Field(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1, description="Most tokens computed in one step (chunked prefill)."
+    )
     max_model_len: int | None = Field(None, ge=1, description="Context length limit; unset = the model's.")
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of device memory this worker may use (weights + KV)."
@@ -173,6 +186,9 @@ class DecodeSettings(WorkerSettings):
     worker_id: str = Field(default_factory=partial(default_id, "decode"), description="This worker's id (a-z0-9_-).")
     internal_port: AnyPort = Field(8004, description="Port of /health, /ready and /metrics (0 = any free port).")
     data_plane_port: AnyPort = Field(8104, description="KV data-plane port (0 = any free port).")
+    kv_pull_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a pull of a prompt's KV may take before the prompt is recomputed here."
+    )
 
 
 class KvCacheSettings(ServiceSettings):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -34,9 +36,9 @@ class EngineArgs:
     device: str = "auto"
     #: "auto" | "cpu" | "cuda" | "ascend": which kernels to use (deepinfer.kernels).
     accelerator: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     #: None = the model's max_position_embeddings, capped at 8192 so the CPU default budget holds it.
     max_model_len: int | None = None
     #: Fraction of GPU memory the engine may use (weights + activations + KV).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -13,11 +15,11 @@ class EngineConfig:
     num_blocks: int
     #: Longest sequence (prompt + output) in tokens.
     max_model_len: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     #: Most requests in the running batch.
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     #: Token budget of one step, shared by decodes and prefill chunks.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     #: Cap on one prefill chunk, so a long prompt cannot take a whole step; None = only the budget caps it.
     long_prefill_token_threshold: int | None = None

@@ -12,6 +12,7 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
@@ -143,7 +144,9 @@ class EngineCore:
         """A validated Request for this engine (seed drawn if the params have none), not queued yet."""
         self.check_prompt(prompt_token_ids, sampling_params)
         if len(prompt_token_ids) + len(output_token_ids) >= self.max_model_len:
-            raise ValueError(f"output_token_ids: no room left within max_model_len={self.max_model_len}")
+            raise ContextLengthExceeded(
+                f"output_token_ids: no room left within max_model_len={self.max_model_len}"
+            )
         if sampling_params.seed is None:
             sampling_params = sampling_params.clone(seed=draw_seed())
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids, cache_salt=cache_salt)
@@ -156,7 +159,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.defaults import DEFAULT_MAX_NUM_SEQS
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.request import Request, RequestStatus
@@ -70,7 +71,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         *,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         use_cuda_graphs: bool = False,
         batch_invariant: bool = False,
     ) -> None:

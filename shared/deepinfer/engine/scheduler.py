@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import FinishReason, Request, RequestStatus, check_stop
 
@@ -146,7 +147,7 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if request.num_tokens > self.config.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"request {request.request_id!r}: {request.num_tokens} tokens are longer than "
                 f"max_model_len={self.config.max_model_len}"
             )

@@ -1,6 +1,7 @@
 """Typed messages of every internal boundary (ARCHITECTURE §3), msgpack on the wire."""
 
 from deepinfer.protocol.base import PROTOCOL_MAJOR, PROTOCOL_MINOR, Message, ProtocolError
+from deepinfer.protocol.errors import ErrorCode, ErrorDetail
 from deepinfer.protocol.kv import KvHandle, KvLayout
 from deepinfer.protocol.kv_events import (
     MAX_SNAPSHOT_PAGE_SIZE,
@@ -15,6 +16,7 @@ from deepinfer.protocol.requests import (
     Cancel,
     DecodeAccepted,
     DecodeRequest,
+    DecodeStatus,
     PrefillRequest,
     PrefillResult,
     Release,
@@ -35,6 +37,9 @@ __all__ = [
     "Cancel",
     "DecodeAccepted",
     "DecodeRequest",
+    "DecodeStatus",
+    "ErrorCode",
+    "ErrorDetail",
     "FinishReason",
     "KvEvent",
     "KvEventBatch",

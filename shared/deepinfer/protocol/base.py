@@ -13,7 +13,8 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 #: Major version of the wire schema this build speaks. Bump on incompatible changes only.
-PROTOCOL_MAJOR = 1
+#: 2: errors are typed (ErrorDetail), DecodeAccepted has a status, WorkerLoad's limits are required.
+PROTOCOL_MAJOR = 2
 #: Minor version: additive changes (new optional fields) that older readers can ignore.
 PROTOCOL_MINOR = 0
 

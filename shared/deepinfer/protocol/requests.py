@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from enum import StrEnum
+
+from pydantic import Field, model_validator
 
 from deepinfer.protocol.base import Message
+from deepinfer.protocol.errors import ErrorDetail
 from deepinfer.protocol.kv import KvHandle
 from deepinfer.protocol.sampling import SamplingParams
 from deepinfer.protocol.tokens import FinishReason, TokenLogprobs
@@ -39,7 +42,8 @@ class PrefillResult(Message):
     cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
     #: Set when the first token already ends the request (stop token, max_tokens=1).
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    #: Set when the prefill failed or was refused (then there is no first token).
+    error: ErrorDetail | None = None
 
 
 class DecodeRequest(Message):
@@ -59,14 +63,28 @@ class DecodeRequest(Message):
     prefill_worker_id: str | None = None
 
 
+class DecodeStatus(StrEnum):
+    """A decode worker's answer to a DecodeRequest."""
+
+    ACCEPTED = "accepted"  # in the running batch: tokens follow on the gateway's token subject
+    REFUSED = "refused"  # not taken; `error` says why (overloaded, bad request, layout mismatch, ...)
+
+
 class DecodeAccepted(Message):
-    """A decode worker's answer: took the request, or refused it (full, draining, layout mismatch)."""
+    """A decode worker's answer: took the request, or refused it with a typed reason."""
 
     kind = "decode_accepted"
 
     request_id: str
-    accepted: bool
-    reason: str | None = None
+    status: DecodeStatus
+    #: Why the request was refused: set exactly when status is REFUSED.
+    error: ErrorDetail | None = None
+
+    @model_validator(mode="after")
+    def _error_iff_refused(self) -> DecodeAccepted:
+        if (self.status is DecodeStatus.REFUSED) != (self.error is not None):
+            raise ValueError("a refusal carries an error, an acceptance none")
+        return self
 
 
 class Release(Message):

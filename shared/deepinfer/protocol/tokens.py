@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from deepinfer.protocol.base import Message
+from deepinfer.protocol.errors import ErrorDetail
 from deepinfer.protocol.types import NonNegativeInt
 
 
@@ -16,7 +17,7 @@ class FinishReason(StrEnum):
     STOP = "stop"  # an EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # cancelled by the client or the gateway
-    ERROR = "error"  # the worker failed; `error` says why
+    ERROR = "error"  # the worker failed; the chunk's `error` says why
 
 
 class TokenLogprobs(Message):
@@ -42,7 +43,8 @@ class TokenChunk(Message):
     finish_reason: FinishReason | None = None
     #: Set on the first chunk of a request so the gateway can report cached tokens in usage.
     num_cached_tokens: NonNegativeInt | None = None
-    error: str | None = None
+    #: Set with finish_reason ERROR: why the worker dropped the request.
+    error: ErrorDetail | None = None
 
 
 class TokenBatch(Message):

@@ -14,3 +14,6 @@ BlockHash = Annotated[bytes, Field(min_length=BLOCK_HASH_BYTES, max_length=BLOCK
 
 #: A token count or an index: never negative.
 NonNegativeInt = Annotated[int, Field(ge=0)]
+
+#: A size or a limit that cannot be zero (block_size, max_num_seqs).
+PositiveInt = Annotated[int, Field(ge=1)]

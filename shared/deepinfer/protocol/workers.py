@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from deepinfer.protocol.base import Message
-from deepinfer.protocol.types import NonNegativeInt
+from deepinfer.protocol.types import NonNegativeInt, PositiveInt
 
 
 class WorkerRole(StrEnum):
@@ -14,7 +14,6 @@ class WorkerRole(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
-    KVCACHE = "kvcache"
 
 
 class WorkerLoad(Message):
@@ -28,11 +27,11 @@ class WorkerLoad(Message):
     model_fingerprint: bytes
     layout_id: str
     #: Tokens per KV block: gateways hash prompts with it (block identity must agree everywhere).
-    block_size: int = 16
+    block_size: PositiveInt
     #: Most requests the worker batches at once (its admission capacity).
-    max_num_seqs: NonNegativeInt = 0
+    max_num_seqs: PositiveInt
     #: Longest sequence (prompt + output) the worker accepts.
-    max_model_len: NonNegativeInt = 0
+    max_model_len: PositiveInt
     num_running: NonNegativeInt = 0
     num_waiting: NonNegativeInt = 0
     num_free_blocks: NonNegativeInt = 0

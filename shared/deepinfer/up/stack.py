@@ -184,6 +184,21 @@ class Stack:
         if self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
+    def add_gateway(self, name: str, env_overrides: Mapping[str, str] | None = None) -> str:
+        """One more gateway over the same NATS and workers (its own API port and settings); its base URL.
+
+        The supervisor spawns it at once; `wait_ready()` then includes it. Use: another gateway's settings
+        (e.g. a short request_timeout_s) side by side with the default one.
+        """
+        if not self._started:
+            raise StackError("add_gateway needs a started stack")
+        port = free_port(HOST)
+        fields = {"gateway_id": name, "host": HOST, "port": str(port)}
+        cpu_only = not any(d.device.startswith("cuda") for d in self.devices.values())
+        spec = self._spec("gateway", name, self._common_env(cpu_only), fields, "/ready", env_overrides or {})
+        self.supervisor.add(spec)
+        return f"http://{HOST}:{port}/v1"
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one child (e.g. "decode-0"); the supervisor restarts it as after any crash."""
         self.supervisor.kill(name, sig)
@@ -261,6 +276,7 @@ class Stack:
         common: dict[str, str],
         fields: dict[str, str],
         probe_path: str = "/ready",
+        env_overrides: Mapping[str, str] | None = None,
     ) -> ChildSpec:
         cls = _SETTINGS[service]
         port = free_port(HOST)
@@ -269,6 +285,7 @@ class Stack:
         env = {**common, **{env_name(cls, key): value for key, value in fields.items()}}
         env[env_name(cls, "internal_port")] = str(port)
         env.update(self.env_overrides)
+        env.update(env_overrides or {})
         argv = (sys.executable, "-m", f"services.{service}")
         probe: Probe = HttpReadyProbe(f"http://{HOST}:{port}{probe_path}")
         return ChildSpec(name, argv, env, STOP_TIERS[service], probe)

@@ -4,6 +4,7 @@
     heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
     KV events       ── KvEventBatch (seq +1 per batch) ──────────► kv_events(model, worker_id)
     cancel(model)   ── Cancel ──► role handler's on_cancel
+    tasks           ── BackgroundTasks shared with the role handler: publishes, engine commands; flushed on drain
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry
 
 from deepinfer import subjects
-from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
 from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
 from deepinfer.engine.core import EngineCore, EngineOutput
 from deepinfer.engine.handoff import EngineStats
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.protocol import Cancel, KvEvent, KvEventBatch, KvEventKind, KvLayout, WorkerLoad, WorkerRole
+from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.settings import engine_args
 
 log = logging.getLogger(__name__)
+
+#: Longest close() waits for background work left after (or without) a drain.
+CLOSE_FLUSH_S = 2.0
 
 
 class WorkerRuntime:
@@ -50,9 +55,10 @@ class WorkerRuntime:
         self.on_outputs: Callable[[list[EngineOutput]], None] = lambda outputs: None
         self.on_cancel: Callable[[Cancel], None] = lambda cancel: None
         self._events_seq = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._pending: set[asyncio.Task[None]] = set()
-        self._subscriptions: list[Subscription] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
+        self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
+        self._subscriptions = Subscriptions(bus)
         self._heartbeats_sent = 0
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
@@ -84,11 +90,11 @@ class WorkerRuntime:
     async def start(self, internal_address: str, data_plane_address: str) -> None:
         """Subscribe to cancels and start heartbeats; the worker becomes visible to the scheduler."""
         self.internal_address, self.data_plane_address = internal_address, data_plane_address
-        self._subscriptions.append(
-            await self.bus.subscribe(subjects.cancel(self.model), self._on_cancel, message_type=Cancel)
+        await self._subscriptions.subscribe(
+            "cancel", subjects.cancel(self.model), self._on_cancel, message_type=Cancel
         )
         await self.heartbeat()
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
     def is_ready(self) -> bool:
         """Model loaded, engine thread alive, registered with at least one heartbeat, not draining."""
@@ -121,18 +127,19 @@ class WorkerRuntime:
         with contextlib.suppress(Exception):
             await self.heartbeat()
 
+    async def flush(self, timeout_s: float) -> None:
+        """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""
+        await self.tasks.drain(max(0.0, timeout_s))
+
     async def close(self) -> None:
-        """Stop heartbeats, unsubscribe, stop the engine thread."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+        """Stop heartbeats, unsubscribe, flush what is left in the background, stop the engine thread."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
-        for sub in self._subscriptions:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subscriptions.clear()
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        await self._subscriptions.close()
+        await self.flush(CLOSE_FLUSH_S)
         if self.engine is not None:
             await self.engine.stop()
 
@@ -174,13 +181,7 @@ class WorkerRuntime:
             batch = KvEventBatch(
                 worker_id=self.worker_id, seq=self._events_seq, events=to_wire_events(events), ts=time.time()
             )
-            self._spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
-
-    def _spawn(self, coro) -> None:
-        """Fire-and-forget publish, keeping a reference so the task is not collected mid-flight."""
-        task = asyncio.create_task(coro)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+            self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
 
     async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.on_cancel(cancel)

@@ -6,6 +6,7 @@
 
 Decode streams the script (cut at max_tokens) as one TokenBatch per step, `tokens_per_step` ids each, and stops
 at once on Cancel. Behaviour switches (overloaded, refuse_decode, stall_after, ...) are plain attributes.
+`worker_load(...)` builds a valid heartbeat for any test.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer import subjects
-from deepinfer.bus import IncomingMsg, MessageBus, Subscription
+from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
     DecodeRequest,
+    DecodeStatus,
+    ErrorCode,
+    ErrorDetail,
     FinishReason,
     PrefillRequest,
     PrefillResult,
@@ -33,9 +38,25 @@ from deepinfer.protocol import (
     WorkerLoad,
     WorkerRole,
 )
+from deepinfer.tasks import BackgroundTasks
 
 PREFILL_ID = "prefill-0"
 DECODE_ID = "decode-0"
+
+
+def worker_load(worker_id: str, role: WorkerRole, model: str = "m", **fields: Any) -> WorkerLoad:
+    """A valid WorkerLoad heartbeat; `fields` override the defaults (a small decode-ready worker)."""
+    defaults: dict[str, Any] = {
+        "model_fingerprint": b"\x01" * 32,
+        "layout_id": "layout",
+        "block_size": 16,
+        "max_num_seqs": 8,
+        "max_model_len": 4096,
+        "data_plane_address": "127.0.0.1:1",
+        "internal_address": "127.0.0.1:2",
+        "ts": time.time(),
+    }
+    return WorkerLoad(worker_id=worker_id, role=role, model=model, **{**defaults, **fields})
 
 
 @dataclass
@@ -50,45 +71,41 @@ class FakeWorkers:
     use_prefill: bool = True
     num_cached_tokens: int = 0
     overloaded: bool = False
-    refuse_decode: bool = False
+    #: Set: decode refuses every request with this code.
+    refuse_decode: ErrorCode | None = None
     #: Stop sending (without finishing) after this many output tokens: a silent stream.
     stall_after: int | None = None
     route_requests: list[RouteRequest] = field(default_factory=list)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
     decode_requests: list[DecodeRequest] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
-    _subs: list[Subscription] = field(default_factory=list)
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _subs: Subscriptions | None = None
+    _tasks: BackgroundTasks = field(default_factory=lambda: BackgroundTasks("fake-workers"))
 
     async def start(self) -> None:
         """Register the responders."""
-        bus, model = self.bus, self.model
-        self._subs = [
-            await bus.subscribe(
-                subjects.route(model), self._route, queue=subjects.SCHEDULER_QUEUE, message_type=RouteRequest
-            ),
-            await bus.subscribe(subjects.prefill(model, PREFILL_ID), self._prefill, message_type=PrefillRequest),
-            await bus.subscribe(subjects.decode(model, DECODE_ID), self._decode, message_type=DecodeRequest),
-            await bus.subscribe(subjects.cancel(model), self._cancel, message_type=Cancel),
-        ]
-        flush = getattr(bus, "flush", None)
+        model = self.model
+        self._subs = subs = Subscriptions(self.bus)
+        await subs.subscribe("route", subjects.route(model), self._route, queue=subjects.SCHEDULER_QUEUE,
+                             message_type=RouteRequest)
+        await subs.subscribe("prefill", subjects.prefill(model, PREFILL_ID), self._prefill,
+                             message_type=PrefillRequest)
+        await subs.subscribe("decode", subjects.decode(model, DECODE_ID), self._decode, message_type=DecodeRequest)
+        await subs.subscribe("cancel", subjects.cancel(model), self._cancel, message_type=Cancel)
+        flush = getattr(self.bus, "flush", None)
         if flush is not None:
             await flush()
 
     async def stop(self) -> None:
         """Unsubscribe and stop streaming."""
-        for sub in self._subs:
-            await sub.unsubscribe()
-        for task in list(self._tasks):
-            task.cancel()
+        if self._subs is not None:
+            await self._subs.close()
+        await self._tasks.drain(timeout_s=0.0)
 
     async def heartbeat(self, fingerprint: bytes = b"\x01" * 32) -> None:
         """One WorkerLoad from each worker."""
         for worker_id, role in ((PREFILL_ID, WorkerRole.PREFILL), (DECODE_ID, WorkerRole.DECODE)):
-            load = WorkerLoad(
-                worker_id=worker_id, role=role, model=self.model, model_fingerprint=fingerprint,
-                layout_id="layout", data_plane_address="127.0.0.1:1", internal_address="127.0.0.1:2", ts=time.time(),
-            )
+            load = worker_load(worker_id, role, self.model, model_fingerprint=fingerprint)
             await self.bus.publish(subjects.heartbeat(self.model, worker_id), load)
 
     def script(self, sampling: SamplingParams) -> tuple[list[int], FinishReason]:
@@ -124,13 +141,13 @@ class FakeWorkers:
 
     async def _decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
         self.decode_requests.append(request)
-        await self.bus.reply(
-            msg, DecodeAccepted(request_id=request.request_id, accepted=not self.refuse_decode, reason="full")
-        )
-        if not self.refuse_decode:
-            task = asyncio.get_running_loop().create_task(self._stream(request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if self.refuse_decode is not None:
+            error = ErrorDetail(code=self.refuse_decode, message=f"refused ({self.refuse_decode.value})")
+            await self.bus.reply(msg, DecodeAccepted(request_id=request.request_id, status=DecodeStatus.REFUSED,
+                                                     error=error))
+            return
+        await self.bus.reply(msg, DecodeAccepted(request_id=request.request_id, status=DecodeStatus.ACCEPTED))
+        self._tasks.spawn(self._stream(request))
 
     async def _stream(self, request: DecodeRequest) -> None:
         ids, finish = self.script(request.sampling)

@@ -1,0 +1,165 @@
+"""One HTTP request's choices running on the workers, collected into a body or streamed as SSE events.
+
+    runs = await start_choices(pipeline, requests)            # every choice accepted, or an ApiError
+    generation = Generation(presenter, ..., runs, outputs)    # how the presenter sees the request
+    body = await collect(generation)                          # non-stream
+    async for event in stream_events(generation, ...): ...    # stream: presenter's events, error event on failure
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.tokenizer import Tokenizer
+from services.gateway.errors import ApiError, internal
+from services.gateway.metrics import RequestRecord
+from services.gateway.openai_models import PromptTokensDetails, Usage
+from services.gateway.output import ChoiceDelta, ChoiceOutput
+from services.gateway.pipeline import RequestPipeline, RunningRequest
+from services.gateway.presenters import Presenter
+from services.gateway.recipe import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class Generation:
+    """One HTTP request's choices, running on the workers, and the presenter that writes them."""
+
+    presenter: Presenter
+    response_id: str
+    created: int
+    model_name: str
+    tokenizer: Tokenizer
+    runs: list[RunningRequest]
+    outputs: list[ChoiceOutput]
+    logprobs: bool
+    top_logprobs: bool
+    include_usage: bool
+    record: RequestRecord
+
+    def usage(self) -> Usage:
+        """Token counts; the prompt counts once however many choices ran."""
+        num_prompt_tokens = len(self.runs[0].request.prompt_token_ids)
+        num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
+        return Usage(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.outputs[0].num_cached_tokens or 0),
+        )
+
+    def end(self, status: int) -> None:
+        """Close the request's metrics."""
+        usage = self.usage()
+        self.record.end(status, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+
+
+async def start_choices(pipeline: RequestPipeline, requests: list[GenerateRequest]) -> list[RunningRequest]:
+    """Start every choice; if one fails, cancel those that started and raise its error."""
+    results = await asyncio.gather(*(pipeline.start(r) for r in requests), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        for result in results:
+            if isinstance(result, RunningRequest):
+                result.stop("another choice failed")
+        raise failures[0]
+    return [r for r in results if isinstance(r, RunningRequest)]
+
+
+async def choice_deltas(
+    run: RunningRequest, output: ChoiceOutput, is_disconnected: Disconnected | None
+) -> AsyncIterator[ChoiceDelta]:
+    """One choice's deltas; a stop string found here cancels the request on the workers."""
+    async with aclosing(run.chunks(is_disconnected)) as chunks:
+        async for chunk in chunks:
+            delta = output.add(chunk)
+            if delta.stopped_by_string:
+                run.stop("stop string")
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+
+async def merged_deltas(generation: Generation, is_disconnected: Disconnected | None) -> AsyncIterator[ChoiceDelta]:
+    """Deltas of every choice, interleaved as they arrive; the first failure ends them all."""
+    pairs = zip(generation.runs, generation.outputs, strict=True)
+    iterators = [choice_deltas(run, output, is_disconnected) for run, output in pairs]
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as only:
+            async for delta in only:
+                yield delta
+        return
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(iterator: AsyncIterator[ChoiceDelta]) -> None:
+        try:
+            async with aclosing(iterator) as deltas:  # type: ignore[type-var]
+                async for delta in deltas:
+                    queue.put_nowait(delta)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(iterator)) for iterator in iterators]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(generation: Generation) -> dict[str, Any]:
+    """Run every choice to its end and build the non-streamed body (ApiError on a failure mid-way)."""
+    async for delta in merged_deltas(generation, None):
+        if delta.text:
+            generation.record.first_token()
+    return generation.presenter.response(generation)
+
+
+async def stream_events(generation: Generation, is_disconnected: Disconnected | None) -> AsyncIterator[str]:
+    """The presenter's SSE events: opening, one per delta, closing. A failure after the stream started is the
+    presenter's error events (OpenAI: `data: {"error": ...}` then [DONE])."""
+    status = 200
+    formatter = generation.presenter.stream(generation)
+    ending: list[str] = []
+    try:
+        for event in formatter.opening():
+            yield event
+        async for delta in merged_deltas(generation, is_disconnected):
+            if delta.text:
+                generation.record.first_token()
+            for event in formatter.delta(delta):
+                yield event
+        ending = formatter.closing()
+    except ApiError as exc:
+        status = exc.status_code
+        ending = formatter.error(exc)
+    except (asyncio.CancelledError, GeneratorExit):
+        status = 499  # client closed the connection
+        raise
+    except Exception:
+        status = 500
+        logger.exception("stream %s failed", generation.response_id)
+        ending = formatter.error(internal(generation.response_id))
+    finally:
+        generation.end(status)
+    for event in ending:
+        yield event

@@ -1,0 +1,259 @@
+"""One presenter per API shape over the same request pipeline: how a body is read, how results are written.
+
+    presenter = CHAT                                   # or COMPLETIONS; the Anthropic shape is one more
+    body = presenter.parse(data)                       # 400 naming the bad field
+    prompt_token_ids = presenter.prompt_token_ids(model, body)
+    ... the pipeline runs the choices (deepinfer's wire types, whatever the API) ...
+    presenter.response(generation)                     # the non-streamed body
+    events = presenter.stream(generation)              # SSE text: opening, per delta, closing / error
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from services.gateway.errors import ApiError, from_validation_error
+from services.gateway.openai_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+)
+from services.gateway.output import ChoiceDelta, chat_logprobs, completion_logprobs
+from services.gateway.recipe import ModelInfo, chat_prompt_token_ids, completion_prompt_token_ids
+
+if TYPE_CHECKING:
+    from services.gateway.generation import Generation
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class StreamFormatter(ABC):
+    """The SSE events of one streamed response (stateful: e.g. the completions text offsets)."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    def opening(self) -> list[str]:
+        """Events before the first delta."""
+        return []
+
+    @abstractmethod
+    def delta(self, delta: ChoiceDelta) -> list[str]:
+        """Events carrying one choice's delta (none when it carries nothing)."""
+
+    @abstractmethod
+    def closing(self) -> list[str]:
+        """Events after the last delta (usage when asked for, the end marker)."""
+
+    def error(self, exc: ApiError) -> list[str]:
+        """Events for a failure after the stream started (the HTTP status is 200 by then)."""
+        return [exc.sse_event(), DONE_EVENT]
+
+    def _base(self) -> dict[str, Any]:
+        g = self.generation
+        return {"id": g.response_id, "created": g.created, "model": g.model_name}
+
+
+class Presenter(ABC):
+    """One API shape: request parsing, prompt building, response and stream formatting."""
+
+    #: Metrics label of the route.
+    route: str
+    #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-).
+    id_prefix: str
+    body_type: type[SamplingFields]
+
+    def parse(self, data: dict[str, Any]) -> Any:
+        """The validated body; 400 naming the first bad field."""
+        try:
+            return self.body_type.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    @abstractmethod
+    def prompt_token_ids(self, model: ModelInfo, body: Any) -> list[int]:
+        """The prompt's token ids (chat template, tokenizer); CPU work, run off the event loop."""
+
+    @abstractmethod
+    def max_tokens(self, body: Any) -> int | None:
+        """The body's output budget (None = the rest of the context)."""
+
+    @abstractmethod
+    def logprobs(self, body: Any) -> int | None:
+        """None = no logprobs; k = the sampled token's and the top k alternatives."""
+
+    @abstractmethod
+    def response(self, generation: Generation) -> dict[str, Any]:
+        """The non-streamed response body of a finished generation."""
+
+    @abstractmethod
+    def stream(self, generation: Generation) -> StreamFormatter:
+        """A formatter for one streamed response."""
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+
+class ChatPresenter(Presenter):
+    """OpenAI chat completions: `chat.completion` bodies and `chat.completion.chunk` events."""
+
+    route = "chat"
+    id_prefix = "chatcmpl"
+    body_type = ChatCompletionRequest
+
+    def prompt_token_ids(self, model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+        """The conversation through the model's chat template."""
+        return chat_prompt_token_ids(model, body)
+
+    def max_tokens(self, body: ChatCompletionRequest) -> int | None:
+        """max_completion_tokens, else the legacy max_tokens."""
+        return body.max_completion_tokens or body.max_tokens
+
+    def logprobs(self, body: ChatCompletionRequest) -> int | None:
+        """top_logprobs alternatives when logprobs is on."""
+        return (body.top_logprobs or 0) if body.logprobs else None
+
+    def response(self, generation: Generation) -> dict[str, Any]:
+        """A chat.completion with one message per choice."""
+        g = generation
+        choices = [
+            ChatChoice(
+                index=o.index,
+                message=AssistantMessage(content=o.text),
+                logprobs=chat_logprobs(g.tokenizer, o.logprobs) if g.logprobs else None,
+                finish_reason=o.finish_reason,
+            )
+            for o in g.outputs
+        ]
+        body = ChatCompletionResponse(
+            id=g.response_id, created=g.created, model=g.model_name, choices=choices, usage=g.usage()
+        )
+        return body.model_dump(mode="json")
+
+    def stream(self, generation: Generation) -> StreamFormatter:
+        """chat.completion.chunk events."""
+        return _ChatStream(generation)
+
+
+class _ChatStream(StreamFormatter):
+    def opening(self) -> list[str]:
+        return [self._chunk(o.index, DeltaMessage(role="assistant", content="")) for o in self.generation.outputs]
+
+    def delta(self, delta: ChoiceDelta) -> list[str]:
+        if not (delta.text or delta.finish_reason is not None or delta.logprobs):
+            return []
+        g = self.generation
+        logprobs = chat_logprobs(g.tokenizer, delta.logprobs) if g.logprobs else None
+        return [
+            self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs,
+                        finish_reason=delta.finish_reason)
+        ]
+
+    def closing(self) -> list[str]:
+        g = self.generation
+        usage = [sse(ChatCompletionChunk(**self._base(), choices=[], usage=g.usage()).model_dump(mode="json"))]
+        return [*(usage if g.include_usage else []), DONE_EVENT]
+
+    def _chunk(self, index: int, delta: DeltaMessage, **choice: Any) -> str:
+        """A chunk with one choice (`delta` without its unset keys, as OpenAI sends)."""
+        chunk = ChatCompletionChunk(**self._base(), choices=[ChatChunkChoice(index=index, delta=delta, **choice)])
+        data = _without_usage(chunk, self.generation.include_usage)
+        data["choices"][0]["delta"] = delta.model_dump(mode="json", exclude_none=True)
+        return sse(data)
+
+
+# ------------------------------------------------------------------------------------------------ completions
+
+
+class CompletionsPresenter(Presenter):
+    """OpenAI (legacy) completions: `text_completion` bodies and events."""
+
+    route = "completions"
+    id_prefix = "cmpl"
+    body_type = CompletionRequest
+
+    def prompt_token_ids(self, model: ModelInfo, body: CompletionRequest) -> list[int]:
+        """One prompt: a string or token ids."""
+        return completion_prompt_token_ids(model, body)
+
+    def max_tokens(self, body: CompletionRequest) -> int | None:
+        """max_tokens (OpenAI's default 16)."""
+        return body.max_tokens
+
+    def logprobs(self, body: CompletionRequest) -> int | None:
+        """The legacy integer logprobs."""
+        return body.logprobs
+
+    def response(self, generation: Generation) -> dict[str, Any]:
+        """A text_completion with one text per choice."""
+        g = generation
+        choices = [
+            CompletionChoice(
+                index=o.index,
+                text=o.text,
+                logprobs=completion_logprobs(g.tokenizer, o.logprobs, 0, g.top_logprobs)[0] if g.logprobs else None,
+                finish_reason=o.finish_reason,
+            )
+            for o in g.outputs
+        ]
+        body = CompletionResponse(
+            id=g.response_id, created=g.created, model=g.model_name, choices=choices, usage=g.usage()
+        )
+        return body.model_dump(mode="json")
+
+    def stream(self, generation: Generation) -> StreamFormatter:
+        """text_completion events (the same object type as the body, as OpenAI sends)."""
+        return _CompletionsStream(generation)
+
+
+class _CompletionsStream(StreamFormatter):
+    def __init__(self, generation: Generation) -> None:
+        super().__init__(generation)
+        self.text_offsets = [0] * len(generation.outputs)
+
+    def delta(self, delta: ChoiceDelta) -> list[str]:
+        if not (delta.text or delta.finish_reason is not None or delta.logprobs):
+            return []
+        g = self.generation
+        logprobs = None
+        if g.logprobs:
+            logprobs, self.text_offsets[delta.index] = completion_logprobs(
+                g.tokenizer, delta.logprobs, self.text_offsets[delta.index], g.top_logprobs
+            )
+        choice = CompletionChoice(
+            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+        )
+        return [sse(_without_usage(CompletionResponse(**self._base(), choices=[choice]), g.include_usage))]
+
+    def closing(self) -> list[str]:
+        g = self.generation
+        usage = [sse(CompletionResponse(**self._base(), choices=[], usage=g.usage()).model_dump(mode="json"))]
+        return [*(usage if g.include_usage else []), DONE_EVENT]
+
+
+def _without_usage(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:
+    data = chunk.model_dump(mode="json")
+    if not include_usage:
+        data.pop("usage", None)
+    return data
+
+
+CHAT = ChatPresenter()
+COMPLETIONS = CompletionsPresenter()
