@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +12,9 @@ from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
+from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
+from deepinfer.engine.runner import ModelRunner, load_dummy_model
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from deepinfer.kernels import get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
@@ -31,18 +31,6 @@ CPU_KV_SEQUENCES = 8
 
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-@dataclass
-class EngineOutput:
-    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[SampledToken] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
 
 
 class EngineCore:

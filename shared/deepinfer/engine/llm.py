@@ -11,8 +11,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore, EngineOutput
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer

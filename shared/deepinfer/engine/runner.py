@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
+from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
@@ -41,15 +41,6 @@ if TYPE_CHECKING:
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
 #: takes its largest query tile (it picks min(largest, next_pow2(max_query_len)), largest <= 128).
 _INVARIANT_MIN_QUERY_LEN = 128
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """One sampled token with its raw logprob and, when asked, the top logprobs of that position."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class ModelRunner:
