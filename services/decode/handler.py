@@ -28,7 +28,6 @@ from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
     DecodeRequest,
-    FinishReason,
     KvHandle,
     Release,
     TokenBatch,
@@ -233,7 +232,7 @@ class DecodeHandler:
                 request_id=output.request_id,
                 token_ids=output.new_token_ids,
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
-                finish_reason=FinishReason(output.finish_reason) if output.finish_reason else None,
+                finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
             )
             stream.sent_first = True

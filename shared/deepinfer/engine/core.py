@@ -267,7 +267,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             request_id=u.request_id,
             new_token_ids=u.new_token_ids,
             new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
-            finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
+            finish_reason=u.finish_reason,
             stop_reason=u.stop_reason,
             num_cached_tokens=u.num_cached_tokens,
         )

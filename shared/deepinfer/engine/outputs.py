@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.protocol import FinishReason
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -22,7 +24,7 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampledToken] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
     num_cached_tokens: int
 
@@ -59,7 +61,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     #: The stop string or stop token id that ended the sequence, if any.
     stop_reason: str | int | None = None
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.request import FinishReason, Request, RequestStatus, check_stop
+from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.protocol import FinishReason
 
 
 @dataclass
