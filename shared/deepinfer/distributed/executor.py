@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepinfer.distributed.loader import load_model_shard
 from deepinfer.distributed.parallel_state import (
     DEFAULT_TIMEOUT_S,
     TensorParallelGroup,
@@ -38,6 +37,7 @@ from deepinfer.distributed.parallel_state import (
 )
 from deepinfer.distributed.sharding import shard_config
 from deepinfer.kernels import AttentionMetadata, get_ops
+from deepinfer.loader.shard import load_model_shard
 
 logger = logging.getLogger(__name__)
 

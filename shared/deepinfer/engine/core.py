@@ -14,10 +14,11 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, load_dummy_model
+from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from deepinfer.kernels import get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
+from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import default_cache_dir, resolve_model
 from deepinfer.sampling.params import SamplingParams

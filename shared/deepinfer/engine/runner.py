@@ -246,31 +246,3 @@ def _output_token_ids(chosen: list[Request], sampled: list[ScheduledRequest]) ->
             output_token_ids[i] = [*output_token_ids[i], 0]
     return output_token_ids
 
-
-def load_dummy_model(
-    model_dir, dtype: torch.dtype, device: torch.device | str, ops, seed: int = 0, std: float = 0.02
-) -> torch.nn.Module:
-    """Build the model of `model_dir/config.json` with random weights on `device` (vLLM's load_format="dummy").
-
-    Weights ~ N(0, std) drawn on the device from `seed` (norm gains 1), so no weight file is read and an 8B
-    model is ready in about a second. Same seed, device and dtype give the same weights.
-    """
-    from deepinfer.loader.hf import load_model_config
-    from deepinfer.models.registry import get_model_class
-
-    config = load_model_config(model_dir)
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, ops)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=generator)
-    model.rebuild_buffers()
-    return model.eval()
