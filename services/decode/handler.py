@@ -21,8 +21,8 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscription
 from deepinfer.config import DecodeSettings
 from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
-from deepinfer.distributed.kv_device_transfer import PeerCaches, admit_from_device, host_id
 from deepinfer.engine.handoff import admit_prefilled
+from deepinfer.engine.kv_device_transfer import PeerCaches, admit_from_device, host_id
 from deepinfer.engine.outputs import EngineOutput
 from deepinfer.protocol import (
     Cancel,
