@@ -78,12 +78,12 @@ def _run(model, config, prompts, fed_tokens, caches, device):
 
 
 def test_tp2_logits_and_greedy_tokens_match_tp1(model_dir):
-    from deepinfer.distributed.executor import WorkerSpec, spawn_tensor_parallel
     from deepinfer.distributed.parallel_state import free_tcp_init_method
-    from deepinfer.distributed.sharding import shard_config
+    from deepinfer.executor.tensor_parallel import WorkerSpec, spawn_tensor_parallel
     from deepinfer.kernels import get_ops
     from deepinfer.loader.dummy import load_dummy_model
     from deepinfer.loader.hf import load_model_config
+    from deepinfer.models.parallel import shard_config
 
     config, ops, cuda0 = load_model_config(model_dir), get_ops("cuda"), torch.device("cuda", 0)
     g = torch.Generator().manual_seed(0)

@@ -50,7 +50,7 @@ class EngineCore:
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
         if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
-            from deepinfer.distributed.engine import start_tensor_parallel
+            from deepinfer.executor.start import start_tensor_parallel
 
             model, self.model_config = start_tensor_parallel(args, self.model_dir, self.dtype, self.device, self.ops)
         elif args.load_format == "dummy":

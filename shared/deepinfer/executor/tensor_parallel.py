@@ -35,9 +35,9 @@ from deepinfer.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from deepinfer.distributed.sharding import shard_config
 from deepinfer.kernels import AttentionMetadata, get_ops
 from deepinfer.loader.shard import load_model_shard
+from deepinfer.models.parallel import shard_config
 
 logger = logging.getLogger(__name__)
 
