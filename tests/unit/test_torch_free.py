@@ -19,6 +19,7 @@ TORCH_FREE_MODULES = (
     "deepinfer.bus",
     "deepinfer.kvcache.hashing",
     "deepinfer.tokenizer",
+    "deepinfer.engine.outputs",
     "services.gateway",
     "services.scheduler",
     "services.kvcache",
