@@ -22,9 +22,9 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import DecodeSettings
 from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
-from deepinfer.distributed.kv_device_transfer import PeerCaches, admit_from_device, host_id
-from deepinfer.engine.core import EngineOutput
 from deepinfer.engine.handoff import admit_prefilled
+from deepinfer.engine.kv_device_transfer import PeerCaches, admit_from_device, host_id
+from deepinfer.engine.outputs import EngineOutput
 from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
@@ -32,7 +32,6 @@ from deepinfer.protocol import (
     DecodeStatus,
     ErrorCode,
     ErrorDetail,
-    FinishReason,
     KvHandle,
     Release,
     TokenBatch,
@@ -233,7 +232,7 @@ class DecodeHandler:
                 request_id=output.request_id,
                 token_ids=output.new_token_ids,
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
-                finish_reason=FinishReason(output.finish_reason) if output.finish_reason else None,
+                finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
             )
             stream.sent_first = True

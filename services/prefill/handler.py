@@ -18,9 +18,9 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import PrefillSettings
 from deepinfer.dataplane import DataPlaneServer, LeaseExpired
-from deepinfer.distributed.kv_device_transfer import export_for_handles, host_id
-from deepinfer.engine.core import EngineOutput
 from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, release_held
+from deepinfer.engine.kv_device_transfer import export_for_handles, host_id
+from deepinfer.engine.outputs import EngineOutput
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.protocol import (
     Cancel,

@@ -23,8 +23,9 @@ MAX_MODEL_LEN, BLOCK_SIZE, MAX_NUM_SEQS, NUM_BLOCKS = 1536, 16, 72, 4096
 def make_runner(tmp_path, batch_invariant: bool, use_cuda_graphs: bool = True):
     """A CUDA runner over dummy bf16 weights and its scheduler config."""
     from deepinfer.engine.config import EngineConfig
-    from deepinfer.engine.runner import ModelRunner, load_dummy_model
+    from deepinfer.engine.runner import ModelRunner
     from deepinfer.kernels import get_ops
+    from deepinfer.loader.dummy import load_dummy_model
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     model = load_dummy_model(tmp_path, torch.bfloat16, "cuda", get_ops("cuda"), seed=5, std=0.05)

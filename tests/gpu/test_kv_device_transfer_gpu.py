@@ -36,7 +36,7 @@ def _fill(device: str) -> list[torch.Tensor]:
 
 
 def _owner(conn) -> None:
-    from deepinfer.distributed.kv_device_transfer import export_caches, host_id
+    from deepinfer.engine.kv_device_transfer import export_caches, host_id
 
     caches = _fill("cuda:0")
     torch.cuda.synchronize("cuda:0")
@@ -79,7 +79,7 @@ def _phases(src, src_ids, dst, dst_ids) -> dict:
 
 
 def _receiver(conn, result_conn) -> None:
-    from deepinfer.distributed.kv_device_transfer import PeerCaches, copy_blocks, host_id
+    from deepinfer.engine.kv_device_transfer import PeerCaches, copy_blocks, host_id
     from deepinfer.protocol.kv import KvDeviceExport
 
     export = KvDeviceExport.from_bytes(conn.recv_bytes())

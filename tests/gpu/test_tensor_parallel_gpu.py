@@ -1,7 +1,7 @@
 """TP=2 on two GPUs (NCCL) against TP=1 on a Llama-3.1-8B-shaped random model, and decode tok/s side by side.
 
 Same model at both sizes: the TP=2 ranks draw the single-rank "dummy" weights (same seed) and keep their
-slices (deepinfer.distributed.loader), so no checkpoint is written. Tolerance, stated once: the bf16 noise of
+slices (deepinfer.loader.shard), so no checkpoint is written. Tolerance, stated once: the bf16 noise of
 a position is TOL_FACTOR times max |TP=1 bf16 - TP=1 fp32| over the vocabulary, the fp32 model being the bf16
 one upcast (same weights); TP=2 bf16 logits must lie within it, and greedy tokens must equal TP=1's up to the
 first position where the fp32 top-2 margin is below it.
@@ -78,12 +78,12 @@ def _run(model, config, prompts, fed_tokens, caches, device):
 
 
 def test_tp2_logits_and_greedy_tokens_match_tp1(model_dir):
-    from deepinfer.distributed.executor import WorkerSpec, spawn_tensor_parallel
     from deepinfer.distributed.parallel_state import free_tcp_init_method
-    from deepinfer.distributed.sharding import shard_config
-    from deepinfer.engine.runner import load_dummy_model
+    from deepinfer.executor.tensor_parallel import WorkerSpec, spawn_tensor_parallel
     from deepinfer.kernels import get_ops
+    from deepinfer.loader.dummy import load_dummy_model
     from deepinfer.loader.hf import load_model_config
+    from deepinfer.models.parallel import shard_config
 
     config, ops, cuda0 = load_model_config(model_dir), get_ops("cuda"), torch.device("cuda", 0)
     g = torch.Generator().manual_seed(0)

@@ -14,9 +14,10 @@ import torch
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, load_dummy_model
+from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels import get_ops
+from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.sampling.params import SamplingParams
 
 _INTERPRETED = """

@@ -7,7 +7,10 @@ import pytest
 import torch
 from pydantic import create_model
 
-from deepinfer.distributed.kv_device_transfer import (
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids
+from deepinfer.engine.kv_device_transfer import (
     PeerCaches,
     admit_from_device,
     copy_blocks,
@@ -15,9 +18,6 @@ from deepinfer.distributed.kv_device_transfer import (
     host_id,
     rebuild_args,
 )
-from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.kv import KvDeviceExport, KvHandle, KvLayout
 from deepinfer.sampling.params import SamplingParams

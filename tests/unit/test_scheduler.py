@@ -18,9 +18,10 @@ import pytest
 
 from deepinfer.engine.block_pool import Removed, Stored
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.request import FinishReason, Request, RequestStatus
+from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.protocol import FinishReason
 
 
 @dataclass

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.distributed.executor import WorkerSpec, spawn_tensor_parallel
 from deepinfer.distributed.layers import ColumnParallelLinear, VocabParallelEmbedding
-from deepinfer.distributed.loader import build_empty_shard
 from deepinfer.distributed.parallel_state import TensorParallelGroup, free_tcp_init_method
-from deepinfer.distributed.sharding import ColumnShard, head_shard, shard_config, vocab_range
+from deepinfer.distributed.sharding import ColumnShard, head_shard, vocab_range
 from deepinfer.distributed.weights import load_full_parameters
+from deepinfer.executor.tensor_parallel import WorkerSpec, spawn_tensor_parallel
 from deepinfer.kernels import build_attention_metadata, get_ops
 from deepinfer.loader.hf import iter_safetensors, load_model, load_model_config
+from deepinfer.loader.shard import build_empty_shard
+from deepinfer.models.parallel import shard_config
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 OPS = get_ops("cpu")

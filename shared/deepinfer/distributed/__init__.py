@@ -1,7 +1,7 @@
-"""Tensor parallelism over torch.distributed: process groups, sharded layers and the multi-process executor.
+"""Tensor-parallel primitives over torch.distributed: the process group, parallel layers, shard arithmetic and
+sharded weight loading. Models build on them; they know no model, loader or engine.
 
-NCCL on GPUs, gloo on the CPU. Rank 0 is the engine process; ranks 1..N-1 are spawned workers that hold the
-other shards and replay the steps rank 0 broadcasts (see `deepinfer.distributed.executor`).
+NCCL on GPUs, gloo on the CPU. The processes that run them are spawned by `deepinfer.executor`.
 """
 
 from deepinfer.distributed.parallel_state import (

@@ -1,4 +1,4 @@
-"""Tensor-parallel linears and embeddings, and the factories the Llama-family layers build through.
+"""Tensor-parallel linears and embeddings (`deepinfer.models.parallel` builds them from a model config).
 
 Per decoder block there is one all-reduce after attention (o_proj) and one after the MLP (down_proj):
 
@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
-from deepinfer.distributed.sharding import ColumnShard, even_shards, qkv_shards, vocab_range
-from deepinfer.models.config import ModelConfig
+from deepinfer.distributed.parallel_state import TensorParallelGroup
+from deepinfer.distributed.sharding import ColumnShard, vocab_range
 
 
 def _check_shape(what: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -167,48 +166,3 @@ def parallel_logits(
     logits = F.linear(hidden, weight).float()  # [N, rows_per_rank]
     return tp.all_gather(logits, dim=-1)[:, :vocab_size]
 
-
-# -- factories: a plain nn.Linear / nn.Embedding on one rank, the parallel module otherwise ---------------------
-def qkv_projection(config: ModelConfig, bias: bool, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The fused q/k/v projection holding this rank's heads."""
-    parts = qkv_shards(config, tp.world_size, tp.rank)
-    if tp.world_size == 1:
-        return nn.Linear(config.hidden_size, sum(p.rows for p in parts), bias=bias)
-    return ColumnParallelLinear(config.hidden_size, parts, bias, tp)
-
-
-def o_projection(config: ModelConfig, bias: bool, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The attention output projection (row-parallel: one all-reduce)."""
-    q_size = config.num_attention_heads * config.head_dim
-    if tp.world_size == 1:
-        return nn.Linear(q_size, config.hidden_size, bias=bias)
-    return RowParallelLinear(q_size, config.hidden_size, bias, tp)
-
-
-def gate_up_projection(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The fused gate/up projection holding this rank's MLP columns."""
-    if tp.world_size == 1:
-        return nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-    parts = even_shards(("gate_proj", "up_proj"), config.intermediate_size, tp.world_size, tp.rank)
-    return ColumnParallelLinear(config.hidden_size, parts, False, tp)
-
-
-def down_projection(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The MLP output projection (row-parallel: one all-reduce)."""
-    if tp.world_size == 1:
-        return nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-    return RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
-
-
-def token_embedding(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The input embedding, split by vocabulary over the ranks."""
-    if tp.world_size == 1:
-        return nn.Embedding(config.vocab_size, config.hidden_size)
-    return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-
-
-def lm_head(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
-    """The untied output projection, split by vocabulary over the ranks."""
-    if tp.world_size == 1:
-        return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    return ParallelLMHead(config.vocab_size, config.hidden_size, tp)

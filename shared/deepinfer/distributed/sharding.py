@@ -1,4 +1,4 @@
-"""Which rows and heads each rank holds: pure index arithmetic (no torch.distributed, no modules).
+"""Which rows and heads each rank holds: pure index arithmetic over ints (no torch.distributed, no modules).
 
 Heads are split contiguously. KV heads follow their query heads (GQA): with tp_size <= num_kv_heads each rank
 holds num_kv_heads / tp_size of them; with tp_size > num_kv_heads each KV head is replicated on
@@ -12,9 +12,7 @@ heads read:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-from deepinfer.models.config import ModelConfig
+from dataclasses import dataclass
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -49,11 +47,6 @@ def head_shard(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> He
     return HeadShard(rank * num_q, num_q, rank // replicas, 1)
 
 
-def config_head_shard(config: ModelConfig, tp_size: int, rank: int) -> HeadShard:
-    """`head_shard` of a model config."""
-    return head_shard(config.num_attention_heads, config.num_kv_heads, tp_size, rank)
-
-
 @dataclass(frozen=True)
 class ColumnShard:
     """One HF tensor inside a (possibly fused) column-parallel weight: its full rows and this rank's slice."""
@@ -62,17 +55,6 @@ class ColumnShard:
     full_rows: int
     start: int  # first of this rank's rows, in the full tensor
     rows: int
-
-
-def qkv_shards(config: ModelConfig, tp_size: int, rank: int) -> tuple[ColumnShard, ...]:
-    """q/k/v slices of the fused qkv_proj on this rank (rows are heads * head_dim)."""
-    heads, d = config_head_shard(config, tp_size, rank), config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * d, config.num_kv_heads * d
-    return (
-        ColumnShard("q_proj", q_rows, heads.q_start * d, heads.num_q_heads * d),
-        ColumnShard("k_proj", kv_rows, heads.kv_start * d, heads.num_kv_heads * d),
-        ColumnShard("v_proj", kv_rows, heads.kv_start * d, heads.num_kv_heads * d),
-    )
 
 
 def even_shards(names: tuple[str, ...], full_rows: int, tp_size: int, rank: int) -> tuple[ColumnShard, ...]:
@@ -88,16 +70,3 @@ def vocab_range(vocab_size: int, tp_size: int, rank: int) -> tuple[int, int, int
     start = min(rank * rows_per_rank, vocab_size)
     return start, min(rows_per_rank, vocab_size - start), rows_per_rank
 
-
-def shard_config(config: ModelConfig, tp_size: int, rank: int = 0) -> ModelConfig:
-    """The geometry one rank holds: its query heads, KV heads (the cache's head count) and MLP columns;
-    vocabulary and hidden size stay whole. Sizes the rank's KV cache and activations."""
-    if tp_size == 1:
-        return config
-    heads = config_head_shard(config, tp_size, rank)
-    return replace(
-        config,
-        num_attention_heads=heads.num_q_heads,
-        num_key_value_heads=heads.num_kv_heads,
-        intermediate_size=divide(config.intermediate_size, tp_size, "intermediate_size"),
-    )

@@ -7,12 +7,13 @@ Parallel modules slice through `load_part` / `load_full`; every other parameter 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from deepinfer.models.weights import FusedShards
+#: fused module name -> its HF parts in order along dim 0, as (part name, rows).
+FusedShards = Mapping[str, Sequence[tuple[str, int]]]
 
 
 def _split_name(name: str) -> tuple[str, str]:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.engine.outputs import SampledToken
+
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
-    from deepinfer.engine.runner import SampledToken
     from deepinfer.sampling.sampler import SamplerOutput
 
 
@@ -91,8 +92,6 @@ def sampled_tokens(
     top_logprobs: list[list[float]] | None,
 ) -> dict[str, SampledToken]:
     """request_id → SampledToken from one step's host lists (row i = chosen[i]; top-k cut to what it asked)."""
-    from deepinfer.engine.runner import SampledToken
-
     result: dict[str, SampledToken] = {}
     for i, request in enumerate(chosen):
         k = request.sampling_params.logprobs

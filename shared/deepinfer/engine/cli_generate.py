@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, generate for every prompt, print the completions."""
-    from deepinfer import LLM, SamplingParams
+    from deepinfer.engine.llm import LLM
+    from deepinfer.sampling.params import SamplingParams
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

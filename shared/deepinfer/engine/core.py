@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -14,11 +13,13 @@ from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
+from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner, SampledToken, load_dummy_model
+from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from deepinfer.kernels import get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
+from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import default_cache_dir, resolve_model
 from deepinfer.sampling.params import SamplingParams
@@ -32,18 +33,6 @@ CPU_KV_SEQUENCES = 8
 
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-@dataclass
-class EngineOutput:
-    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[SampledToken] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
 
 
 class EngineCore:
@@ -62,7 +51,7 @@ class EngineCore:
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
         if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
-            from deepinfer.distributed.engine import start_tensor_parallel
+            from deepinfer.executor.start import start_tensor_parallel
 
             model, self.model_config = start_tensor_parallel(args, self.model_dir, self.dtype, self.device, self.ops)
         elif args.load_format == "dummy":
@@ -282,7 +271,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             request_id=u.request_id,
             new_token_ids=u.new_token_ids,
             new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
-            finish_reason=u.finish_reason.value if u.finish_reason is not None else None,
+            finish_reason=u.finish_reason,
             stop_reason=u.stop_reason,
             num_cached_tokens=u.num_cached_tokens,
         )

@@ -11,26 +11,15 @@ All of these touch scheduler state and KV tensors: call them on the engine threa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import export_blocks, import_blocks
+from deepinfer.engine.outputs import EngineStats
 from deepinfer.sampling.params import SamplingParams
 
 
 class LeaseNotHeld(KeyError):
     """The request holds no KV under a lease (never held, released, expired) or the block ids differ."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Load numbers for heartbeats and gauges."""
-
-    num_running: int
-    num_waiting: int
-    num_held: int
-    num_free_blocks: int
-    num_total_blocks: int
 
 
 def export_held(core: EngineCore, request_id: str, block_ids: Sequence[int]) -> list[bytes]:

@@ -11,8 +11,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore, EngineOutput
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
+from deepinfer.protocol import FinishReason
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -34,7 +35,7 @@ class _Sequence:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     submitted: bool = False
 
@@ -196,14 +197,14 @@ class LLM:
         if stopped:
             if finish_reason is None:
                 self.engine.abort_requests([seq.request_id])
-            finish_reason, stop_reason = "stop", seq.stop_checker.matched_stop
+            finish_reason, stop_reason = FinishReason.STOP, seq.stop_checker.matched_stop
         if finish_reason is None:
             return False
         if not stopped:
             tail, stopped = seq.stop_checker.step(seq.detokenizer.flush() if seq.detokenizer is not None else "")
             seq.text += tail if stopped else tail + seq.stop_checker.flush()
             if stopped:
-                finish_reason, stop_reason = "stop", seq.stop_checker.matched_stop
+                finish_reason, stop_reason = FinishReason.STOP, seq.stop_checker.matched_stop
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         request_output.outputs.append(
             CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, stop_reason)

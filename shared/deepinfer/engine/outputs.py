@@ -1,8 +1,43 @@
-"""What the offline API returns: vLLM-shaped request and completion outputs."""
+"""What the engine hands out, torch-free: per-step `EngineOutput`s, load `EngineStats`, and the offline API's
+vLLM-shaped request and completion outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from deepinfer.protocol import FinishReason
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its raw logprob and, when asked, the top logprobs of that position."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load numbers for heartbeats and gauges."""
+
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_free_blocks: int
+    num_total_blocks: int
 
 
 @dataclass(frozen=True)
@@ -26,7 +61,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     #: The stop string or stop token id that ended the sequence, if any.
     stop_reason: str | int | None = None
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from deepinfer.kvcache.hashing import hash_blocks, root_hash
+from deepinfer.protocol import FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -28,14 +29,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
         )
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended, as the OpenAI API spells it."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
 
 
 class Request:

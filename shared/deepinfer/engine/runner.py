@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from deepinfer.defaults import DEFAULT_MAX_NUM_SEQS
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
+from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
@@ -42,15 +42,6 @@ if TYPE_CHECKING:
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
 #: takes its largest query tile (it picks min(largest, next_pow2(max_query_len)), largest <= 128).
 _INVARIANT_MIN_QUERY_LEN = 128
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """One sampled token with its raw logprob and, when asked, the top logprobs of that position."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class ModelRunner:
@@ -256,31 +247,3 @@ def _output_token_ids(chosen: list[Request], sampled: list[ScheduledRequest]) ->
             output_token_ids[i] = [*output_token_ids[i], 0]
     return output_token_ids
 
-
-def load_dummy_model(
-    model_dir, dtype: torch.dtype, device: torch.device | str, ops, seed: int = 0, std: float = 0.02
-) -> torch.nn.Module:
-    """Build the model of `model_dir/config.json` with random weights on `device` (vLLM's load_format="dummy").
-
-    Weights ~ N(0, std) drawn on the device from `seed` (norm gains 1), so no weight file is read and an 8B
-    model is ready in about a second. Same seed, device and dtype give the same weights.
-    """
-    from deepinfer.loader.hf import load_model_config
-    from deepinfer.models.registry import get_model_class
-
-    config = load_model_config(model_dir)
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, ops)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=generator)
-    model.rebuild_buffers()
-    return model.eval()

@@ -30,7 +30,8 @@ from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.request import FinishReason, Request, RequestStatus, check_stop
+from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.protocol import FinishReason
 
 
 @dataclass

@@ -7,11 +7,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.distributed.layers import down_projection, gate_up_projection, o_projection, qkv_projection
 from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
-from deepinfer.distributed.sharding import config_head_shard
 from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.parallel import (
+    config_head_shard,
+    down_projection,
+    gate_up_projection,
+    o_projection,
+    qkv_projection,
+)
 from deepinfer.models.rope import compute_cos_sin_cache
 
 

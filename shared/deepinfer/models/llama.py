@@ -7,13 +7,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from deepinfer.distributed.layers import lm_head, parallel_logits, token_embedding
+from deepinfer.distributed.layers import parallel_logits
 from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
-from deepinfer.distributed.weights import load_sharded_hf_weights
+from deepinfer.distributed.weights import FusedShards, load_sharded_hf_weights
 from deepinfer.kernels import AttentionMetadata, KernelOps
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import AttentionOptions, DecoderLayer, DecoderStack, RMSNorm, RotaryEmbedding
-from deepinfer.models.weights import FusedShards, load_hf_weights
+from deepinfer.models.parallel import lm_head, token_embedding
+from deepinfer.models.weights import load_hf_weights
 
 
 class DecoderModel(DecoderStack):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-#: fused module name -> its HF parts in order along dim 0, as (part name, rows).
-FusedShards = Mapping[str, Sequence[tuple[str, int]]]
+from deepinfer.distributed.weights import FusedShards
 
 
 def _expected_hf_names(params: Mapping[str, torch.Tensor], fused: FusedShards) -> set[str]:

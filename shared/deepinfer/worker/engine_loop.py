@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from deepinfer.engine.block_pool import KvCacheEvent
-from deepinfer.engine.core import EngineCore, EngineOutput
-from deepinfer.engine.handoff import EngineStats, engine_stats
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.handoff import engine_stats
+from deepinfer.engine.outputs import EngineOutput, EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
 from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
-from deepinfer.engine.core import EngineCore, EngineOutput
-from deepinfer.engine.handoff import EngineStats
+from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
+from deepinfer.engine.outputs import EngineOutput, EngineStats
 from deepinfer.protocol import Cancel, KvEvent, KvEventBatch, KvEventKind, KvLayout, WorkerLoad, WorkerRole
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from deepinfer.distributed.executor import TensorParallelDriver, WorkerSpec, spawn_tensor_parallel
 from deepinfer.distributed.parallel_state import default_backend, free_tcp_init_method
-from deepinfer.distributed.sharding import shard_config
+from deepinfer.executor.tensor_parallel import TensorParallelDriver, WorkerSpec, spawn_tensor_parallel
 from deepinfer.kernels import KernelOps
 from deepinfer.loader.hf import load_model_config
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.parallel import shard_config
 
 
 def start_tensor_parallel(

@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deepinfer.distributed.loader import load_model_shard
 from deepinfer.distributed.parallel_state import (
     DEFAULT_TIMEOUT_S,
     TensorParallelGroup,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from deepinfer.distributed.sharding import shard_config
 from deepinfer.kernels import AttentionMetadata, get_ops
+from deepinfer.loader.shard import load_model_shard
+from deepinfer.models.parallel import shard_config
 
 logger = logging.getLogger(__name__)
 

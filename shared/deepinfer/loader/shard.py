@@ -11,6 +11,7 @@ from torch import nn
 from deepinfer.distributed.parallel_state import TensorParallelGroup
 from deepinfer.distributed.weights import load_full_parameters
 from deepinfer.kernels import KernelOps
+from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import iter_safetensors, load_model_config, safetensors_files
 from deepinfer.models.registry import get_model_class
 
@@ -43,13 +44,11 @@ def load_model_shard(
     """This rank's shard of the model in `model_dir`, weights loaded, in eval mode.
 
     "auto" reads every checkpoint tensor and keeps this rank's slice. "dummy" draws the single-rank model's
-    random weights on `device` (engine.runner.load_dummy_model, same seed) and keeps this rank's slice, so
+    random weights on `device` (loader.dummy.load_dummy_model, same seed) and keeps this rank's slice, so
     TP=N and TP=1 hold the same model; that briefly needs the whole model's memory on each device.
     """
     device = torch.device(device)
     if load_format == "dummy":
-        from deepinfer.engine.runner import load_dummy_model
-
         whole = load_dummy_model(model_dir, dtype, device, ops, seed=dummy_seed)
         model = build_empty_shard(model_dir, dtype, device, ops, tp)
         load_full_parameters(model, whole.named_parameters())
