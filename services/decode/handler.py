@@ -41,7 +41,7 @@ from deepinfer.protocol import (
 )
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
-from deepinfer.telemetry import counter, request_context
+from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -119,19 +119,15 @@ class DecodeHandler:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     async def _on_decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
-        # Handlers of one subscription run one at a time; a pull must not hold up the next request.
-        self._tasks.spawn(self._decode(request, msg), name=f"decode-{request.request_id}")
+        """receive → pull → release → admit → reply, on its own task."""
+        request_id = request.request_id
 
-    async def _decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
-        """receive → pull → release → admit → reply."""
-        with request_context(request.request_id):
-            try:
-                accepted = await self.decode(request)
-            except Exception as exc:  # never leave the gateway waiting for a reply
-                log.exception("decode admission failed")
-                self._streams.pop(request.request_id, None)
-                accepted = _refused(request.request_id, error_detail(exc, "decode admission failed"))
-            await self.bus.reply(msg, accepted)
+        def on_failure(error: ErrorDetail) -> DecodeAccepted:
+            self._streams.pop(request_id, None)
+            return _refused(request_id, error)
+
+        self.runtime.reply_in_background(msg, request_id, "decode admission", lambda: self.decode(request),
+                                         on_failure)
 
     async def decode(self, request: DecodeRequest) -> DecodeAccepted:
         """Admit one request into the running batch (pulling its KV when a handle came with it)."""

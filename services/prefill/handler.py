@@ -36,7 +36,7 @@ from deepinfer.protocol import (
 )
 from deepinfer.protocol.kv import KvDeviceExport
 from deepinfer.service import ServiceContext
-from deepinfer.telemetry import counter, request_context
+from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -127,20 +127,19 @@ class PrefillHandler:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     async def _on_prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
-        # Handlers of one subscription run one at a time: each prefill gets its own task.
-        self._tasks.spawn(self._prefill(request, msg), name=f"prefill-{request.request_id}")
+        """receive → prefill → reply (→ lease), on its own task."""
+        request_id = request.request_id
 
-    async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
-        """receive → prefill → reply (→ lease)."""
-        with request_context(request.request_id):
-            try:
-                result = await self.prefill(request)
-            except Exception as exc:  # never leave the gateway waiting for a reply
-                log.exception("prefill failed")
-                result = PrefillResult(request_id=request.request_id, error=error_detail(exc, "prefill failed"),
-                                       finish_reason=FinishReason.ERROR)
+        async def answer() -> PrefillResult:
+            result = await self.prefill(request)
             self._requests.labels("error" if result.error else "ok").inc()
-            await self.bus.reply(msg, result)
+            return result
+
+        def on_failure(error: ErrorDetail) -> PrefillResult:
+            self._requests.labels("error").inc()
+            return PrefillResult(request_id=request_id, error=error, finish_reason=FinishReason.ERROR)
+
+        self.runtime.reply_in_background(msg, request_id, "prefill", answer, on_failure)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run the prompt through the engine; the first token, and a handle to the held KV unless finished."""

@@ -54,8 +54,8 @@ def test_unknown_setting_is_warned_about():
 
 
 def test_config_service_filter():
-    result = run_cli("config", "--json", "--service", "kvcache")
-    assert {row["group"] for row in json.loads(result.stdout)} == {"kvcache"}
+    result = run_cli("config", "--json", "--service", "scheduler")
+    assert {row["group"] for row in json.loads(result.stdout)} == {"scheduler"}
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ from deepinfer.config import (
     CommonSettings,
     DecodeSettings,
     GatewaySettings,
-    KvCacheSettings,
     PrefillSettings,
     SchedulerSettings,
     describe_settings,
@@ -51,7 +50,6 @@ def test_defaults():
     assert scheduler.worker_lease_s == 3.0
     assert (prefill.block_size, prefill.max_num_seqs, prefill.max_num_batched_tokens) == (16, 256, 2048)
     assert (prefill.gpu_memory_utilization, prefill.enable_prefix_caching) == (0.9, True)
-    assert KvCacheSettings().ttl_s == 72 * 3600
     common = CommonSettings()
     assert (common.model, common.log_prompts, common.otel_exporter) == ("smollm2-135m-instruct", False, "none")
 
@@ -83,7 +81,6 @@ def test_default_ids_are_subject_safe_and_per_role():
         ("DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION", "1.5", DecodeSettings),
         ("DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION", "0", DecodeSettings),
         ("DEEPINFER_DECODE_WORKER_ID", "decode.1", DecodeSettings),
-        ("DEEPINFER_KVCACHE_SHARD", "events", KvCacheSettings),
         ("DEEPINFER_LOG_LEVEL", "loud", SchedulerSettings),
         ("DEEPINFER_SERVED_MODEL_NAME", "kvcache", SchedulerSettings),
     ],
@@ -114,12 +111,11 @@ def test_api_keys_json_list(monkeypatch):
 
 
 def test_sizes_and_paths(monkeypatch, tmp_path: Path):
-    monkeypatch.setenv("DEEPINFER_KVCACHE_RAM_BYTES", "1GiB")
+    monkeypatch.setenv("DEEPINFER_DECODE_KV_CACHE_BYTES", "1GiB")
     monkeypatch.setenv("DEEPINFER_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("DEEPINFER_KVCACHE_SHARD", "s2")
-    kvcache = load_settings(KvCacheSettings)
-    assert kvcache.ram_bytes == 2**30
-    assert kvcache.resolved_disk_dir() == tmp_path / "kvcache" / "s2"
+    decode = load_settings(DecodeSettings)
+    assert decode.kv_cache_bytes == 2**30
+    assert decode.common.data_dir == tmp_path
 
 
 def test_xdg_dirs(monkeypatch, tmp_path: Path):
@@ -171,7 +167,7 @@ def test_describe_defaults_and_secrets():
     assert rows["DEEPINFER_GATEWAY_PORT"].default == "8000"
     assert rows["DEEPINFER_NATS_TOKEN"].secret and rows["DEEPINFER_NATS_TOKEN"].default == "unset"
     assert rows["DEEPINFER_GATEWAY_API_KEYS"].secret
-    assert rows["DEEPINFER_KVCACHE_RAM_BYTES"].default == "4.0GiB"
+    assert rows["DEEPINFER_GATEWAY_MAX_REQUEST_BYTES"].default == "16.0MiB"
     assert rows["DEEPINFER_ACCELERATOR"].type == "auto|cuda|ascend|cpu"
     assert rows["DEEPINFER_PREFILL_MAX_MODEL_LEN"].type == "int | None"
     assert rows["DEEPINFER_DECODE_GPU_MEMORY_UTILIZATION"].helm_key == "gpuMemoryUtilization"

@@ -10,7 +10,7 @@ All of these touch scheduler state and KV tensors: call them on the engine threa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import export_blocks, import_blocks
@@ -56,15 +56,44 @@ def admit_prefilled(
     `payloads` hold the KV of every block covering the prompt, in token order; blocks this worker already
     has in its prefix cache are reused and their payloads skipped.
     """
+
+    def fill(block_ids: list[int]) -> None:
+        import_blocks(core.runner.kv_caches, block_ids, payloads[len(payloads) - len(block_ids) :])
+
+    return admit_filled(
+        core, request_id, prompt_token_ids, output_token_ids, sampling_params, len(payloads), fill, cache_salt
+    )
+
+
+def admit_filled(
+    core: EngineCore,
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    num_kv_blocks: int,
+    fill: Callable[[list[int]], None],
+    cache_salt: str = "",
+) -> bool:
+    """Admit a prompt computed elsewhere: allocate its blocks (reusing local prefix hits), `fill` the others
+    with its KV, join the running batch. False when no blocks are free; a failed fill aborts it and re-raises.
+
+    `num_kv_blocks`: blocks the KV source covers (every block of the prompt, the last may be partial);
+    `fill(block_ids)` writes the source's last len(block_ids) blocks into those local blocks.
+    """
     num_blocks = -(-len(prompt_token_ids) // core.args.block_size)
-    if len(payloads) != num_blocks:
-        raise ValueError(f"kv payloads: {len(payloads)} blocks for a prompt needing {num_blocks}")
+    if num_kv_blocks != num_blocks:
+        raise ValueError(f"kv payloads: {num_kv_blocks} blocks for a prompt needing {num_blocks}")
     request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids)
     to_fill = core.scheduler.add_prefilled_request(request, len(prompt_token_ids))
     if to_fill is None:
         return False
     if to_fill:
-        import_blocks(core.runner.kv_caches, to_fill, payloads[len(payloads) - len(to_fill) :])
+        try:
+            fill(to_fill)
+        except Exception:
+            core.abort_requests([request_id])
+            raise
     core.scheduler.commit_prefilled(request_id)
     return True
 

@@ -26,6 +26,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.handoff import admit_filled
 from deepinfer.protocol.kv import CudaIpcTensor, KvDeviceExport, KvHandle
 from deepinfer.sampling.params import SamplingParams
 
@@ -248,21 +249,13 @@ def admit_from_device(
 
     Runs on the engine thread. Returns after the copy has completed, so the caller may Release the lease.
     """
-    num_blocks = -(-len(prompt_token_ids) // core.args.block_size)
-    if len(src_block_ids) != num_blocks:
-        raise ValueError(f"handle: {len(src_block_ids)} blocks for a prompt needing {num_blocks}")
-    request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids)
-    to_fill = core.scheduler.add_prefilled_request(request, len(prompt_token_ids))
-    if to_fill is None:
-        return False
-    if to_fill:
-        dst_caches = core.runner.kv_caches
-        try:
-            copy_blocks(src_caches, src_block_ids[num_blocks - len(to_fill) :], dst_caches, to_fill)
-            if dst_caches[0].device.type == "cuda":
-                torch.cuda.synchronize(dst_caches[0].device)
-        except Exception:
-            core.abort_requests([request_id])
-            raise
-    core.scheduler.commit_prefilled(request_id)
-    return True
+    dst_caches = core.runner.kv_caches
+
+    def fill(block_ids: list[int]) -> None:
+        copy_blocks(src_caches, src_block_ids[len(src_block_ids) - len(block_ids) :], dst_caches, block_ids)
+        if dst_caches[0].device.type == "cuda":
+            torch.cuda.synchronize(dst_caches[0].device)
+
+    return admit_filled(
+        core, request_id, prompt_token_ids, output_token_ids, sampling_params, len(src_block_ids), fill, cache_salt
+    )

@@ -97,9 +97,14 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config, ops)
     model = model.to(dtype=dtype).to_empty(device=device)
+    load_checkpoint_weights(model, model_dir, files, progress)
+    model.rebuild_buffers()
+    return model.eval()
+
+
+def load_checkpoint_weights(model: nn.Module, model_dir: str | Path, files: list[Path], progress: bool) -> None:
+    """Fill `model` (a whole model or one rank's shard) from the checkpoint; a ValueError names the files."""
     try:
         model.load_weights(iter_safetensors(model_dir, progress=progress))
     except ValueError as exc:
         raise ValueError(f"{', '.join(f.name for f in files)} in {str(model_dir)!r}: {exc}") from exc
-    model.rebuild_buffers()
-    return model.eval()

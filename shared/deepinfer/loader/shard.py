@@ -12,7 +12,7 @@ from deepinfer.distributed.parallel_state import TensorParallelGroup
 from deepinfer.distributed.weights import load_full_parameters
 from deepinfer.kernels import KernelOps
 from deepinfer.loader.dummy import load_dummy_model
-from deepinfer.loader.hf import iter_safetensors, load_model_config, safetensors_files
+from deepinfer.loader.hf import load_checkpoint_weights, load_model_config, safetensors_files
 from deepinfer.models.registry import get_model_class
 
 
@@ -56,9 +56,6 @@ def load_model_shard(
     else:
         files = safetensors_files(model_dir)
         model = build_empty_shard(model_dir, dtype, device, ops, tp)
-        try:
-            model.load_weights(iter_safetensors(model_dir, progress=progress))
-        except ValueError as exc:
-            raise ValueError(f"{', '.join(f.name for f in files)} in {str(model_dir)!r}: {exc}") from exc
+        load_checkpoint_weights(model, model_dir, files, progress)
     model.rebuild_buffers()
     return model.eval()

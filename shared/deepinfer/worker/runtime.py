@@ -14,7 +14,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -25,10 +25,21 @@ from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Store
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
-from deepinfer.protocol import Cancel, KvEvent, KvEventBatch, KvEventKind, KvLayout, WorkerLoad, WorkerRole
+from deepinfer.protocol import (
+    Cancel,
+    ErrorDetail,
+    KvEvent,
+    KvEventBatch,
+    KvEventKind,
+    KvLayout,
+    Message,
+    WorkerLoad,
+    WorkerRole,
+)
 from deepinfer.tasks import BackgroundTasks
-from deepinfer.telemetry import gauge
+from deepinfer.telemetry import gauge, request_context
 from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.errors import error_detail
 from deepinfer.worker.settings import engine_args
 
 log = logging.getLogger(__name__)
@@ -126,6 +137,29 @@ class WorkerRuntime:
         self.draining = True
         with contextlib.suppress(Exception):
             await self.heartbeat()
+
+    def reply_in_background(
+        self,
+        msg: IncomingMsg,
+        request_id: str,
+        what: str,
+        answer: Callable[[], Awaitable[Message]],
+        on_failure: Callable[[ErrorDetail], Message],
+    ) -> None:
+        """Answer one request on its own task (a subscription's handlers run one at a time, and a prefill or a
+        KV pull must not hold up the next): reply `answer()`, or `on_failure(error)` if it raised, so the
+        gateway is never left waiting."""
+
+        async def run() -> None:
+            with request_context(request_id):
+                try:
+                    reply = await answer()
+                except Exception as exc:
+                    log.exception("%s failed", what)
+                    reply = on_failure(error_detail(exc, f"{what} failed"))
+                await self.bus.reply(msg, reply)
+
+        self.tasks.spawn(run(), name=f"{what}-{request_id}")
 
     async def flush(self, timeout_s: float) -> None:
         """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""
