@@ -28,7 +28,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def engine(tiny_dir) -> EngineCore:
-    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    # A byte budget, not a memory fraction: several engines share the device (a GPU on a GPU host).
+    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20))
 
 
 def run(core: EngineCore) -> dict[str, list[int]]:

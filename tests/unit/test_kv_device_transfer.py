@@ -156,7 +156,8 @@ def run(core: EngineCore) -> list[int]:
 
 
 def test_admit_from_owner_caches_equals_the_data_plane_path(tiny_dir):
-    args = EngineArgs(model=str(tiny_dir), block_size=4, progress=False)
+    # A byte budget, not a memory fraction: three engines share the device (CPU here, a GPU on a GPU host).
+    args = EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prefill = EngineCore(args)
     prefill.add_request("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True)
