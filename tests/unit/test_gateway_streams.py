@@ -183,3 +183,23 @@ async def test_token_streams_demultiplex_one_subject():
         streams.open("req-a")
     a.close()
     assert streams.num_open == 1
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+async def test_request_timeout_is_a_504_or_an_error_event_and_cancels(model_dir: Path, phase: str):
+    slow = {"prefill_delay_s": 5.0} if phase == "prefill" else {"step_delay_s": 0.05, "tokens_per_step": 1}
+    settings = {"request_timeout_s": 0.4, "poll_interval_s": 0.05}
+    h = await make_harness(model_dir, output_text="Hello, world! How are you today? " * 4, settings=settings, **slow)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:
+        await h.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 504 and info.value.body["code"] == "timeout"
+    assert 0.4 <= time.monotonic() - started < 1.5
+    if phase == "decode":  # a stream that already started ends with an error event
+        with pytest.raises(openai.APIError, match="request_timeout_s"):
+            await _stream_text(h.openai())
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
+    # every request that reached a worker was cancelled on all of them
+    reached = {r.request_id for r in h.fake.prefill_requests}
+    assert reached and {c.request_id for c in h.fake.cancels} == reached

@@ -68,6 +68,8 @@ class FakeWorkers:
     output_token_ids: list[int]
     tokens_per_step: int = 2
     step_delay_s: float = 0.0
+    #: How long the prefill worker takes before it answers.
+    prefill_delay_s: float = 0.0
     use_prefill: bool = True
     num_cached_tokens: int = 0
     overloaded: bool = False
@@ -129,6 +131,7 @@ class FakeWorkers:
 
     async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
         self.prefill_requests.append(request)
+        await asyncio.sleep(self.prefill_delay_s)
         ids, finish = self.script(request.sampling)
         result = PrefillResult(
             request_id=request.request_id,
