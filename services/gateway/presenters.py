@@ -30,7 +30,7 @@ from services.gateway.openai_models import (
     DeltaMessage,
     SamplingFields,
 )
-from services.gateway.output import ChoiceDelta, chat_logprobs, completion_logprobs
+from services.gateway.output import ChoiceDelta, ChoiceOutput, chat_logprobs, completion_logprobs
 from services.gateway.recipe import ModelInfo, chat_prompt_token_ids, completion_prompt_token_ids
 
 if TYPE_CHECKING:
@@ -47,6 +47,9 @@ def sse(data: dict[str, Any]) -> str:
 class StreamFormatter(ABC):
     """The SSE events of one streamed response (stateful: e.g. the completions text offsets)."""
 
+    #: The event object (OpenAI: the chunk type); the usage event is one with no choices.
+    chunk_type: type[BaseModel]
+
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
 
@@ -58,9 +61,13 @@ class StreamFormatter(ABC):
     def delta(self, delta: ChoiceDelta) -> list[str]:
         """Events carrying one choice's delta (none when it carries nothing)."""
 
-    @abstractmethod
     def closing(self) -> list[str]:
-        """Events after the last delta (usage when asked for, the end marker)."""
+        """Events after the last delta: usage when asked for, then the end marker."""
+        g = self.generation
+        if not g.include_usage:
+            return [DONE_EVENT]
+        usage = self.chunk_type(**self._base(), choices=[], usage=g.usage())
+        return [sse(usage.model_dump(mode="json")), DONE_EVENT]
 
     def error(self, exc: ApiError) -> list[str]:
         """Events for a failure after the stream started (the HTTP status is 200 by then)."""
@@ -79,6 +86,8 @@ class Presenter(ABC):
     #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-).
     id_prefix: str
     body_type: type[SamplingFields]
+    #: The non-streamed response object.
+    response_type: type[BaseModel]
 
     def parse(self, data: dict[str, Any]) -> Any:
         """The validated body; 400 naming the first bad field."""
@@ -99,9 +108,18 @@ class Presenter(ABC):
     def logprobs(self, body: Any) -> int | None:
         """None = no logprobs; k = the sampled token's and the top k alternatives."""
 
-    @abstractmethod
     def response(self, generation: Generation) -> dict[str, Any]:
-        """The non-streamed response body of a finished generation."""
+        """The non-streamed response body of a finished generation: one choice per output, and usage."""
+        g = generation
+        body = self.response_type(
+            id=g.response_id, created=g.created, model=g.model_name,
+            choices=[self.choice(g, output) for output in g.outputs], usage=g.usage(),
+        )
+        return body.model_dump(mode="json")
+
+    @abstractmethod
+    def choice(self, generation: Generation, output: ChoiceOutput) -> BaseModel:
+        """One finished choice of the non-streamed response."""
 
     @abstractmethod
     def stream(self, generation: Generation) -> StreamFormatter:
@@ -117,6 +135,7 @@ class ChatPresenter(Presenter):
     route = "chat"
     id_prefix = "chatcmpl"
     body_type = ChatCompletionRequest
+    response_type = ChatCompletionResponse
 
     def prompt_token_ids(self, model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
         """The conversation through the model's chat template."""
@@ -130,22 +149,14 @@ class ChatPresenter(Presenter):
         """top_logprobs alternatives when logprobs is on."""
         return (body.top_logprobs or 0) if body.logprobs else None
 
-    def response(self, generation: Generation) -> dict[str, Any]:
-        """A chat.completion with one message per choice."""
-        g = generation
-        choices = [
-            ChatChoice(
-                index=o.index,
-                message=AssistantMessage(content=o.text),
-                logprobs=chat_logprobs(g.tokenizer, o.logprobs) if g.logprobs else None,
-                finish_reason=o.finish_reason,
-            )
-            for o in g.outputs
-        ]
-        body = ChatCompletionResponse(
-            id=g.response_id, created=g.created, model=g.model_name, choices=choices, usage=g.usage()
+    def choice(self, generation: Generation, output: ChoiceOutput) -> ChatChoice:
+        """The assistant message of one choice."""
+        return ChatChoice(
+            index=output.index,
+            message=AssistantMessage(content=output.text),
+            logprobs=chat_logprobs(generation.tokenizer, output.logprobs) if generation.logprobs else None,
+            finish_reason=output.finish_reason,
         )
-        return body.model_dump(mode="json")
 
     def stream(self, generation: Generation) -> StreamFormatter:
         """chat.completion.chunk events."""
@@ -153,6 +164,8 @@ class ChatPresenter(Presenter):
 
 
 class _ChatStream(StreamFormatter):
+    chunk_type = ChatCompletionChunk
+
     def opening(self) -> list[str]:
         return [self._chunk(o.index, DeltaMessage(role="assistant", content="")) for o in self.generation.outputs]
 
@@ -165,11 +178,6 @@ class _ChatStream(StreamFormatter):
             self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs,
                         finish_reason=delta.finish_reason)
         ]
-
-    def closing(self) -> list[str]:
-        g = self.generation
-        usage = [sse(ChatCompletionChunk(**self._base(), choices=[], usage=g.usage()).model_dump(mode="json"))]
-        return [*(usage if g.include_usage else []), DONE_EVENT]
 
     def _chunk(self, index: int, delta: DeltaMessage, **choice: Any) -> str:
         """A chunk with one choice (`delta` without its unset keys, as OpenAI sends)."""
@@ -188,6 +196,7 @@ class CompletionsPresenter(Presenter):
     route = "completions"
     id_prefix = "cmpl"
     body_type = CompletionRequest
+    response_type = CompletionResponse
 
     def prompt_token_ids(self, model: ModelInfo, body: CompletionRequest) -> list[int]:
         """One prompt: a string or token ids."""
@@ -201,22 +210,15 @@ class CompletionsPresenter(Presenter):
         """The legacy integer logprobs."""
         return body.logprobs
 
-    def response(self, generation: Generation) -> dict[str, Any]:
-        """A text_completion with one text per choice."""
+    def choice(self, generation: Generation, output: ChoiceOutput) -> CompletionChoice:
+        """The text of one choice."""
         g = generation
-        choices = [
-            CompletionChoice(
-                index=o.index,
-                text=o.text,
-                logprobs=completion_logprobs(g.tokenizer, o.logprobs, 0, g.top_logprobs)[0] if g.logprobs else None,
-                finish_reason=o.finish_reason,
-            )
-            for o in g.outputs
-        ]
-        body = CompletionResponse(
-            id=g.response_id, created=g.created, model=g.model_name, choices=choices, usage=g.usage()
+        return CompletionChoice(
+            index=output.index,
+            text=output.text,
+            logprobs=completion_logprobs(g.tokenizer, output.logprobs, 0, g.top_logprobs)[0] if g.logprobs else None,
+            finish_reason=output.finish_reason,
         )
-        return body.model_dump(mode="json")
 
     def stream(self, generation: Generation) -> StreamFormatter:
         """text_completion events (the same object type as the body, as OpenAI sends)."""
@@ -224,6 +226,8 @@ class CompletionsPresenter(Presenter):
 
 
 class _CompletionsStream(StreamFormatter):
+    chunk_type = CompletionResponse
+
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.text_offsets = [0] * len(generation.outputs)
@@ -241,11 +245,6 @@ class _CompletionsStream(StreamFormatter):
             index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
         )
         return [sse(_without_usage(CompletionResponse(**self._base(), choices=[choice]), g.include_usage))]
-
-    def closing(self) -> list[str]:
-        g = self.generation
-        usage = [sse(CompletionResponse(**self._base(), choices=[], usage=g.usage()).model_dump(mode="json"))]
-        return [*(usage if g.include_usage else []), DONE_EVENT]
 
 
 def _without_usage(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:
