@@ -91,6 +91,7 @@ async def make_harness(
     gateway_bus: MessageBus | None = None,
     worker_bus: MessageBus | None = None,
     settings: dict[str, Any] | None = None,
+    tracer: Any = None,
     **fake_options: Any,
 ) -> Harness:
     """The gateway (settings from `settings`) on `gateway_bus`, and FakeWorkers scripted to answer
@@ -99,7 +100,7 @@ async def make_harness(
         broker = FakeBroker()
         gateway_bus, worker_bus = FakeBus(broker, "gateway"), FakeBus(broker, "workers")
     ctx = ServiceContext("gateway", gateway_settings(model_dir, **(settings or {})), gateway_bus,
-                         new_registry(False), None)
+                         new_registry(False), tracer)
     gateway = await build(ctx)
     await gateway.subscribe()
     output_ids = gateway.state.model.tokenizer.encode(output_text, add_special_tokens=False)

@@ -18,6 +18,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import DecodeSettings
@@ -55,8 +59,9 @@ class _Stream:
 
     gateway_id: str
     want_logprobs: bool
-    num_cached_tokens: int | None = None
     sent_first: bool = False
+    #: The request's trace context when it is traced (its token batches become spans there), else None.
+    trace_context: Context | None = None
 
 
 class DecodeHandler:
@@ -66,7 +71,7 @@ class DecodeHandler:
         self.ctx = ctx
         self.settings = ctx.settings
         self.bus = ctx.bus
-        self.runtime = WorkerRuntime(ctx.settings, WorkerRole.DECODE, ctx.bus, ctx.registry)
+        self.runtime = WorkerRuntime(ctx.settings, WorkerRole.DECODE, ctx.bus, ctx.registry, ctx.tracer)
         self.runtime.on_outputs = self._on_outputs
         self.runtime.on_cancel = self._on_cancel
         self._streams: dict[str, _Stream] = {}
@@ -126,8 +131,7 @@ class DecodeHandler:
             self._streams.pop(request_id, None)
             return _refused(request_id, error)
 
-        self.runtime.reply_in_background(msg, request_id, "decode admission", lambda: self.decode(request),
-                                         on_failure)
+        self.runtime.reply_in_background(msg, request_id, "admission", lambda: self.decode(request), on_failure)
 
     async def decode(self, request: DecodeRequest) -> DecodeAccepted:
         """Admit one request into the running batch (pulling its KV when a handle came with it)."""
@@ -146,11 +150,19 @@ class DecodeHandler:
                 return _refused(request_id, ErrorDetail(code=ErrorCode.LAYOUT_MISMATCH, message=str(exc)))
         on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
             handle, self.runtime.core.runner.device)
-        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None)
+        traced = trace.get_current_span().is_recording()
+        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None,
+                                            trace_context=otel_context.get_current() if traced else None)
         try:
-            kv = await self._admit_on_device(request, params) if on_device else None
+            kv = None
+            if on_device:
+                with self.runtime.hops.span("kv_transfer", via="device"):
+                    kv = await self._admit_on_device(request, params)
             if kv is None:
-                payloads = await self._pull(handle) if handle is not None else None
+                payloads = None
+                if handle is not None:
+                    with self.runtime.hops.span("kv_transfer", via="data_plane", num_blocks=len(handle.block_ids)):
+                        payloads = await self._pull(handle)
                 kv = await self._admit(request, params, payloads)
         except ValueError as exc:
             self._streams.pop(request_id, None)
@@ -219,7 +231,9 @@ class DecodeHandler:
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
         """One TokenBatch per gateway per step, carrying only the new tokens of its requests."""
         self._step += 1
+        started_s = time.monotonic()
         batches: dict[str, list[TokenChunk]] = {}
+        traced: dict[str, list[tuple[Context, TokenChunk]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -233,11 +247,25 @@ class DecodeHandler:
             )
             stream.sent_first = True
             batches.setdefault(stream.gateway_id, []).append(chunk)
+            if stream.trace_context is not None:
+                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, chunk))
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
         for gateway_id, chunks in batches.items():
             batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step, chunks=chunks)
-            self._tasks.spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
+            self._tasks.spawn(self._publish(gateway_id, batch, started_s, traced.get(gateway_id, [])))
+
+    async def _publish(
+        self, gateway_id: str, batch: TokenBatch, started_s: float, traced: list[tuple[Context, TokenChunk]]
+    ) -> None:
+        """Publish one step's tokens to one gateway; a traced request gets a `decode.token_batch` span (outputs
+        received → published)."""
+        await self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch)
+        if traced:
+            published_s = time.monotonic()
+            for context, chunk in traced:
+                self.runtime.hops.record("token_batch", started_s, published_s, context, step=batch.step,
+                                         num_tokens=len(chunk.token_ids), num_chunks=len(batch.chunks))
 
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:

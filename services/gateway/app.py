@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +30,7 @@ import deepinfer
 from deepinfer.config import GatewaySettings
 from deepinfer.protocol import ErrorCode
 from deepinfer.telemetry import request_context
+from deepinfer.telemetry.hops import Hops
 from services.gateway.errors import (
     ApiError,
     bad_request,
@@ -60,6 +63,7 @@ class ApiState:
     model: ModelInfo
     metrics: GatewayMetrics
     settings: GatewaySettings
+    hops: Hops
     accepting: bool = True
 
     def not_ready_reason(self) -> str:
@@ -172,9 +176,13 @@ class Routes:
     async def _serve(self, request: Request, presenter: Presenter) -> Response:
         """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
-        record = self.state.metrics.begin(presenter.route)
         request_id = f"{presenter.id_prefix}-{uuid.uuid4().hex}"
-        with request_context(request_id):
+        # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
+        span = self.state.hops.tracer.start_span(
+            "gateway.request", kind=SpanKind.SERVER, attributes={"request_id": request_id, "route": presenter.route}
+        )
+        record = self.state.metrics.begin(presenter.route, span)
+        with request_context(request_id), trace.use_span(span, end_on_exit=False):
             try:
                 stream, generation = await self._start(request, presenter, request_id, record, deadline_s)
             except ApiError as exc:
@@ -215,12 +223,14 @@ class Routes:
         data = await read_json(request, int(state.settings.max_request_bytes))
         body = presenter.parse(data)
         check_model(state.model, body.model)
-        prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
+        with state.hops.span("tokenize"):
+            prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
         salt = cache_salt_for(getattr(request.state, "api_key", None), body)
         requests = split_choices(request_id, prompt_token_ids, sampling, salt, body.n, deadline_s)
         record.prompt(len(prompt_token_ids))
+        record.span.set_attribute("num_prompt_tokens", len(prompt_token_ids))
         runs = await start_choices(state.pipeline, requests)
         tokenizer = state.model.tokenizer
         generation = Generation(
@@ -237,6 +247,7 @@ class Routes:
             top_logprobs=bool(logprobs),
             include_usage=body.include_usage,
             record=record,
+            hops=state.hops,
         )
         return body.stream, generation
 

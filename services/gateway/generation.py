@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
+from deepinfer.telemetry.hops import Hops
 from deepinfer.tokenizer import Tokenizer
 from services.gateway.errors import ApiError, internal
 from services.gateway.metrics import RequestRecord
@@ -44,6 +48,7 @@ class Generation:
     top_logprobs: bool
     include_usage: bool
     record: RequestRecord
+    hops: Hops
 
     def usage(self) -> Usage:
         """Token counts; the prompt counts once however many choices ran."""
@@ -140,6 +145,7 @@ async def stream_events(generation: Generation, is_disconnected: Disconnected | 
     status = 200
     formatter = generation.presenter.stream(generation)
     ending: list[str] = []
+    write = _sse_writes(generation)
     try:
         for event in formatter.opening():
             yield event
@@ -147,7 +153,9 @@ async def stream_events(generation: Generation, is_disconnected: Disconnected | 
             if delta.text:
                 generation.record.first_token()
             for event in formatter.delta(delta):
+                started_s = time.monotonic()
                 yield event
+                write(started_s)
         ending = formatter.closing()
     except ApiError as exc:
         status = exc.status_code
@@ -163,3 +171,13 @@ async def stream_events(generation: Generation, is_disconnected: Disconnected | 
         generation.end(status)
     for event in ending:
         yield event
+
+
+def _sse_writes(generation: Generation) -> Callable[[float], None]:
+    """Records a `gateway.sse_write` span per event sent (yield to resume: the ASGI send) when the request is
+    traced; a no-op otherwise, so an untraced stream pays nothing per token."""
+    span = generation.record.span
+    if not span.is_recording():
+        return lambda started_s: None
+    context = trace.set_span_in_context(span)
+    return lambda started_s: generation.hops.record("sse_write", started_s, time.monotonic(), context)

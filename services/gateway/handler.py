@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
 from deepinfer import subjects
@@ -18,6 +19,7 @@ from deepinfer.config import GatewaySettings
 from deepinfer.membership import Membership
 from deepinfer.protocol import WorkerLoad
 from deepinfer.telemetry import InternalServer, serve_internal
+from deepinfer.telemetry.hops import Hops
 from services.gateway.app import ApiState, create_app
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import RequestPipeline
@@ -32,15 +34,21 @@ class GatewayHandler:
     """One gateway process: start → serve (API on host:port) → drain (refuse new, finish in flight) → close."""
 
     def __init__(
-        self, settings: GatewaySettings, bus: MessageBus, registry: CollectorRegistry, model: ModelInfo
+        self,
+        settings: GatewaySettings,
+        bus: MessageBus,
+        registry: CollectorRegistry,
+        model: ModelInfo,
+        tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
         self.bus = bus
         self.port = settings.port
         self.membership = Membership(settings.worker_lease_s)
         self.streams = TokenStreams(bus, model.served_model_name, settings.gateway_id)
-        self.pipeline = RequestPipeline(bus, settings, model.served_model_name, self.membership, self.streams)
-        self.state = ApiState(self.pipeline, model, GatewayMetrics(registry), settings)
+        hops = Hops(tracer, registry, "gateway")
+        self.pipeline = RequestPipeline(bus, settings, model.served_model_name, self.membership, self.streams, hops)
+        self.state = ApiState(self.pipeline, model, GatewayMetrics(registry), settings, hops)
         self.app = create_app(self.state)
         self.server: InternalServer | None = None
         self._subscriptions = Subscriptions(bus)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import INVALID_SPAN, Span
 from prometheus_client import CollectorRegistry
 
 from deepinfer.telemetry import counter, gauge, histogram
@@ -28,17 +29,18 @@ class GatewayMetrics:
         #: The in-flight count as a plain int (the drain waits for it to reach 0).
         self.num_in_flight = 0
 
-    def begin(self, route: str) -> RequestRecord:
-        """Start timing one request (counts it in flight until `end`)."""
-        return RequestRecord(self, route)
+    def begin(self, route: str, span: Span | None = None) -> RequestRecord:
+        """Start timing one request (counts it in flight until `end`); `span` is its root span, ended there."""
+        return RequestRecord(self, route, span)
 
 
 class RequestRecord:
-    """The metrics of one request; `end` is idempotent, so every exit path may call it."""
+    """The metrics and root span of one request; `end` is idempotent, so every exit path may call it."""
 
-    def __init__(self, metrics: GatewayMetrics, route: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, route: str, span: Span | None = None) -> None:
         self.metrics = metrics
         self.route = route
+        self.span = span or INVALID_SPAN
         self.start_s = time.monotonic()
         self._first_token_seen = False
         self._ended = False
@@ -67,3 +69,7 @@ class RequestRecord:
         self.metrics.e2e_s.labels(self.route).observe(time.monotonic() - self.start_s)
         self.metrics.output_tokens.inc(num_output_tokens)
         self.metrics.cached_tokens.inc(num_cached_tokens)
+        if self.span.is_recording():
+            self.span.set_attributes({"http.response.status_code": status, "num_output_tokens": num_output_tokens,
+                                      "num_cached_tokens": num_cached_tokens})
+        self.span.end()

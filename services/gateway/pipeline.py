@@ -39,6 +39,7 @@ from deepinfer.protocol import (
     TokenChunk,
 )
 from deepinfer.tasks import BackgroundTasks
+from deepinfer.telemetry.hops import Hops
 from services.gateway.errors import ApiError, from_wire, overloaded, timed_out, worker_lost
 from services.gateway.recipe import GenerateRequest
 from services.gateway.streams import RequestStream, TokenStreams
@@ -56,8 +57,10 @@ class RequestPipeline:
         model: str,
         membership: Membership,
         streams: TokenStreams,
+        hops: Hops,
     ) -> None:
         self.bus = bus
+        self.hops = hops
         self.settings = settings
         self.model = model
         self.gateway_id = settings.gateway_id
@@ -68,12 +71,17 @@ class RequestPipeline:
     async def start(self, request: GenerateRequest) -> RunningRequest:
         """route → prefill (when the decision names a prefill worker) → decode; then stream the result."""
         block_hashes, fingerprint = self.block_hashes(request)
-        decision = await self.route(request, block_hashes, fingerprint)
-        prefill = await self.prefill(request, decision, block_hashes) if decision.prefill_worker_id else None
+        with self.hops.span("route"):
+            decision = await self.route(request, block_hashes, fingerprint)
+        prefill = None
+        if decision.prefill_worker_id:
+            with self.hops.span("prefill", worker_id=decision.prefill_worker_id):
+                prefill = await self.prefill(request, decision, block_hashes)
         stream = self.streams.open(request.request_id)  # before decode starts, so no chunk is missed
         try:
             if prefill is None or prefill.finish_reason is None:
-                await self.decode(request, decision, prefill)
+                with self.hops.span("decode_admission", worker_id=decision.decode_worker_id or ""):
+                    await self.decode(request, decision, prefill)
         except BaseException:
             stream.close()
             self.cancel_soon(request.request_id, "decode did not start")

@@ -60,7 +60,7 @@ class PrefillHandler:
         self.settings = settings = ctx.settings
         self.bus = ctx.bus
         registry = ctx.registry
-        self.runtime = WorkerRuntime(settings, WorkerRole.PREFILL, ctx.bus, registry)
+        self.runtime = WorkerRuntime(settings, WorkerRole.PREFILL, ctx.bus, registry, ctx.tracer)
         self.runtime.on_outputs = self._on_outputs
         self.runtime.on_cancel = self._on_cancel
         self.data_plane: DataPlaneServer | None = None
@@ -139,7 +139,7 @@ class PrefillHandler:
             self._requests.labels("error").inc()
             return PrefillResult(request_id=request_id, error=error, finish_reason=FinishReason.ERROR)
 
-        self.runtime.reply_in_background(msg, request_id, "prefill", answer, on_failure)
+        self.runtime.reply_in_background(msg, request_id, "request", answer, on_failure)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run the prompt through the engine; the first token, and a handle to the held KV unless finished."""
@@ -152,6 +152,7 @@ class PrefillHandler:
         first_params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
         pending = _Pending(asyncio.get_running_loop().create_future())
         self._pending[request_id] = pending
+        added_s = time.monotonic()  # the engine thread takes the command between steps: waiting starts here
         try:
             await engine.call(lambda core: core.add_request(
                 request_id, request.prompt_token_ids, first_params, request.cache_salt, hold_blocks=True))
@@ -159,6 +160,11 @@ class PrefillHandler:
             self._pending.pop(request_id, None)
             return PrefillResult(request_id=request_id, error=error_detail(exc, "invalid request"))
         output = await pending.done
+        if output.first_scheduled_time is not None:  # an abort before its first step has none
+            hops, scheduled_s = self.runtime.hops, output.first_scheduled_time
+            hops.record("queue", added_s, scheduled_s)
+            hops.record("compute", scheduled_s, time.monotonic(), num_prompt_tokens=len(request.prompt_token_ids),
+                        num_cached_tokens=output.num_cached_tokens)
         return await self._result(request, params, output)
 
     async def _result(self, request: PrefillRequest, params, output: EngineOutput) -> PrefillResult:

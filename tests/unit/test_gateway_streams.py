@@ -203,3 +203,32 @@ async def test_request_timeout_is_a_504_or_an_error_event_and_cancels(model_dir:
     # every request that reached a worker was cancelled on all of them
     reached = {r.request_id for r in h.fake.prefill_requests}
     assert reached and {c.request_id for c in h.fake.cancels} == reached
+
+
+async def test_a_traced_request_has_one_root_and_a_span_per_hop_and_per_sse_write(model_dir: Path, tmp_path: Path):
+    from deepinfer.config import CommonSettings
+    from deepinfer.telemetry import setup_tracer_provider
+    from deepinfer.telemetry.trace_file import read_spans
+
+    provider = setup_tracer_provider(CommonSettings(otel_exporter="file", otel_file_dir=tmp_path), "gateway")
+    h = await make_harness(model_dir, tracer=provider.get_tracer("gateway"), tokens_per_step=2)
+    deltas, _ = await _stream_text(h.openai())
+    provider.shutdown()
+    spans = read_spans(tmp_path)
+    (root,) = [s for s in spans if s["name"] == "gateway.request"]
+    assert root["parent_id"] is None and root["attributes"]["http.response.status_code"] == 200
+    children = [s for s in spans if s["parent_id"] == root["span_id"]]
+    names = sorted({s["name"] for s in children})
+    assert names == ["gateway.decode_admission", "gateway.prefill", "gateway.route", "gateway.sse_write",
+                     "gateway.tokenize"]
+    assert sum(s["name"] == "gateway.sse_write" for s in children) >= len(deltas)
+    assert all(s["trace_id"] == root["trace_id"] for s in spans)
+    assert all(root["start_ns"] <= s["start_ns"] <= s["end_ns"] <= root["end_ns"] for s in children)
+
+
+async def test_an_untraced_request_creates_no_per_token_spans(model_dir: Path, monkeypatch):
+    h = await make_harness(model_dir, tokens_per_step=1)
+    recorded: list[str] = []
+    monkeypatch.setattr(h.gateway.state.hops, "record", lambda hop, *a, **k: recorded.append(hop))
+    deltas, _ = await _stream_text(h.openai())
+    assert len(deltas) > 3 and recorded == []  # not one sse_write span: the stream checks is_recording() once

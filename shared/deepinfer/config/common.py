@@ -85,8 +85,13 @@ class CommonSettings(BaseSettings):
     log_prompts: bool = Field(
         False, description="Allow prompt and completion text in logs (debug only; off = never logged)."
     )
-    otel_exporter: Literal["none", "console", "otlp"] = Field(
-        "none", description="Trace exporter; otlp needs the opentelemetry-exporter-otlp package."
+    otel_exporter: Literal["none", "console", "otlp", "file"] = Field(
+        "none",
+        description="Trace exporter: none (spans not recorded), console, otlp (needs opentelemetry-exporter-otlp), "
+        "file (JSON lines per process in otel_file_dir).",
+    )
+    otel_file_dir: Path | None = Field(
+        None, description="Directory of the file exporter's <service>-<pid>.jsonl; unset = <data_dir>/traces."
     )
     otel_endpoint: str | None = Field(None, description="OTLP endpoint, e.g. http://collector:4317.")
     internal_host: str = Field(
@@ -107,7 +112,7 @@ class CommonSettings(BaseSettings):
     def _lowercase(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "model_cache_dir", "data_dir")
+    @field_validator("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "model_cache_dir", "data_dir", "otel_file_dir")
     @classmethod
     def _expand_user(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None

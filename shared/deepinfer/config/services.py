@@ -156,6 +156,11 @@ class WorkerSettings(ServiceSettings):
     async_scheduling: bool = Field(
         False, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md)."
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto: the checkpoint's weights; dummy: random weights from config.json alone (vLLM's name), "
+        "the same on every worker, for benchmarks without weight files.",
+    )
     batch_invariant: bool = Field(
         False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
     )

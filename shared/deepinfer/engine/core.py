@@ -274,6 +274,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             finish_reason=u.finish_reason,
             stop_reason=u.stop_reason,
             num_cached_tokens=u.num_cached_tokens,
+            first_scheduled_time=u.first_scheduled_time,
         )
         for u in updates
     ]

@@ -27,6 +27,8 @@ class EngineOutput:
     finish_reason: FinishReason | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    #: time.monotonic() when the scheduler first gave the request a step (queue wait ends, compute begins).
+    first_scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)

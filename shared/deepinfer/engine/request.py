@@ -59,6 +59,8 @@ class Request:
         #: Prompt tokens found in the prefix cache at first admission (not updated after a preemption).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        #: time.monotonic() when the scheduler first gave it a step (None while it waits): queue vs compute time.
+        self.first_scheduled_time: float | None = None
         #: Keep the KV blocks referenced after finishing (a prefill worker's lease); Scheduler.release_held ends it.
         self.hold_blocks = False
         self.status = RequestStatus.WAITING

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class RequestUpdate:
     num_cached_tokens: int
     #: The stop token id that ended the request, if one did.
     stop_reason: int | None = None
+    #: Request.first_scheduled_time (time.monotonic()), for the queue / compute split of a request's latency.
+    first_scheduled_time: float | None = None
 
 
 class _Step:
@@ -227,7 +230,7 @@ class Scheduler:
             updates.append(
                 RequestUpdate(
                     request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
-                    request.stop_reason,
+                    request.stop_reason, request.first_scheduled_time,
                 )
             )
         if finished:
@@ -342,6 +345,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])

@@ -1,4 +1,10 @@
-"""OpenTelemetry traces: one tracer provider per service, W3C traceparent carried in NATS headers."""
+"""OpenTelemetry traces: one tracer provider per service, W3C traceparent carried in NATS headers.
+
+With `otel_exporter=none` (the default) spans are never recorded (sampler ALWAYS_OFF): a span costs the creation
+of a non-recording object and ids that still propagate, so a service that does export joins the same trace.
+Code that would open a span per token checks `span.is_recording()` first. Every exporter records every span
+(ALWAYS_ON, not parent-based: a non-exporting caller does not switch recording off downstream).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,18 @@ from collections.abc import Mapping
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 from opentelemetry.trace import Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from deepinfer.config import CommonSettings
+from deepinfer.telemetry.trace_file import JsonLinesSpanExporter
 
 
 class TelemetryError(RuntimeError):
@@ -21,13 +34,16 @@ class TelemetryError(RuntimeError):
 
 def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerProvider:
     """A provider exporting as `common.otel_exporter` says; call `shutdown()` on it when the service stops."""
-    provider = TracerProvider(resource=Resource.create({"service.name": f"deepinfer-{service_name}"}))
+    sampler = ALWAYS_OFF if common.otel_exporter == "none" else ALWAYS_ON
+    resource = Resource.create({"service.name": f"deepinfer-{service_name}"})
+    provider = TracerProvider(resource=resource, sampler=sampler)
     if common.otel_exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     elif common.otel_exporter == "otlp":
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(common.otel_endpoint)))
+    elif common.otel_exporter == "file":
+        directory = common.otel_file_dir or common.data_dir / "traces"
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(directory, service_name)))
     return provider
 
 

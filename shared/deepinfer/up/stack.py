@@ -121,6 +121,11 @@ class Stack:
         return f"http://{HOST}:{self.port}/v1"
 
     @property
+    def trace_dir(self) -> Path:
+        """Where the file span exporter writes when DEEPINFER_OTEL_EXPORTER=file and no directory is set."""
+        return self.log_dir / "traces"
+
+    @property
     def model_name(self) -> str:
         """The name clients put in requests (DEEPINFER_SERVED_MODEL_NAME if set, else derived from the model)."""
         key = env_name(CommonSettings, "served_model_name")
@@ -311,6 +316,9 @@ class Stack:
             "internal_host": HOST,
         }
         env.update({env_name(CommonSettings, key): value for key, value in values.items()})
+        exporter, file_dir = env_name(CommonSettings, "otel_exporter"), env_name(CommonSettings, "otel_file_dir")
+        if self._env_value(exporter) == "file" and not self._env_value(file_dir):
+            env[file_dir] = str(self.trace_dir)  # spans beside the logs
         return env
 
 

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
 from deepinfer import subjects
@@ -38,6 +39,7 @@ from deepinfer.protocol import (
 )
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
+from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.settings import engine_args
@@ -51,7 +53,14 @@ CLOSE_FLUSH_S = 2.0
 class WorkerRuntime:
     """Loads the engine, runs it on its thread, and keeps the worker visible (heartbeats, KV events)."""
 
-    def __init__(self, settings: WorkerSettings, role: WorkerRole, bus: MessageBus, registry: CollectorRegistry):
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        role: WorkerRole,
+        bus: MessageBus,
+        registry: CollectorRegistry,
+        tracer: Tracer | None = None,
+    ):
         self.settings = settings
         self.role = role
         self.bus = bus
@@ -69,6 +78,8 @@ class WorkerRuntime:
         self._heartbeat_task: asyncio.Task[None] | None = None
         #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
         self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
+        #: Spans and `deepinfer_<role>_hop_seconds` of the hops a request takes here.
+        self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
         self._heartbeats_sent = 0
         self.stats = EngineStats(0, 0, 0, 0, 0)
@@ -142,24 +153,24 @@ class WorkerRuntime:
         self,
         msg: IncomingMsg,
         request_id: str,
-        what: str,
+        hop: str,
         answer: Callable[[], Awaitable[Message]],
         on_failure: Callable[[ErrorDetail], Message],
     ) -> None:
         """Answer one request on its own task (a subscription's handlers run one at a time, and a prefill or a
         KV pull must not hold up the next): reply `answer()`, or `on_failure(error)` if it raised, so the
-        gateway is never left waiting."""
+        gateway is never left waiting. The whole is the hop `hop` (a span in the sender's trace)."""
 
         async def run() -> None:
-            with request_context(request_id):
+            with request_context(request_id), self.hops.span(hop, request_id=request_id):
                 try:
                     reply = await answer()
                 except Exception as exc:
-                    log.exception("%s failed", what)
-                    reply = on_failure(error_detail(exc, f"{what} failed"))
+                    log.exception("%s %s failed", self.role.value, hop)
+                    reply = on_failure(error_detail(exc, f"{self.role.value} {hop} failed"))
                 await self.bus.reply(msg, reply)
 
-        self.tasks.spawn(run(), name=f"{what}-{request_id}")
+        self.tasks.spawn(run(), name=f"{hop}-{request_id}")
 
     async def flush(self, timeout_s: float) -> None:
         """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""

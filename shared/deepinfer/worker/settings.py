@@ -25,6 +25,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
+        load_format=settings.load_format,
         enable_kv_events=True,
         model_revision=common.model_revision,
         cache_dir=common.model_cache_dir,

@@ -1,0 +1,71 @@
+"""One trace per request across every process: gateway, scheduler, prefill and decode spans, parented hop by
+hop through the traceparent that rides in NATS headers (the stack runs the file exporter)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer.telemetry.trace_file import read_spans
+from tests.e2e.conftest import wait_until
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+#: span name -> the name of its parent (None: the root).
+PARENT_OF = {
+    "gateway.request": None,
+    "gateway.tokenize": "gateway.request",
+    "gateway.route": "gateway.request",
+    "scheduler.route": "gateway.route",
+    "gateway.prefill": "gateway.request",
+    "prefill.request": "gateway.prefill",
+    "prefill.queue": "prefill.request",
+    "prefill.compute": "prefill.request",
+    "gateway.decode_admission": "gateway.request",
+    "decode.admission": "gateway.decode_admission",
+    "decode.kv_transfer": "decode.admission",
+    "decode.token_batch": "decode.admission",
+    "gateway.sse_write": "gateway.request",
+}
+
+
+def trace_of(stack, request_id: str) -> list[dict]:
+    """Every span of the trace whose root is the gateway span of `request_id` (empty until it is written)."""
+    spans = read_spans(stack.trace_dir)
+    roots = [s for s in spans if s["name"] == "gateway.request" and s["attributes"].get("request_id") == request_id]
+    if not roots:
+        return []
+    return [s for s in spans if s["trace_id"] == roots[0]["trace_id"]]
+
+
+def test_a_streamed_request_is_one_trace_over_every_service_parented_hop_by_hop(client, stack):
+    stream = client.chat.completions.create(model=stack.model_name, messages=QUESTION, max_tokens=8, stream=True)
+    request_id = next(iter(stream)).id
+    for _ in stream:
+        pass
+
+    def complete() -> list[dict]:
+        spans = trace_of(stack, request_id)
+        return spans if PARENT_OF.keys() <= {s["name"] for s in spans} else []
+
+    spans = wait_until(complete, 15, f"every hop of {request_id} in {stack.trace_dir}")
+    assert {s["service"] for s in spans} == {"gateway", "scheduler", "prefill", "decode"}
+    by_id = {s["span_id"]: s for s in spans}
+    for span in spans:
+        expected = PARENT_OF.get(span["name"])
+        parent = by_id.get(span["parent_id"]) if span["parent_id"] else None
+        assert (parent["name"] if parent else None) == expected, span
+    assert sum(s["name"] == "decode.token_batch" for s in spans) >= 2  # one per step after the first token
+    assert [s["attributes"]["via"] for s in spans if s["name"] == "decode.kv_transfer"] == ["data_plane"]
+
+
+def test_hop_histograms_count_what_the_traces_show(stack):
+    from tests.e2e.conftest import metrics
+
+    gateway, prefill, decode = (metrics(stack, name) for name in ("gateway-0", "prefill-0", "decode-0"))
+    for samples, hops in ((gateway, ("tokenize", "route", "prefill", "decode_admission")),
+                          (prefill, ("request", "queue", "compute")), (decode, ("admission", "kv_transfer"))):
+        service = "gateway" if samples is gateway else "prefill" if samples is prefill else "decode"
+        for hop in hops:
+            assert samples[f'deepinfer_{service}_hop_seconds_count{{hop="{hop}"}}'] >= 1, (service, hop)
