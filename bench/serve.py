@@ -1,82 +1,52 @@
-"""Serving path vs offline engine: N concurrent streaming clients against the stack, the same prompts offline.
+"""Serving path vs offline engine on the same device share, over a concurrency sweep, in one run.
 
-    python bench/serve.py [--concurrency 4] [--num-requests 16] [--max-tokens 64] [--base-url URL]
+    python bench/serve.py                                        # default model, CPU or GPU, sweep 1,4
+    python bench/serve.py --random-model llama-1b --sweep 1,16,64,256 --max-tokens 256 [--trace]
+    python bench/serve.py --base-url http://host:8000/v1 --model NAME --no-offline
 
-Without --base-url it starts the whole stack (`deepinfer up`'s Stack: nats, scheduler, prefill, decode,
-gateway) on the default model. Client-side metrics as ANCHORS.md defines them: TTFT (request sent → first
-streamed token), ITL (every gap between streamed chunks, pooled), TPOT per request ((e2e − TTFT) / (tokens − 1)).
-Then the offline engine (`deepinfer.LLM`) runs the same prompts in one batch after the stack is stopped, so the
-two do not share the CPU. Prints a table and one JSON line.
+Without --base-url it starts the whole stack (`deepinfer up`'s Stack: nats, scheduler, prefill, decode, gateway;
+prefill on GPU 0 and decode on GPU 1 when two GPUs are there). `--random-model SHAPE` serves a random-weight
+checkpoint of that shape with the default model's tokenizer (bench/random_model.py; workers and the offline
+engine use load_format=dummy, so nothing is downloaded or read). The load comes from `serve_clients.py`:
+several client processes, each reporting its CPU (a warning when one nears a core). Client-side metrics as
+ANCHORS.md defines them: TTFT, ITL (every gap between streamed chunks), TPOT per request. After the stack
+stops, the offline engine (`deepinfer.LLM`) runs the same prompts with max_num_seqs = the concurrency on the
+decode worker's device and memory share. Per point: a hop breakdown from the services' hop histograms, and from
+the spans with --trace (the file exporter; per-token spans slow the service a little). Prints tables and one JSON
+line; writes the JSON under bench/results/ (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import math
+import os
 import statistics
+import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_clients import CPU_WARN_FRACTION, LoadResult, run_load  # noqa: E402
+from serve_hops import (  # noqa: E402
+    cpu_fractions,
+    cpu_seconds,
+    histogram_breakdown,
+    print_hops,
+    scrape,
+    span_breakdown,
+)
 
 TOPICS = ["the sea", "volcanoes", "a lighthouse", "bread baking", "the moon", "trains", "bees", "chess"]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-@dataclass
-class RequestStats:
-    """Client-side timings of one streamed request."""
-
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    num_tokens: int = 0
-    gaps_s: list[float] = field(default_factory=list)
-
-
-def conversations(num: int) -> list[list[dict]]:
-    """Deterministic prompts of varied length."""
-    return [[{"role": "user", "content": f"Tell me {i % 3 + 2} things about {TOPICS[i % len(TOPICS)]}."}]
-            for i in range(num)]
-
-
-async def one_request(client, model: str, messages, max_tokens: int) -> RequestStats:
-    """Stream one chat completion, timing the first token and every gap."""
-    stats = RequestStats()
-    sent = last = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None:
-            stats.num_tokens = chunk.usage.completion_tokens
-        if not chunk.choices or not chunk.choices[0].delta.content:
-            continue
-        if stats.ttft_s == 0.0:
-            stats.ttft_s = now - sent
-        else:
-            stats.gaps_s.append(now - last)
-        last = now
-    stats.e2e_s = time.perf_counter() - sent
-    return stats
-
-
-async def run_clients(base_url: str, model: str, prompts, concurrency: int, max_tokens: int):
-    """`concurrency` clients drain a shared queue of prompts; returns per-request stats and wall time."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
-    queue: asyncio.Queue = asyncio.Queue()
-    for messages in prompts:
-        queue.put_nowait(messages)
-    results: list[RequestStats] = []
-
-    async def worker() -> None:
-        while not queue.empty():
-            results.append(await one_request(client, model, queue.get_nowait(), max_tokens))
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - started
+def conversations(num: int, offset: int = 0) -> list[list[dict]]:
+    """Deterministic short chat prompts (~30 tokens with the template), varied."""
+    return [[{"role": "user", "content": f"Tell me {i % 3 + 2} things about {TOPICS[i % len(TOPICS)]}, part {i}."}]
+            for i in range(offset, offset + num)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,80 +55,168 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] if ordered else float("nan")
 
 
-def run_offline(model: str, prompts, max_tokens: int, max_num_seqs: int, threads: int) -> tuple[float, int]:
-    """Seconds and output tokens of the offline engine on the same prompts, at most `max_num_seqs` at a time
-    (the clients' concurrency) on `threads` torch threads (what the decode worker gets), so the comparison is
-    like for like."""
-    import torch
+def service_point(args, stack, base_url: str, model: str, concurrency: int) -> dict:
+    """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
+    num_requests = args.num_requests or max(2 * concurrency, 16)
+    # 16 clients a process by default, at most half the cores (the services need the rest).
+    procs = args.client_procs or max(1, min(math.ceil(concurrency / 16), (os.cpu_count() or 2) // 2))
+    run_load(base_url, model, conversations(min(concurrency, 8), 10_000), min(concurrency, 8), 4, 1, args.client)
+    ports = {name: info.internal_port for name, info in stack.services.items() if info.internal_port} if stack else {}
+    pids = {name: info.pid for name, info in stack.services.items() if info.pid} if stack else {}
+    before, cpu_before = (scrape(ports) if ports else {}), cpu_seconds(pids)
+    since_ns = time.time_ns()
+    load = run_load(base_url, model, conversations(num_requests), concurrency, args.max_tokens, procs, args.client)
+    until_ns = time.time_ns()
+    point = summarize(load, concurrency, procs)
+    point["service_cpu"] = cpu_fractions(cpu_before, cpu_seconds(pids), (until_ns - since_ns) / 1e9)
+    point["hops"] = histogram_breakdown(before, scrape(ports)) if ports else []
+    if args.trace and stack is not None:
+        from deepinfer.telemetry.trace_file import read_spans
 
-    from deepinfer import LLM, SamplingParams
-
-    torch.set_num_threads(threads)
-    llm = LLM(model, progress=False, max_num_seqs=max_num_seqs)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.chat(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outputs = llm.chat(prompts, params, use_tqdm=False)
-    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outputs)
-
-
-def main() -> None:
-    """Run the service side, then the offline side; print the table and the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--no-offline", action="store_true")
-    parser.add_argument("--offline-threads", type=int, default=1,
-                        help="torch threads offline (default 1: what each worker gets on a 2-core machine)")
-    args = parser.parse_args()
-    prompts = conversations(args.num_requests)
-    stack = None
-    if args.base_url is None:
-        from deepinfer.up import Stack
-
-        stack = Stack(model=args.model, port=0, env_overrides={"DEEPINFER_GATEWAY_API_KEYS": ""})
-        stack.start()
-        stack.wait_ready()
-    base_url = args.base_url or stack.base_url
-    model = stack.model_name if stack else args.model
-    try:
-        asyncio.run(run_clients(base_url, model, prompts[:2], 2, 4))  # warm-up
-        results, wall_s = asyncio.run(run_clients(base_url, model, prompts, args.concurrency, args.max_tokens))
-    finally:
-        if stack is not None:
-            stack.stop()
-    offline_s, offline_tokens = (float("nan"), 0) if args.no_offline else run_offline(
-        stack.model if stack else args.model, prompts, args.max_tokens, args.concurrency, args.offline_threads)
-    report(args, results, wall_s, offline_s, offline_tokens)
+        time.sleep(1.0)  # the batch span processors export every 0.2 s
+        point["spans"] = span_breakdown(read_spans(stack.trace_dir), since_ns, until_ns)
+    return point
 
 
-def report(args, results: list[RequestStats], wall_s: float, offline_s: float, offline_tokens: int) -> None:
-    """The table and the JSON line."""
+def summarize(load: LoadResult, concurrency: int, procs: int) -> dict:
+    """Client-side metrics of one point."""
+    results = load.requests
     ttft = [r.ttft_s * 1000 for r in results]
     itl = [g * 1000 for r in results for g in r.gaps_s]
     tpot = [(r.e2e_s - r.ttft_s) * 1000 / (r.num_tokens - 1) for r in results if r.num_tokens > 1]
     tokens = sum(r.num_tokens for r in results)
-    service_tok_s = tokens / wall_s
-    offline_tok_s = offline_tokens / offline_s if offline_tokens else float("nan")
-    print(f"{len(results)} requests, concurrency {args.concurrency}, {args.max_tokens} output tokens each")
-    print(f"{'metric':<26}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name, values in (("TTFT ms", ttft), ("ITL ms", itl), ("TPOT ms", tpot)):
-        print(f"{name:<26}{percentile(values, 50):>10.1f}{percentile(values, 90):>10.1f}{percentile(values, 99):>10.1f}")
-    print(f"{'service output tok/s':<26}{service_tok_s:>10.1f}")
-    print(f"{'offline output tok/s':<26}{offline_tok_s:>10.1f}")
-    overhead = 1 - service_tok_s / offline_tok_s if offline_tokens else float("nan")
-    print(f"{'service path overhead':<26}{overhead * 100:>9.1f}%  (1 - service/offline throughput)")
-    print(json.dumps({
-        "bench": "serve", "requests": len(results), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+    return {
+        "concurrency": concurrency, "requests": len(results), "client_procs": procs,
+        "client_cpu_max": round(load.max_cpu_fraction, 3), "service_output_tok_s": round(tokens / load.wall_s, 1),
         "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p99": round(percentile(ttft, 99), 1),
-        "itl_ms_p50": round(percentile(itl, 50), 1), "itl_ms_p99": round(percentile(itl, 99), 1),
-        "tpot_ms_mean": round(statistics.fmean(tpot), 1) if tpot else None,
-        "service_output_tok_s": round(service_tok_s, 1), "offline_output_tok_s": round(offline_tok_s, 1),
-        "overhead": round(overhead, 3) if offline_tokens else None,
-    }))
+        "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
+        "tpot_ms_mean": round(statistics.fmean(tpot), 2) if tpot else None,
+    }
+
+
+def offline_point(args, model: str, concurrency: int, engine_options: dict) -> dict:
+    """The offline engine on the same prompts, at most `concurrency` at a time."""
+    import torch
+
+    from deepinfer import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.offline_threads)
+    prompts = conversations(args.num_requests or max(2 * concurrency, 16))
+    llm = LLM(model, progress=False, max_num_seqs=concurrency, **engine_options)
+    try:
+        llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        started = time.perf_counter()
+        outputs = llm.chat(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+    finally:
+        llm.close()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"offline_output_tok_s": round(tokens / seconds, 1), "offline_step_ms": round(seconds * 1000 /
+            max(1, math.ceil(len(prompts) / concurrency) * args.max_tokens), 2)}
+
+
+def start_stack(args, model: str):
+    """The whole stack on `model` (dummy weights for a random model), ready; with --trace, the file exporter."""
+    from deepinfer.up import Stack
+
+    env = {"DEEPINFER_GATEWAY_API_KEYS": ""}
+    if args.random_model:
+        env |= {"DEEPINFER_PREFILL_LOAD_FORMAT": "dummy", "DEEPINFER_DECODE_LOAD_FORMAT": "dummy"}
+    if args.trace:
+        env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900)
+    stack.start()
+    stack.wait_ready()
+    return stack
+
+
+def main() -> None:
+    """Service side for every point, then the offline side for every point; tables, JSON line, JSON file."""
+    args = parse_args()
+    model = args.model
+    if args.random_model:
+        from random_model import write_random_model
+
+        model = str(write_random_model(args.random_model, args.cache_dir))
+    sweep = [int(c) for c in args.sweep.split(",")]
+    stack = None if args.base_url else start_stack(args, model)
+    points = []
+    try:
+        base_url = args.base_url or stack.base_url
+        served = stack.model_name if stack else model
+        points = [service_point(args, stack, base_url, served, c) for c in sweep]
+        share = stack.devices.get("decode-0") if stack else None
+    finally:
+        if stack is not None:
+            stack.stop()
+    if not args.no_offline:
+        options = {"load_format": "dummy"} if args.random_model else {}
+        if share is not None and share.device.startswith("cuda"):
+            options["device"] = share.device
+            if share.gpu_memory_utilization:
+                options["gpu_memory_utilization"] = share.gpu_memory_utilization
+        for point in points:
+            point |= offline_point(args, model, point["concurrency"], options)
+            point["service_over_offline"] = round(point["service_output_tok_s"] / point["offline_output_tok_s"], 3)
+    report(args, points)
+
+
+def report(args, points: list[dict]) -> None:
+    """Tables, the JSON line, and the JSON file."""
+    print(f"\nservice vs offline: {args.random_model or args.model}, {args.max_tokens} output tokens, "
+          f"client {args.client}, device {args.device}")
+    header = ["conc", "procs", "cpu max", "service tok/s", "offline tok/s", "ratio", "TTFT p50", "TTFT p99",
+              "ITL p50", "ITL p99", "TPOT"]
+    print("".join(f"{h:>14}" for h in header))
+    for p in points:
+        row = [p["concurrency"], p["client_procs"], f"{p['client_cpu_max']:.0%}", p["service_output_tok_s"],
+               p.get("offline_output_tok_s", "-"), p.get("service_over_offline", "-"), p["ttft_ms_p50"],
+               p["ttft_ms_p99"], p["itl_ms_p50"], p["itl_ms_p99"], p["tpot_ms_mean"]]
+        print("".join(f"{str(v):>14}" for v in row))
+    for p in points:
+        if p["client_cpu_max"] > CPU_WARN_FRACTION:
+            print(f"WARNING: a client process used {p['client_cpu_max']:.0%} of a core at concurrency "
+                  f"{p['concurrency']}: raise --client-procs", file=sys.stderr)
+        print(f"\nconcurrency {p['concurrency']}: CPU per service (1.0 = a core): "
+              + ", ".join(f"{name} {share:.2f}" for name, share in p.get("service_cpu", {}).items()))
+        print_hops("hop (histograms)", p.get("hops", []))
+        print_hops("hop (spans)", p.get("spans", []))
+    result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
+              "client": args.client, "device": args.device, "trace": args.trace, "points": points}
+    print(json.dumps(result))
+    out = args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-{time.strftime('%Y-%m-%d-%H%M')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"saved {out}")
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--random-model", default=None, help="a random-weight shape: llama-1b, llama-8b")
+    parser.add_argument("--cache-dir", type=Path, default=Path(".bench-models"), help="where --random-model is written")
+    parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--sweep", default="1,4", help="comma-separated concurrencies (default 1,4)")
+    parser.add_argument("--num-requests", type=int, default=0, help="per point (default: 2 x concurrency, >= 16)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client", default="httpx", choices=("httpx", "openai"))
+    parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")
+    parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
+    parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--offline-threads", type=int, default=1,
+                        help="torch threads offline on the CPU (default 1: what each worker gets on 2 cores)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/serve-*.json)")
+    args = parser.parse_args()
+    if args.out is None and os.environ.get("OUT"):
+        args.out = Path(os.environ["OUT"]) / "serve.json"
+    return args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""The load generator of bench/serve.py: streaming chat clients spread over several processes, each reporting
+its own CPU use, so the generator is never the bottleneck it measures.
+
+    results = run_load(base_url, model, prompts, concurrency=256, max_tokens=256, num_procs=16)
+
+Each process runs `concurrency / num_procs` async clients that drain its share of the prompts. The `httpx`
+client parses SSE lines with `json.loads` (light); `openai` uses the official SDK (what users run, heavier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: A client process above this share of one core is close to being the bottleneck: the bench warns.
+CPU_WARN_FRACTION = 0.8
+
+
+@dataclass
+class RequestStats:
+    """Client-side timings of one streamed request."""
+
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    num_tokens: int = 0
+    gaps_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ProcessResult:
+    """One client process: its requests, wall window (Unix seconds) and CPU seconds."""
+
+    requests: list[RequestStats]
+    started_unix_s: float
+    ended_unix_s: float
+    cpu_s: float
+
+    @property
+    def cpu_fraction(self) -> float:
+        """CPU seconds over wall seconds: 1.0 = one full core."""
+        return self.cpu_s / max(1e-9, self.ended_unix_s - self.started_unix_s)
+
+
+@dataclass
+class LoadResult:
+    """Every process's results, pooled."""
+
+    processes: list[ProcessResult]
+
+    @property
+    def requests(self) -> list[RequestStats]:
+        """All requests of all processes."""
+        return [r for p in self.processes for r in p.requests]
+
+    @property
+    def wall_s(self) -> float:
+        """First request sent to last request done, over all processes."""
+        return max(p.ended_unix_s for p in self.processes) - min(p.started_unix_s for p in self.processes)
+
+    @property
+    def max_cpu_fraction(self) -> float:
+        """The busiest client process's share of a core."""
+        return max(p.cpu_fraction for p in self.processes)
+
+
+def run_load(
+    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, num_procs: int,
+    client: str = "httpx",
+) -> LoadResult:
+    """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them."""
+    num_procs = max(1, min(num_procs, concurrency))
+    shares = [prompts[i::num_procs] for i in range(num_procs)]
+    clients = [concurrency // num_procs + (1 if i < concurrency % num_procs else 0) for i in range(num_procs)]
+    context = multiprocessing.get_context("spawn")
+    start_at = time.time() + 2.0  # every process imports first, then all begin together
+    jobs = [(base_url, model, share, n, max_tokens, client, start_at) for share, n in zip(shares, clients, strict=True)]
+    with context.Pool(num_procs) as pool:
+        return LoadResult(pool.starmap(_process_main, jobs))
+
+
+def _process_main(
+    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str, start_at: float
+) -> ProcessResult:
+    import httpx  # noqa: F401  (imported before the start line, not inside the timed window)
+
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu_before = _cpu_s()
+    started = time.time()
+    requests = asyncio.run(_clients(base_url, model, prompts, concurrency, max_tokens, client))
+    return ProcessResult(requests, started, time.time(), _cpu_s() - cpu_before)
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str):
+    queue: asyncio.Queue = asyncio.Queue()
+    for messages in prompts:
+        queue.put_nowait(messages)
+    results: list[RequestStats] = []
+    if client == "openai":
+        import openai
+
+        sdk = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
+        one = _openai_request(sdk, model, max_tokens)
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+        http = httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
+        one = _httpx_request(http, model, max_tokens)
+
+    async def worker() -> None:
+        while not queue.empty():
+            results.append(await one(queue.get_nowait()))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def _body(model: str, messages: Any, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def _httpx_request(http, model: str, max_tokens: int):
+    async def one(messages: Any) -> RequestStats:
+        stats = RequestStats()
+        sent = last = time.perf_counter()
+        async with http.stream("POST", "/chat/completions", json=_body(model, messages, max_tokens)) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    stats.num_tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if not choices or not choices[0].get("delta", {}).get("content"):
+                    continue
+                last = _tick(stats, sent, last)
+        stats.e2e_s = time.perf_counter() - sent
+        return stats
+
+    return one
+
+
+def _openai_request(sdk, model: str, max_tokens: int):
+    async def one(messages: Any) -> RequestStats:
+        stats = RequestStats()
+        sent = last = time.perf_counter()
+        body = _body(model, messages, max_tokens)
+        stream = await sdk.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options=body["stream_options"],
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                stats.num_tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].delta.content:
+                last = _tick(stats, sent, last)
+        stats.e2e_s = time.perf_counter() - sent
+        return stats
+
+    return one
+
+
+def _tick(stats: RequestStats, sent: float, last: float) -> float:
+    """Record a content chunk's arrival (TTFT for the first, an inter-token gap after); the new `last`."""
+    now = time.perf_counter()
+    if stats.ttft_s == 0.0:
+        stats.ttft_s = now - sent
+    else:
+        stats.gaps_s.append(now - last)
+    return now
