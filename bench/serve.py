@@ -55,12 +55,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] if ordered else float("nan")
 
 
-def service_point(args, stack, base_url: str, model: str, concurrency: int) -> dict:
+def service_point(args, stack, base_url: list[str], model: str, concurrency: int) -> dict:
     """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
     num_requests = args.num_requests or max(2 * concurrency, 16)
     # 16 clients a process by default, at most half the cores (the services need the rest).
     procs = args.client_procs or max(1, min(math.ceil(concurrency / 16), (os.cpu_count() or 2) // 2))
-    run_load(base_url, model, conversations(min(concurrency, 8), 10_000), min(concurrency, 8), 4, 1, args.client)
+    procs = max(procs, len(base_url))  # every gateway gets at least one client process
+    num_warm = min(concurrency, 8 * len(base_url))
+    run_load(base_url, model, conversations(num_warm, 10_000), num_warm, 4, len(base_url), args.client)
     ports = {name: info.internal_port for name, info in stack.services.items() if info.internal_port} if stack else {}
     pids = {name: info.pid for name, info in stack.services.items() if info.pid} if stack else {}
     before, cpu_before = (scrape(ports) if ports else {}), cpu_seconds(pids)
@@ -129,10 +131,13 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_PREFILL_LOAD_FORMAT": "dummy", "DEEPINFER_DECODE_LOAD_FORMAT": "dummy"}
     if args.trace:
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900)
     stack.start()
     stack.wait_ready()
-    return stack
+    urls = [stack.base_url] + [stack.add_gateway(f"gateway-{i}") for i in range(1, args.gateways)]
+    stack.wait_ready()
+    return stack, urls
 
 
 def main() -> None:
@@ -144,10 +149,10 @@ def main() -> None:
 
         model = str(write_random_model(args.random_model, args.cache_dir))
     sweep = [int(c) for c in args.sweep.split(",")]
-    stack = None if args.base_url else start_stack(args, model)
+    stack, urls = (None, [args.base_url]) if args.base_url else start_stack(args, model)
     points = []
     try:
-        base_url = args.base_url or stack.base_url
+        base_url = urls
         served = stack.model_name if stack else model
         points = [service_point(args, stack, base_url, served, c) for c in sweep]
         share = stack.devices.get("decode-0") if stack else None
@@ -187,7 +192,9 @@ def report(args, points: list[dict]) -> None:
         print_hops("hop (histograms)", p.get("hops", []))
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
-              "client": args.client, "device": args.device, "trace": args.trace, "points": points}
+              "client": args.client, "device": args.device, "trace": args.trace, "gateways": args.gateways,
+              "env": args.env,
+              "points": points}
     print(json.dumps(result))
     out = args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-{time.strftime('%Y-%m-%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +215,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", default="httpx", choices=("httpx", "openai"))
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the stack's services, e.g. DEEPINFER_DECODE_ASYNC_SCHEDULING=true")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (clients spread over them)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--offline-threads", type=int, default=1,

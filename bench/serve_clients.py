@@ -69,16 +69,19 @@ class LoadResult:
 
 
 def run_load(
-    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, num_procs: int,
+    base_url: str | list[str], model: str, prompts: list[Any], concurrency: int, max_tokens: int, num_procs: int,
     client: str = "httpx",
 ) -> LoadResult:
-    """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them."""
+    """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them;
+    with several base URLs (gateways), process i talks to URL i modulo their number."""
+    urls = [base_url] if isinstance(base_url, str) else base_url
     num_procs = max(1, min(num_procs, concurrency))
     shares = [prompts[i::num_procs] for i in range(num_procs)]
     clients = [concurrency // num_procs + (1 if i < concurrency % num_procs else 0) for i in range(num_procs)]
     context = multiprocessing.get_context("spawn")
     start_at = time.time() + 2.0  # every process imports first, then all begin together
-    jobs = [(base_url, model, share, n, max_tokens, client, start_at) for share, n in zip(shares, clients, strict=True)]
+    jobs = [(urls[i % len(urls)], model, share, n, max_tokens, client, start_at)
+            for i, (share, n) in enumerate(zip(shares, clients, strict=True))]
     with context.Pool(num_procs) as pool:
         return LoadResult(pool.starmap(_process_main, jobs))
 
