@@ -132,12 +132,18 @@ def start_stack(args, model: str):
     if args.trace:
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env |= dict(item.split("=", 1) for item in args.env)
-    stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900)
+    stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900,
+                  num_gateways=args.gateways)
     stack.start()
     stack.wait_ready()
-    urls = [stack.base_url] + [stack.add_gateway(f"gateway-{i}") for i in range(1, args.gateways)]
-    stack.wait_ready()
-    return stack, urls
+    return stack, [stack.base_url]
+
+
+def default_num_gateways() -> int:
+    """What the stack starts when --gateways is not given."""
+    from deepinfer.up.stack import default_num_gateways as default
+
+    return default()
 
 
 def main() -> None:
@@ -192,7 +198,8 @@ def report(args, points: list[dict]) -> None:
         print_hops("hop (histograms)", p.get("hops", []))
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
-              "client": args.client, "device": args.device, "trace": args.trace, "gateways": args.gateways,
+              "client": args.client, "device": args.device, "trace": args.trace,
+              "gateways": args.gateways or default_num_gateways(),
               "env": args.env,
               "points": points}
     print(json.dumps(result))
@@ -217,7 +224,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the stack's services, e.g. DEEPINFER_DECODE_ASYNC_SCHEDULING=true")
-    parser.add_argument("--gateways", type=int, default=1, help="gateway processes (clients spread over them)")
+    parser.add_argument("--gateways", type=int, default=None,
+                        help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--offline-threads", type=int, default=1,

@@ -46,7 +46,7 @@ def write_tokenizer_dir(path: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
 def gateway_settings(model_dir: Path, **fields: Any) -> GatewaySettings:
     """Settings of a test gateway serving `model_dir` as MODEL (never bound: tests drive the ASGI app)."""
     common = CommonSettings(model=str(model_dir), served_model_name=MODEL)
-    return GatewaySettings(common=common, gateway_id=GATEWAY_ID, **fields)
+    return GatewaySettings(common=common, **{"gateway_id": GATEWAY_ID, **fields})
 
 
 @dataclass

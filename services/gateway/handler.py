@@ -64,7 +64,9 @@ class GatewayHandler:
     async def start(self) -> None:
         """Subscribe, then listen for HTTP."""
         await self.subscribe()
-        self.server = await serve_internal(self.app, self.settings.host, self.settings.port)
+        self.server = await serve_internal(
+            self.app, self.settings.host, self.settings.port, reuse_port=self.settings.reuse_port
+        )
         self.port = self.server.port
 
     async def _on_heartbeat(self, load: WorkerLoad, msg: IncomingMsg) -> None:

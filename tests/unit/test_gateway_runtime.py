@@ -57,6 +57,33 @@ async def test_gateway_ready_serves_and_drains(tmp_path: Path):
         await fake.stop()
 
 
+async def test_two_gateways_share_one_api_port_and_both_serve(tmp_path: Path):
+    broker = FakeBroker()
+    port = free_port()
+    gateways = []
+    for index in range(2):
+        settings = gateway_settings(write_tokenizer_dir(tmp_path / f"m{index}"), port=port, reuse_port=True,
+                                    gateway_id=f"gw-{index}")
+        gateways.append(await build(ServiceContext("gateway", settings, FakeBus(broker), new_registry(False), None)))
+    fake = FakeWorkers(FakeBus(broker), MODEL, gateways[0].state.model.tokenizer.encode(ANSWER))
+    await fake.start()
+    for gateway in gateways:
+        await gateway.start()  # the second bind succeeds: SO_REUSEPORT
+    try:
+        await fake.heartbeat()
+        await broker.settle()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for _ in range(24):  # a new connection each time: the kernel spreads them over both listeners
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        served = [g.state.metrics.requests.labels("chat", "200")._value.get() for g in gateways]
+        assert sum(served) == 24 and min(served) > 0, served
+    finally:
+        for gateway in gateways:
+            await gateway.close()
+        await fake.stop()
+
+
 def test_every_gateway_module_imports_without_torch():
     assert "app" in GATEWAY_MODULES and "main" in GATEWAY_MODULES
     imports = "".join(f"import services.gateway.{module}\n" for module in GATEWAY_MODULES)

@@ -308,3 +308,20 @@ def test_stack_plan_passes_settings_every_service_accepts(tmp_path: Path, monkey
     assert stack.base_url == f"http://127.0.0.1:{stack.port}/v1"
     nats_config = (tmp_path / "nats-server.conf").read_text()
     assert stack.nats.token in nats_config and (tmp_path / "nats-server.conf").stat().st_mode & 0o077 == 0
+
+
+def test_several_gateways_share_the_api_port(tmp_path: Path):
+    from deepinfer.up.stack import default_num_gateways
+
+    assert [default_num_gateways(n) for n in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    stack = Stack(port=0, num_gateways=3, log_dir=tmp_path, num_gpus=0, base_env={})
+    specs = {s.name: s for s in stack.plan() if stack.kinds[s.name] == "gateway"}
+    assert list(specs) == ["gateway-0", "gateway-1", "gateway-2"]
+    envs = [spec.env for spec in specs.values()]
+    assert {env["DEEPINFER_GATEWAY_PORT"] for env in envs} == {str(stack.port)}
+    assert {env["DEEPINFER_GATEWAY_REUSE_PORT"] for env in envs} == {"true"}
+    assert len({env["DEEPINFER_GATEWAY_GATEWAY_ID"] for env in envs}) == 3
+    assert len({env["DEEPINFER_GATEWAY_INTERNAL_PORT"] for env in envs}) == 3
+    single = Stack(port=0, num_gateways=1, log_dir=tmp_path / "one", num_gpus=0, base_env={})
+    (gateway,) = [s for s in single.plan() if s.name.startswith("gateway")]
+    assert gateway.env["DEEPINFER_GATEWAY_REUSE_PORT"] == "false"

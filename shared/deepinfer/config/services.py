@@ -57,6 +57,10 @@ class GatewaySettings(ServiceSettings):
     host: str = Field("127.0.0.1", description="Interface the API listens on (0.0.0.0 in a pod).")
     port: int = Field(8000, ge=1, le=65535, description="API port.")
     internal_port: AnyPort = Field(8001, description="Port of /health, /ready and /metrics (0 = any free port).")
+    reuse_port: bool = Field(
+        False, description="Share the API port with other gateway processes (SO_REUSEPORT; the kernel spreads "
+        "connections over them): one gateway process handles SSE for a few hundred streams at most.",
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Accepted API keys, comma-separated or a JSON list; empty = no auth.",

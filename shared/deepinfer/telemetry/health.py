@@ -79,13 +79,18 @@ class InternalServer:
             await self.task
 
 
-async def serve_internal(app: Starlette, host: str, port: int) -> InternalServer:
-    """Serve `app` on host:port (0 = any free port) in a task; returns once it accepts connections."""
+async def serve_internal(app: Starlette, host: str, port: int, reuse_port: bool = False) -> InternalServer:
+    """Serve `app` on host:port (0 = any free port) in a task; returns once it accepts connections.
+
+    `reuse_port`: SO_REUSEPORT, so several processes listen on one port and the kernel spreads the connections.
+    """
     # Bind here so that a port in use raises OSError in the caller instead of uvicorn calling sys.exit.
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedulers", type=_count_positive, default=1, metavar="K", help="scheduler replicas (default: 1)"
     )
+    parser.add_argument(
+        "--gateways", type=_count_positive, default=None, metavar="G",
+        help="gateway processes sharing the API port (default: one per 4 cores, 1 to 4)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         num_prefill=args.prefill,
         num_decode=args.decode,
         num_schedulers=args.schedulers,
+        num_gateways=args.gateways,
         log_dir=common.data_dir / "up" / "logs",
     )
     handler = _setup_logging(width=max(len(name) for name in _child_names(stack)))
@@ -163,7 +168,8 @@ def _child_names(stack: Stack) -> list[str]:
     workers = [f"prefill-{i}" for i in range(stack.num_prefill)] + [
         f"decode-{i}" for i in range(stack.num_decode)
     ]
-    return ["nats", "gateway-0", *[f"scheduler-{k}" for k in range(stack.num_schedulers)], *workers]
+    gateways = [f"gateway-{g}" for g in range(stack.num_gateways)]
+    return ["nats", *gateways, *[f"scheduler-{k}" for k in range(stack.num_schedulers)], *workers]
 
 
 def _port_free(host: str, port: int) -> bool:
