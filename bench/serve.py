@@ -57,12 +57,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def service_point(args, stack, base_url: list[str], model: str, concurrency: int) -> dict:
     """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
-    num_requests = args.num_requests or max(2 * concurrency, 16)
+    num_requests = args.num_requests or max(4 * concurrency, 16)
     # 16 clients a process by default, at most half the cores (the services need the rest).
     procs = args.client_procs or max(1, min(math.ceil(concurrency / 16), (os.cpu_count() or 2) // 2))
-    procs = max(procs, len(base_url))  # every gateway gets at least one client process
-    num_warm = min(concurrency, 8 * len(base_url))
-    run_load(base_url, model, conversations(num_warm, 10_000), num_warm, 4, len(base_url), args.client)
+    # Warm-up at this concurrency: the first steps of a new batch width compile kernels and capture graphs
+    # (a stall of up to ~1 s seen at 64 on an H200), which must not land in the measured window.
+    run_load(base_url, model, conversations(concurrency, 10_000), concurrency, 8, procs, args.client)
     ports = {name: info.internal_port for name, info in stack.services.items() if info.internal_port} if stack else {}
     pids = {name: info.pid for name, info in stack.services.items() if info.pid} if stack else {}
     before, cpu_before = (scrape(ports) if ports else {}), cpu_seconds(pids)
@@ -104,7 +104,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
 
     if not torch.cuda.is_available():
         torch.set_num_threads(args.offline_threads)
-    prompts = conversations(args.num_requests or max(2 * concurrency, 16))
+    prompts = conversations(args.num_requests or max(4 * concurrency, 16))
     llm = LLM(model, progress=False, max_num_seqs=concurrency, **engine_options)
     try:
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -218,7 +218,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--sweep", default="1,4", help="comma-separated concurrencies (default 1,4)")
-    parser.add_argument("--num-requests", type=int, default=0, help="per point (default: 2 x concurrency, >= 16)")
+    parser.add_argument("--num-requests", type=int, default=0, help="per point (default: 4 x concurrency, >= 16)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", default="httpx", choices=("httpx", "openai"))
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 #: Full-length sequences the default CPU KV budget holds (below its byte cap).
 CPU_KV_SEQUENCES = 8
 
+#: What a process's CUDA context and library handles take outside torch's allocator (about 0.5 GiB on a H200).
+CUDA_CONTEXT_BYTES = 512 << 20
+
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -242,7 +245,9 @@ class EngineCore:
         return min(DEFAULT_CPU_KV_CACHE_BYTES, (CPU_KV_SEQUENCES * blocks_per_sequence + 1) * bytes_per_block)
 
     def _device_kv_budget(self) -> int:
-        """GPU bytes left for KV: utilisation share minus what is in use now, minus activation headroom."""
+        """GPU bytes left for KV: this engine's utilisation share minus what this process holds, minus activation
+        headroom, and never more than is free. Another process on the same GPU (a prefill worker beside a decode
+        worker) takes its own share: counting its memory against ours starved whichever worker started second."""
         free, total = torch.cuda.mem_get_info(self.device)
         cfg = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -256,8 +261,9 @@ class EngineCore:
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
             activations += num_seqs * cfg.activation_bytes_per_token(elem)
             activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
-        used = total - free
-        return int(total * self.args.gpu_memory_utilization) - used - activations - logits - (256 << 20)
+        own = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+        headroom = activations + logits + (256 << 20)
+        return min(int(total * self.args.gpu_memory_utilization) - own - headroom, free - headroom)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
