@@ -77,6 +77,19 @@ class StreamFormatter(ABC):
         g = self.generation
         return {"id": g.response_id, "created": g.created, "model": g.model_name}
 
+    def _frame(self) -> tuple[str, str]:
+        """The text of an event around its one choice: `data: {"id":..,"choices":[{"index":` and `]..}` + blank line.
+
+        The per-token path writes only the choice in between (a few string joins instead of building and dumping
+        pydantic models per token); the bytes equal the pydantic path's, as tests/unit/test_gateway_sse.py checks.
+        """
+        empty = self.chunk_type(**self._base(), choices=[]).model_dump(mode="json")
+        empty.pop("usage", None)
+        text = json.dumps(empty, ensure_ascii=False, separators=(",", ":"))
+        assert text.endswith('"choices":[]}')
+        usage = ',"usage":null' if self.generation.include_usage else ""
+        return f"data: {text[:-2]}{{\"index\":", f"]{usage}}}\n\n"
+
 
 class Presenter(ABC):
     """One API shape: request parsing, prompt building, response and stream formatting."""
@@ -166,6 +179,10 @@ class ChatPresenter(Presenter):
 class _ChatStream(StreamFormatter):
     chunk_type = ChatCompletionChunk
 
+    def __init__(self, generation: Generation) -> None:
+        super().__init__(generation)
+        self.head, self.tail = self._frame()
+
     def opening(self) -> list[str]:
         return [self._chunk(o.index, DeltaMessage(role="assistant", content="")) for o in self.generation.outputs]
 
@@ -173,7 +190,12 @@ class _ChatStream(StreamFormatter):
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return []
         g = self.generation
-        logprobs = chat_logprobs(g.tokenizer, delta.logprobs) if g.logprobs else None
+        if not g.logprobs:  # the per-token path: no models built
+            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+            text = json.dumps(delta.text, ensure_ascii=False)
+            return [f'{self.head}{delta.index},"delta":{{"content":{text}}},"logprobs":null,'
+                    f'"finish_reason":{finish}}}{self.tail}']
+        logprobs = chat_logprobs(g.tokenizer, delta.logprobs)
         return [
             self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs,
                         finish_reason=delta.finish_reason)
@@ -231,11 +253,16 @@ class _CompletionsStream(StreamFormatter):
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.text_offsets = [0] * len(generation.outputs)
+        self.head, self.tail = self._frame()
 
     def delta(self, delta: ChoiceDelta) -> list[str]:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return []
         g = self.generation
+        if not g.logprobs:  # the per-token path: no models built
+            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+            text = json.dumps(delta.text, ensure_ascii=False)
+            return [f'{self.head}{delta.index},"text":{text},"logprobs":null,"finish_reason":{finish}}}{self.tail}']
         logprobs = None
         if g.logprobs:
             logprobs, self.text_offsets[delta.index] = completion_logprobs(

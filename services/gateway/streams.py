@@ -25,15 +25,40 @@ class RequestStream:
         self._owner = owner
 
     async def get(self, timeout_s: float) -> TokenChunk | None:
-        """The next chunk, or None when none arrived within `timeout_s`."""
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout_s)
-        except TimeoutError:
-            return None
+        """Every chunk that arrived since the last call, merged into one (None when none came within `timeout_s`).
+
+        Merging is the backpressure: a gateway that falls behind its decode workers detokenizes, formats and writes
+        one SSE event per stream for all the steps it missed, instead of one per step (which would put it further
+        behind). A gateway that keeps up gets one chunk at a time, as sent.
+        """
+        if self.queue.empty():
+            try:
+                first = await asyncio.wait_for(self.queue.get(), timeout_s)
+            except TimeoutError:
+                return None
+        else:  # chunks arrive a step's worth at a time: most gets need no timer
+            first = self.queue.get_nowait()
+        chunk = first
+        while not self.queue.empty() and chunk.finish_reason is None and chunk.error is None:
+            chunk = merge_chunks(chunk, self.queue.get_nowait())
+        return chunk
 
     def close(self) -> None:
         """Stop routing this request's chunks here (later ones are dropped)."""
         self._owner.forget(self.request_id)
+
+
+def merge_chunks(first: TokenChunk, then: TokenChunk) -> TokenChunk:
+    """One chunk with the tokens (and logprobs) of both, in order; the end (finish, error) is the later one's."""
+    logprobs = None if first.logprobs is None or then.logprobs is None else [*first.logprobs, *then.logprobs]
+    return TokenChunk(
+        request_id=first.request_id,
+        token_ids=[*first.token_ids, *then.token_ids],
+        logprobs=logprobs,
+        finish_reason=then.finish_reason,
+        num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None else then.num_cached_tokens,
+        error=then.error,
+    )
 
 
 class TokenStreams:

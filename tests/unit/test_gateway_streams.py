@@ -185,6 +185,26 @@ async def test_token_streams_demultiplex_one_subject():
     assert streams.num_open == 1
 
 
+async def test_a_lagging_stream_gets_every_queued_step_as_one_chunk():
+    from deepinfer.protocol import ErrorCode, ErrorDetail, FinishReason, TokenLogprobs
+
+    streams = TokenStreams(FakeBus(), MODEL, "gw-1")
+    stream = streams.open("r")
+    lp = [TokenLogprobs(token_id=t, logprob=-float(t)) for t in range(6)]
+    for step, (ids, finish) in enumerate([([1], None), ([2, 3], None), ([4], FinishReason.LENGTH), ([5], None)]):
+        chunk = TokenChunk(request_id="r", token_ids=ids, logprobs=lp[ids[0]:ids[-1] + 1], finish_reason=finish,
+                           num_cached_tokens=16 if step == 0 else None)
+        await streams.on_batch(TokenBatch(worker_id="d", step=step, chunks=[chunk]))
+    merged = await stream.get(1.0)  # the steps that arrived meanwhile, up to the end of the request
+    assert merged.token_ids == [1, 2, 3, 4] and merged.finish_reason is FinishReason.LENGTH
+    assert [x.token_id for x in merged.logprobs] == [1, 2, 3, 4] and merged.num_cached_tokens == 16
+    assert (await stream.get(1.0)).token_ids == [5]  # nothing is merged across a finish
+    error = ErrorDetail(code=ErrorCode.INTERNAL, message="x")
+    for chunk in (TokenChunk(request_id="r", token_ids=[6], error=error), TokenChunk(request_id="r", token_ids=[7])):
+        await streams.on_batch(TokenBatch(worker_id="d", step=9, chunks=[chunk]))
+    assert (await stream.get(1.0)).error == error  # nor across an error
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 async def test_request_timeout_is_a_504_or_an_error_event_and_cancels(model_dir: Path, phase: str):
     slow = {"prefill_delay_s": 5.0} if phase == "prefill" else {"step_delay_s": 0.05, "tokens_per_step": 1}

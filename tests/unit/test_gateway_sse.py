@@ -1,0 +1,48 @@
+"""The per-token SSE path writes the same bytes as building and dumping the pydantic models (the reference),
+for every kind of text, finish reason and usage setting, in both API shapes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.openai_models import CompletionChoice, CompletionResponse, DeltaMessage
+from services.gateway.output import ChoiceDelta
+from services.gateway.presenters import CHAT, COMPLETIONS, _without_usage, sse
+
+TEXTS = ["Hello", "", " world", 'quo"te \\ back', "line\nbreak\ttab", "é€😀", "</script>&<>", "\u2028\x00\x1f"]
+
+
+def generation(include_usage: bool) -> SimpleNamespace:
+    return SimpleNamespace(response_id="chatcmpl-1f\u00e9", created=1_700_000_000, model_name='m"odel',
+                           include_usage=include_usage, logprobs=False, top_logprobs=False,
+                           outputs=[SimpleNamespace(index=0), SimpleNamespace(index=1)])
+
+
+def reference(presenter, formatter, delta: ChoiceDelta) -> str:
+    """What the pydantic models give for this delta."""
+    if presenter is CHAT:
+        return formatter._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=None,
+                                finish_reason=delta.finish_reason)
+    choice = CompletionChoice(index=delta.index, text=delta.text, logprobs=None, finish_reason=delta.finish_reason)
+    chunk = CompletionResponse(**formatter._base(), choices=[choice])
+    return sse(_without_usage(chunk, formatter.generation.include_usage))
+
+
+@pytest.mark.parametrize("presenter", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_fast_events_equal_the_pydantic_ones(presenter, include_usage: bool):
+    formatter = presenter.stream(generation(include_usage))
+    for index in (0, 1):
+        for text in TEXTS:
+            for finish in (None, "stop", "length"):
+                delta = ChoiceDelta(index, text, finish_reason=finish)
+                events = formatter.delta(delta)
+                if not text and finish is None:
+                    assert events == []
+                    continue
+                (event,) = events
+                assert event == reference(presenter, formatter, delta)
+                assert json.loads(event[len("data: "):])["choices"][0]["index"] == index
