@@ -133,7 +133,7 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900,
-                  num_gateways=args.gateways)
+                  num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode)
     stack.start()
     stack.wait_ready()
     return stack, [stack.base_url]
@@ -199,7 +199,7 @@ def report(args, points: list[dict]) -> None:
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
               "client": args.client, "device": args.device, "trace": args.trace,
-              "gateways": args.gateways or default_num_gateways(),
+              "gateways": args.gateways or default_num_gateways(), "prefill": args.prefill, "decode": args.decode,
               "env": args.env,
               "points": points}
     print(json.dumps(result))
@@ -224,6 +224,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the stack's services, e.g. DEEPINFER_DECODE_ASYNC_SCHEDULING=true")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers take both roles)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")

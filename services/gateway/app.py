@@ -67,11 +67,10 @@ class ApiState:
     accepting: bool = True
 
     def not_ready_reason(self) -> str:
-        """Why requests cannot be served now ("" when they can)."""
+        """Why requests cannot be served now ("" when they can). A decode worker is enough: without a prefill
+        worker the scheduler sends the whole request to it and it computes the prompt."""
         if not self.accepting:
             return "draining"
-        if not self.pipeline.membership.has_prefill():
-            return "no prefill-capable worker seen in heartbeats"
         if not self.pipeline.membership.has_decode():
             return "no decode-capable worker seen in heartbeats"
         return ""

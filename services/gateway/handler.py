@@ -73,7 +73,8 @@ class GatewayHandler:
         self.membership.observe(load)
 
     def is_ready(self) -> bool:
-        """Model loaded (always, once built), a prefill-capable and a decode-capable worker alive."""
+        """Model loaded (always, once built) and a decode-capable worker alive (it computes prompts itself when no
+        prefill worker is there)."""
         return self.not_ready_reason() == ""
 
     def not_ready_reason(self) -> str:

@@ -114,10 +114,6 @@ class Membership:
         """The live member whose heartbeat arrived last (None before any): the model's current identity."""
         return max(self.members(), key=lambda m: m.last_seen_s, default=None)
 
-    def has_prefill(self) -> bool:
-        """A live, non-draining worker can prefill (role prefill or both)."""
-        return any(m.can_prefill and not m.draining for m in self.members())
-
     def has_decode(self) -> bool:
         """A live, non-draining worker can decode (role decode or both)."""
         return any(m.can_decode and not m.draining for m in self.members())

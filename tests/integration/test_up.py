@@ -51,9 +51,10 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts child processes through /proc")
-def test_up_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path):
+@pytest.mark.parametrize("num_prefill", [1, 0], ids=["disaggregated", "decode-takes-both-roles"])
+def test_up_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path, num_prefill: int):
     port = free_port()
-    args = ["--port", str(port), "--device", "cpu"]
+    args = ["--port", str(port), "--device", "cpu", "--prefill", str(num_prefill)]
     if not WORKERS:
         # Without workers the gateway cannot become ready; `up` then waits only for its /health.
         args += ["--prefill", "0", "--decode", "0"]
@@ -71,7 +72,8 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(tmp_path: Path):
             Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in children
         }
         expected = ["nats-server", "services.scheduler", "services.gateway"]
-        expected += ["services.prefill", "services.decode"] if WORKERS else []
+        expected += ["services.decode"] if WORKERS else []
+        expected += ["services.prefill"] if WORKERS and num_prefill else []
         for name in expected:
             assert any(name in command for command in commands), (name, commands)
 

@@ -30,11 +30,11 @@ async def test_gateway_ready_serves_and_drains(tmp_path: Path):
     await gateway.start()
     api = f"http://127.0.0.1:{gateway.port}"
     try:
-        assert not gateway.is_ready() and "prefill" in gateway.not_ready_reason()
+        assert not gateway.is_ready() and "decode" in gateway.not_ready_reason()
         # /health and /version on the API port, without the API key (load balancers probe them)
         async with httpx.AsyncClient(base_url=api) as http:
             health = await http.get("/health")
-            assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
+            assert health.status_code == 503 and "decode" in health.json()["error"]["message"]
             assert (await http.get("/version")).json() == {"version": deepinfer.__version__}
         await fake.heartbeat()
         await broker.settle()

@@ -117,7 +117,7 @@ def test_roles_and_counts():
         WorkerRole.DECODE: 1,
         WorkerRole.BOTH: 1,
     }
-    assert membership.has_prefill() and membership.has_decode()
+    assert membership.has_decode()
 
 
 def test_lease_must_be_positive():

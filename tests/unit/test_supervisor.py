@@ -325,3 +325,9 @@ def test_several_gateways_share_the_api_port(tmp_path: Path):
     single = Stack(port=0, num_gateways=1, log_dir=tmp_path / "one", num_gpus=0, base_env={})
     (gateway,) = [s for s in single.plan() if s.name.startswith("gateway")]
     assert gateway.env["DEEPINFER_GATEWAY_REUSE_PORT"] == "false"
+
+
+def test_without_prefill_workers_the_gateway_still_waits_for_a_decode_worker(tmp_path: Path):
+    stack = Stack(port=0, num_prefill=0, num_decode=1, num_gateways=1, log_dir=tmp_path, num_gpus=0, base_env={})
+    (gateway,) = [s for s in stack.plan() if s.name == "gateway-0"]
+    assert stack.gateway_waits_for_workers and gateway.probe.url.endswith("/ready")

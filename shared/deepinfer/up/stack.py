@@ -146,8 +146,9 @@ class Stack:
 
     @property
     def gateway_waits_for_workers(self) -> bool:
-        """The gateway's /ready needs a prefill and a decode worker; without local ones only /health is waited for."""
-        return self.num_prefill > 0 and self.num_decode > 0
+        """The gateway's /ready needs a decode worker (without a prefill worker it computes prompts itself);
+        without local decode workers only /health is waited for."""
+        return self.num_decode > 0
 
     @property
     def services(self) -> dict[str, ServiceInfo]:
