@@ -40,7 +40,7 @@ from services.gateway.errors import (
     too_large,
     unauthorized,
 )
-from services.gateway.generation import Generation, collect, start_choices, stream_events
+from services.gateway.generation import Disconnected, Generation, collect, start_choices, stream_events
 from services.gateway.metrics import GatewayMetrics, RequestRecord
 from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.output import ChoiceOutput
@@ -197,11 +197,11 @@ class Routes:
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
-            return await self._collect(generation)
+            return await self._collect(generation, request.is_disconnected)
 
-    async def _collect(self, generation: Generation) -> Response:
+    async def _collect(self, generation: Generation, is_disconnected: Disconnected) -> Response:
         try:
-            body = await collect(generation)
+            body = await collect(generation, is_disconnected)
         except ApiError as exc:
             generation.end(exc.status_code)
             return exc.response()
@@ -209,6 +209,9 @@ class Routes:
             logger.exception("request failed during generation")
             generation.end(500)
             return internal(generation.response_id).response()
+        if body is None:
+            generation.end(499)  # client closed the connection; the workers got a Cancel
+            return Response(status_code=499)
         generation.end(200)
         return JSONResponse(body)
 

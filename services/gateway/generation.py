@@ -131,11 +131,14 @@ async def merged_deltas(generation: Generation, is_disconnected: Disconnected | 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(generation: Generation) -> dict[str, Any]:
-    """Run every choice to its end and build the non-streamed body (ApiError on a failure mid-way)."""
-    async for delta in merged_deltas(generation, None):
+async def collect(generation: Generation, is_disconnected: Disconnected | None = None) -> dict[str, Any] | None:
+    """Run every choice to its end and build the non-streamed body (ApiError on a failure mid-way); None when the
+    client went away meanwhile (the workers were told to drop the request: nobody is left to answer)."""
+    async for delta in merged_deltas(generation, is_disconnected):
         if delta.text:
             generation.record.first_token()
+    if any(output.finish_reason is None for output in generation.outputs):
+        return None  # a choice ended without finishing: only a disconnect does that (failures raise)
     return generation.presenter.response(generation)
 
 

@@ -80,3 +80,19 @@ def test_help_and_registry():
 def test_no_command_prints_help_and_fails():
     result = run_cli()
     assert result.returncode == 2 and "usage: deepinfer" in result.stdout
+
+
+def test_up_port_check_ignores_time_wait_but_not_a_listener():
+    import socket
+
+    from deepinfer.up.cli import _port_free
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    assert not _port_free("127.0.0.1", port)  # a live listener: in use
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the side that closes first keeps the port in TIME-WAIT
+    client.close()
+    listener.close()
+    assert _port_free("127.0.0.1", port)  # only TIME-WAIT left: the gateway (SO_REUSEADDR) can bind it

@@ -173,7 +173,10 @@ def _child_names(stack: Stack) -> list[str]:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Whether the gateway can bind the port: bound as it binds (SO_REUSEADDR), so TIME-WAIT sockets left by an
+    earlier run do not count as in use, while a listener does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
