@@ -40,7 +40,7 @@ from services.gateway.errors import (
     too_large,
     unauthorized,
 )
-from services.gateway.generation import Disconnected, Generation, collect, start_choices, stream_events
+from services.gateway.generation import Generation, collect, start_choices, stream_events
 from services.gateway.metrics import GatewayMetrics, RequestRecord
 from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.output import ChoiceOutput
@@ -193,15 +193,15 @@ class Routes:
                 return internal(request_id).response()
             if stream:
                 return SseResponse(
-                    stream_events(generation, request.is_disconnected),
+                    stream_events(generation),
                     media_type="text/event-stream",
                     headers=_SSE_HEADERS,
                 )
-            return await self._collect(generation, request.is_disconnected)
+            return await self._collect(generation)
 
-    async def _collect(self, generation: Generation, is_disconnected: Disconnected) -> Response:
+    async def _collect(self, generation: Generation) -> Response:
         try:
-            body = await collect(generation, is_disconnected)
+            body = await collect(generation)
         except ApiError as exc:
             generation.end(exc.status_code)
             return exc.response()
@@ -230,7 +230,9 @@ class Routes:
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
         salt = cache_salt_for(getattr(request.state, "api_key", None), body)
-        requests = split_choices(request_id, prompt_token_ids, sampling, salt, body.n, deadline_s)
+        requests = split_choices(
+            request_id, prompt_token_ids, sampling, salt, body.n, deadline_s, request.is_disconnected
+        )
         record.prompt(len(prompt_token_ids))
         record.span.set_attribute("num_prompt_tokens", len(prompt_token_ids))
         runs = await start_choices(state.pipeline, requests)

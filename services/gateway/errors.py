@@ -131,6 +131,11 @@ def timed_out(timeout_s: float) -> ApiError:
     return ApiError(ErrorCode.TIMEOUT, f"the request did not finish within request_timeout_s={timeout_s:g} s")
 
 
+def client_gone() -> ApiError:
+    """499 the client closed the connection while the request waited on a worker (nobody reads this)."""
+    return ApiError(ErrorCode.CANCELLED, "the client closed the connection")
+
+
 def internal(request_id: str) -> ApiError:
     """500 with no detail beyond the request id (details stay in the logs)."""
     return ApiError(ErrorCode.INTERNAL, f"internal error (request id {request_id})")

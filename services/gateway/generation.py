@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,6 @@ from services.gateway.recipe import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-Disconnected = Callable[[], Awaitable[bool]]
 
 
 @dataclass
@@ -79,11 +78,9 @@ async def start_choices(pipeline: RequestPipeline, requests: list[GenerateReques
     return [r for r in results if isinstance(r, RunningRequest)]
 
 
-async def choice_deltas(
-    run: RunningRequest, output: ChoiceOutput, is_disconnected: Disconnected | None
-) -> AsyncIterator[ChoiceDelta]:
+async def choice_deltas(run: RunningRequest, output: ChoiceOutput) -> AsyncIterator[ChoiceDelta]:
     """One choice's deltas; a stop string found here cancels the request on the workers."""
-    async with aclosing(run.chunks(is_disconnected)) as chunks:
+    async with aclosing(run.chunks()) as chunks:
         async for chunk in chunks:
             delta = output.add(chunk)
             if delta.stopped_by_string:
@@ -93,10 +90,10 @@ async def choice_deltas(
                 return
 
 
-async def merged_deltas(generation: Generation, is_disconnected: Disconnected | None) -> AsyncIterator[ChoiceDelta]:
+async def merged_deltas(generation: Generation) -> AsyncIterator[ChoiceDelta]:
     """Deltas of every choice, interleaved as they arrive; the first failure ends them all."""
     pairs = zip(generation.runs, generation.outputs, strict=True)
-    iterators = [choice_deltas(run, output, is_disconnected) for run, output in pairs]
+    iterators = [choice_deltas(run, output) for run, output in pairs]
     if len(iterators) == 1:
         async with aclosing(iterators[0]) as only:
             async for delta in only:
@@ -131,10 +128,10 @@ async def merged_deltas(generation: Generation, is_disconnected: Disconnected | 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(generation: Generation, is_disconnected: Disconnected | None = None) -> dict[str, Any] | None:
+async def collect(generation: Generation) -> dict[str, Any] | None:
     """Run every choice to its end and build the non-streamed body (ApiError on a failure mid-way); None when the
     client went away meanwhile (the workers were told to drop the request: nobody is left to answer)."""
-    async for delta in merged_deltas(generation, is_disconnected):
+    async for delta in merged_deltas(generation):
         if delta.text:
             generation.record.first_token()
     if any(output.finish_reason is None for output in generation.outputs):
@@ -142,7 +139,7 @@ async def collect(generation: Generation, is_disconnected: Disconnected | None =
     return generation.presenter.response(generation)
 
 
-async def stream_events(generation: Generation, is_disconnected: Disconnected | None) -> AsyncIterator[str]:
+async def stream_events(generation: Generation) -> AsyncIterator[str]:
     """The presenter's SSE events: opening, one per delta, closing. A failure after the stream started is the
     presenter's error events (OpenAI: `data: {"error": ...}` then [DONE])."""
     status = 200
@@ -152,7 +149,7 @@ async def stream_events(generation: Generation, is_disconnected: Disconnected | 
     try:
         for event in formatter.opening():
             yield event
-        async for delta in merged_deltas(generation, is_disconnected):
+        async for delta in merged_deltas(generation):
             if delta.text:
                 generation.record.first_token()
             for event in formatter.delta(delta):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from deepinfer import subjects
@@ -40,7 +40,7 @@ from deepinfer.protocol import (
 )
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry.hops import Hops
-from services.gateway.errors import ApiError, from_wire, overloaded, timed_out, worker_lost
+from services.gateway.errors import ApiError, client_gone, from_wire, overloaded, timed_out, worker_lost
 from services.gateway.recipe import GenerateRequest
 from services.gateway.streams import RequestStream, TokenStreams
 
@@ -190,6 +190,8 @@ class RequestPipeline:
                 if done:
                     return task.result()
                 self._check_deadline(request)
+                if request.is_disconnected is not None and await request.is_disconnected():
+                    raise client_gone()  # the caller's Cancel reaches the worker: a long prefill stops
                 if self.membership.is_alive(worker_id) is False:
                     raise overloaded(f"worker {worker_id} stopped answering", retry_after_s)
         except NoResponders:
@@ -239,9 +241,7 @@ class RunningRequest:
         """The id the workers know this request by."""
         return self.request.request_id
 
-    async def chunks(
-        self, is_disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> AsyncIterator[TokenChunk]:
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
         """The prefill's first token, then the decode worker's chunks, until one carries a finish_reason.
 
         Raises ApiError when the worker fails, dies or goes silent (502) or the deadline passes (504).
@@ -256,7 +256,7 @@ class RunningRequest:
                 yield first
                 if self.finished:
                     return
-            async for chunk in self._decoded(is_disconnected):
+            async for chunk in self._decoded():
                 yield chunk
         except ApiError as exc:
             self.stop(f"gateway gave up: {exc.message}")
@@ -264,8 +264,8 @@ class RunningRequest:
         finally:
             self.stop("client disconnected")
 
-    async def _decoded(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> AsyncIterator[TokenChunk]:
-        settings = self.pipeline.settings
+    async def _decoded(self) -> AsyncIterator[TokenChunk]:
+        settings, is_disconnected = self.pipeline.settings, self.request.is_disconnected
         worker_id = self.decision.decode_worker_id or ""
         silence_limit_s = settings.first_token_timeout_s
         last_chunk_s = last_check_s = time.monotonic()

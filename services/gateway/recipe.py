@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,8 @@ class GenerateRequest:
     cache_salt: str
     #: When the client's request_timeout_s runs out (time.monotonic()).
     deadline_s: float
+    #: Whether the client went away (polled while the request waits on a worker); None = never asked.
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None
 
 
 def check_model(model: ModelInfo, name: str) -> None:
@@ -155,7 +158,7 @@ def sampling_params(
 
 def split_choices(
     request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int,
-    deadline_s: float,
+    deadline_s: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
 ) -> list[GenerateRequest]:
     """n independent sequences, each with its own seed (choice i: derived from the request's seed, drawn here when
     the client gave none), so prefill, decode and a migrated decode of one choice draw the same tokens."""
@@ -164,5 +167,7 @@ def split_choices(
     for index in range(n):
         choice_sampling = sampling.model_copy(update={"seed": derive_seed(base_seed, index)})
         choice_id = request_id if n == 1 else f"{request_id}-{index}"
-        requests.append(GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt, deadline_s))
+        requests.append(
+            GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt, deadline_s, is_disconnected)
+        )
     return requests

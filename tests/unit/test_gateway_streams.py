@@ -145,36 +145,43 @@ async def _drive_until_first_content(app, body: dict, spec_version: str) -> tupl
     return task, disconnect
 
 
-async def test_a_non_streamed_request_whose_client_went_away_is_cancelled(model_dir: Path):
-    h = await make_harness(model_dir, output_text="Hello, world! " * 20, tokens_per_step=1, step_delay_s=0.02,
-                           settings={"poll_interval_s": 0.05})
-    payload = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    received: list[dict] = []
-    state = {"sent": False, "hang_up_at": time.monotonic() + 0.2}  # the client waits a little, then hangs up
+async def _post_and_hang_up(app, body: dict, after_s: float) -> list[dict]:
+    """POST `body` by hand over ASGI; the client hangs up `after_s` later. The messages the app sent."""
+    payload = json.dumps(body).encode()
+    sent: list[dict] = []
+    state = {"sent": False, "hang_up_at": time.monotonic() + after_s}
 
-    async def receive():  # as a server does: the disconnect is there at once once it happened
+    async def receive():  # as a server does: once it happened, the disconnect is handed over without waiting
         if not state["sent"]:
             state["sent"] = True
             return {"type": "http.request", "body": payload, "more_body": False}
         left_s = state["hang_up_at"] - time.monotonic()
-        if left_s > 0:  # (after the hang-up, no await: a server hands over a pending disconnect at once)
+        if left_s > 0:
             await asyncio.sleep(left_s)
         return {"type": "http.disconnect"}
 
     async def send(message):
-        received.append(message)
+        sent.append(message)
 
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
         "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("s", 80),
     }
+    await asyncio.wait_for(app(scope, receive, send), 5.0)
+    return sent
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+async def test_a_request_whose_client_hangs_up_is_cancelled_on_every_worker(model_dir: Path, phase: str):
+    slow = {"prefill_delay_s": 5.0} if phase == "prefill" else {"tokens_per_step": 1, "step_delay_s": 0.02}
+    h = await make_harness(model_dir, output_text="Hello, world! " * 20, settings={"poll_interval_s": 0.05}, **slow)
     started = time.monotonic()
-    await asyncio.wait_for(h.app(scope, receive, send), 5.0)
-    assert time.monotonic() - started < 1.0  # not the ~5 s the whole answer takes
+    await _post_and_hang_up(h.app, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 0.2)
+    assert time.monotonic() - started < 1.0  # not the seconds a whole prefill or answer takes
     await h.gateway.pipeline.tasks.drain(1.0)
     await h.fake.bus.broker.settle()
-    assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
+    assert [c.request_id for c in h.fake.cancels] == [h.fake.prefill_requests[0].request_id]
     assert h.state.metrics.requests.labels("chat", "499")._value.get() == 1
 
 
