@@ -228,6 +228,52 @@ def test_wait_ready_timeout_names_the_service_and_shows_its_log(supervisor: Supe
     assert "quick" not in message.splitlines()[0]
 
 
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_hung_child_is_killed_and_restarted(tmp_path: Path):
+    port = free_port()
+    liveness = HttpReadyProbe(f"http://127.0.0.1:{port}/health", timeout_s=0.2)
+    child = ChildSpec("worker", (sys.executable, "-c", HEALTH_SERVER, str(port)), dict(os.environ),
+                      probe=liveness, liveness=liveness)
+    supervisor = Supervisor(tmp_path, FAST, grace_s=2.0, liveness_timeout_s=1.0)
+    supervisor.add(child)
+    supervisor.start()
+    try:
+        supervisor.wait_ready(10.0)
+        first = supervisor.pid("worker")
+        time.sleep(1.5)  # answering: never killed, however long it runs
+        assert supervisor.pid("worker") == first and supervisor.restart_count("worker") == 0
+        os.kill(first, signal.SIGSTOP)  # hung: it exits nothing, only its silence shows
+        wait_until(lambda: supervisor.restart_count("worker") == 1 and supervisor.pid("worker") not in (None, first),
+                   timeout_s=10.0)
+        supervisor.wait_ready(10.0)  # the new process serves
+        assert not alive(first)
+    finally:
+        supervisor.stop()
+
+
+def test_a_child_that_never_answered_yet_is_not_killed_for_silence(tmp_path: Path):
+    liveness = HttpReadyProbe(f"http://127.0.0.1:{free_port()}/health", timeout_s=0.1)  # nobody listens there
+    supervisor = Supervisor(tmp_path, FAST, grace_s=2.0, liveness_timeout_s=0.3)
+    supervisor.add(ChildSpec("loading", python("import time; time.sleep(30)"), dict(os.environ), liveness=liveness))
+    supervisor.start()
+    try:
+        pid = supervisor.pid("loading")
+        time.sleep(1.5)  # five timeouts of silence, but it never answered: a model still loading
+        assert supervisor.pid("loading") == pid and supervisor.restart_count("loading") == 0
+    finally:
+        supervisor.stop()
+
+
 def test_start_fails_clearly_for_a_missing_binary(tmp_path: Path):
     sup = Supervisor(tmp_path)
     sup.add(ChildSpec("ghost", ("/nonexistent/binary",), {}))

@@ -65,6 +65,34 @@ class TcpGreetingProbe:
         return ProbeResult(False, f"unexpected greeting {first!r}")
 
 
+@dataclass
+class LivenessWatch:
+    """A child is hung when its liveness probe, after passing once, has failed for `timeout_s` (a stopped or
+    deadlocked process exits nothing, so only this notices it). Not passed yet (still loading) never counts."""
+
+    probe: Probe
+    timeout_s: float
+    interval_s: float = 1.0
+    last_alive_s: float | None = None
+    last_probe_s: float = float("-inf")
+
+    def due(self, now_s: float) -> bool:
+        """Whether it is time to probe again."""
+        return now_s - self.last_probe_s >= self.interval_s
+
+    def observe(self, alive: bool, now_s: float) -> bool:
+        """Record one probe; True when the child is hung (alive once, silent for more than timeout_s since)."""
+        self.last_probe_s = now_s
+        if alive:
+            self.last_alive_s = now_s
+            return False
+        return self.last_alive_s is not None and now_s - self.last_alive_s > self.timeout_s
+
+    def reset(self) -> None:
+        """A new process: it has to pass once before silence counts."""
+        self.last_alive_s, self.last_probe_s = None, float("-inf")
+
+
 def _reason_of(exc: urllib.error.HTTPError) -> str:
     try:
         body = json.loads(exc.read() or b"{}")

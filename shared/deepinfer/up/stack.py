@@ -251,7 +251,7 @@ class Stack:
         config_path.chmod(0o600)  # it holds the token
         argv = (str(find_nats_server()), "-c", str(config_path))
         probe = TcpGreetingProbe(HOST, self.nats.port)
-        return ChildSpec(NATS_NAME, argv, self._base(), STOP_TIERS[NATS_NAME], probe)
+        return ChildSpec(NATS_NAME, argv, self._base(), STOP_TIERS[NATS_NAME], probe, liveness=probe)
 
     def _service_specs(self) -> list[ChildSpec]:
         workers = [("prefill", i) for i in range(self.num_prefill)] + [
@@ -310,7 +310,8 @@ class Stack:
         env.update(env_overrides or {})
         argv = (sys.executable, "-m", f"services.{service}")
         probe: Probe = HttpReadyProbe(f"http://{HOST}:{port}{probe_path}")
-        return ChildSpec(name, argv, env, STOP_TIERS[service], probe)
+        liveness = HttpReadyProbe(f"http://{HOST}:{port}/health")  # 200 while the process works, ready or not
+        return ChildSpec(name, argv, env, STOP_TIERS[service], probe, liveness=liveness)
 
     def _base(self) -> dict[str, str]:
         return dict(os.environ if self._base_env is None else self._base_env)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from deepinfer.process import die_with_parent_preexec
 from deepinfer.up.logs import tail
-from deepinfer.up.probes import Probe, ProbeResult
+from deepinfer.up.probes import LivenessWatch, Probe, ProbeResult
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class ChildSpec:
     stop_tier: int = 0
     probe: Probe | None = None
     cwd: Path | None = None
+    #: Answers while the process works (its /health); once it has answered, silence past the supervisor's
+    #: liveness timeout gets the process killed and restarted.
+    liveness: Probe | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class _Child:
     spawn_requested: bool = False
     last_exit_code: int | None = None
     pids: list[int] = field(default_factory=list)
+    liveness: LivenessWatch | None = None
 
 
 class Supervisor:
@@ -106,8 +110,10 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         grace_s: float = 30.0,
         poll_interval_s: float = 0.05,
+        liveness_timeout_s: float = 10.0,
     ) -> None:
         self.log_dir = log_dir
+        self.liveness_timeout_s = liveness_timeout_s
         self.policy = policy or RestartPolicy()
         self.grace_s = grace_s
         self.poll_interval_s = poll_interval_s
@@ -126,7 +132,10 @@ class Supervisor:
         with self._lock:
             if spec.name in self._children:
                 raise ValueError(f"duplicate child name {spec.name!r}")
-            self._children[spec.name] = _Child(spec, self.log_dir / f"{spec.name}.log", spawn_requested=True)
+            liveness = None if spec.liveness is None else LivenessWatch(spec.liveness, self.liveness_timeout_s)
+            self._children[spec.name] = _Child(
+                spec, self.log_dir / f"{spec.name}.log", spawn_requested=True, liveness=liveness
+            )
 
     @property
     def names(self) -> list[str]:
@@ -286,6 +295,23 @@ class Supervisor:
                     continue
                 for child in self._children.values():
                     self._check(child, time.monotonic())
+                now_s = time.monotonic()
+                due = [c for c in self._children.values() if c.process and c.liveness and c.liveness.due(now_s)]
+            self._watch_liveness(due)  # probes take up to a second each: never under the lock
+
+    def _watch_liveness(self, children: list[_Child]) -> None:
+        """Probe each child's liveness; SIGKILL a hung one (the monitor then restarts it as any crash)."""
+        for child in children:
+            assert child.liveness is not None
+            alive = child.liveness.probe().ready
+            with self._lock:
+                if child.process is None or self._stopping:
+                    continue
+                if child.liveness.observe(alive, time.monotonic()):
+                    log.warning("%s has not answered its liveness probe for %.0f s: killing it to restart it",
+                                child.spec.name, self.liveness_timeout_s)
+                    _signal_group(child.process, signal.SIGKILL)
+                    child.liveness.reset()
 
     def _check(self, child: _Child, now_s: float) -> None:
         process = child.process
@@ -359,6 +385,8 @@ class Supervisor:
                 return
         child.started_at_s = time.monotonic()
         child.pids.append(child.process.pid)
+        if child.liveness is not None:
+            child.liveness.reset()
 
 
 def describe_exit(code: int) -> str:
