@@ -114,6 +114,8 @@ def test_the_fsync_policy_decides_the_syncs_of_an_append(tmp_path, monkeypatch, 
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="ttl_s"):
         StoreSettings(ttl_s=0)
+    with pytest.raises(ValueError, match="hold nothing"):
+        StoreSettings(ram_bytes=0, disk_dir=None)
     with pytest.raises(ValueError, match="compact_live_fraction"):
         StoreSettings(compact_live_fraction=1.5)
     assert StoreSettings(disk_dir="x", fsync="batch").fsync == FsyncPolicy.BATCH  # type: ignore[arg-type]

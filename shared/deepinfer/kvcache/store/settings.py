@@ -59,6 +59,8 @@ class StoreSettings:
         for name in ("ttl_s", "segment_bytes", "compact_step_bytes", "max_pending_events"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"StoreSettings.{name} must be positive, got {getattr(self, name)}")
+        if self.disk_dir is None and self.ram_bytes == 0:
+            raise ValueError("StoreSettings with neither disk_dir nor ram_bytes would hold nothing")
         if self.touch_interval_s < 0:
             raise ValueError(f"StoreSettings.touch_interval_s must be >= 0, got {self.touch_interval_s}")
         if not 0.0 < self.compact_live_fraction <= 1.0:
