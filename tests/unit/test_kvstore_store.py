@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+from prometheus_client import CollectorRegistry
 
 from deepinfer.dataplane import BlockNotFound, DataPlaneError
-from deepinfer.kvcache.store import FsyncPolicy, KvStore, StoreEventKind, StoreSettings
+from deepinfer.kvcache.store import FsyncPolicy, KvStore, StoreEventKind, StoreMetrics, StoreSettings
 from deepinfer.kvcache.store import segments as segments_module
 from tests.kvstore_harness import (
     LAYOUT,
@@ -144,3 +148,16 @@ def test_a_closed_store_refuses_work(tmp_path, clock):
     store.close()  # idempotent
     with pytest.raises(DataPlaneError, match="closed"):
         store.has_blocks(LAYOUT, hashes("a"))
+
+
+def test_the_docs_example_runs_and_the_metrics_table_names_every_metric():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "kvstore.md").read_text()
+    [example] = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    namespace: dict = {}
+    exec(compile(example, "docs/kvstore.md", "exec"), namespace)
+    assert [e.kind for e in namespace["events"]] == [StoreEventKind.STORED]
+    registry = CollectorRegistry()
+    StoreMetrics(registry)
+    exported = {m.name.removeprefix("deepinfer_") for m in registry.collect()}
+    documented = {name.removesuffix("_total") for name in re.findall(r"`(kvstore_[a-z_]+)`", text)}
+    assert exported == documented
