@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from deepinfer.dataplane import BlockNotFound
@@ -13,11 +14,18 @@ NAMES = [f"k{i}" for i in range(12)]
 
 
 def _run(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-        assert not thread.is_alive()
+    """Start and join the threads with the GIL handed over every microsecond (CPython's default is 5 ms), so
+    they interleave inside the store's methods, not only at its I/O."""
+    interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+            assert not thread.is_alive()
+    finally:
+        sys.setswitchinterval(interval_s)
 
 
 def test_concurrent_put_and_get_of_shared_keys_never_serve_wrong_bytes(tmp_path):
@@ -28,23 +36,29 @@ def test_concurrent_put_and_get_of_shared_keys_never_serve_wrong_bytes(tmp_path)
     expected = {(LAYOUT, n): payload(n, SIZE) for n in NAMES} | {
         (OTHER_LAYOUT, n): payload("o" + n, SIZE) for n in NAMES
     }
+    hot = (LAYOUT, "hot")  # put by every writer and read by every reader, all the time
+    expected[hot] = payload("hot", SIZE)
+    store.write_blocks(LAYOUT, hashes("hot"), [expected[hot]])
     failures: list[str] = []
-    served = {"hits": 0, "misses": 0}
+    served = {"hot": 0, "other": 0, "misses": 0}
 
     def writer(seed: int) -> None:
         for i in range(200):
             layout, name = (LAYOUT, OTHER_LAYOUT)[i % 2], NAMES[(i * (seed + 1)) % len(NAMES)]
             store.write_blocks(layout, hashes(name), [expected[(layout, name)]])
+            store.write_blocks(LAYOUT, hashes("hot"), [expected[hot]])
 
     def reader(seed: int) -> None:
         for i in range(400):
             layout, name = (LAYOUT, OTHER_LAYOUT)[(i + seed) % 2], NAMES[(i * (seed + 3)) % len(NAMES)]
+            if i % 2:
+                layout, name = hot
             try:
                 [got] = store.read_blocks("", [], hashes(name), layout)
             except BlockNotFound:
                 served["misses"] += 1
                 continue
-            served["hits"] += 1
+            served["hot" if (layout, name) == hot else "other"] += 1
             if got != expected[(layout, name)]:
                 failures.append(f"{layout}/{name}: wrong bytes")
 
@@ -60,7 +74,9 @@ def test_concurrent_put_and_get_of_shared_keys_never_serve_wrong_bytes(tmp_path)
         + [threading.Thread(target=maintainer)]
     )
     assert failures == []
-    assert served["hits"] > 100  # the race was real: reads did find blocks
+    # The race was real: the hot key was read 600 times while being put (each thread uses it at least every other
+    # op, so at most 5 keys are ever more recent: never the LRU one of 8), and rotating keys were found too.
+    assert served["hot"] == 600 and served["other"] > 0
     store.compact()
     stats = store.stats()
     assert stats.disk_live_bytes <= 8 * (SIZE + KiB) and stats.num_ram_blocks <= 3
