@@ -87,14 +87,17 @@ class DiskTier:
         assert settings.disk_dir is not None
         self.settings = settings
         self.log = SegmentLog(settings.disk_dir, settings.segment_bytes, settings.fsync)
-        #: Bytes of the live records (what disk_bytes bounds) and of the live blocks' payloads alone.
+        #: Bytes of the live records: what disk_bytes bounds.
         self.live_bytes = 0
-        self.payload_bytes = 0
         self._index: OrderedDict[Key, DiskEntry] = OrderedDict()
         self._live_by_segment: dict[int, int] = {}
         self._blocks_by_segment: dict[int, set[Key]] = {}
         self._touches_by_segment: dict[int, set[Key]] = {}
-        self.open_report = self._rebuild(now_s)
+        try:
+            self.open_report = self._rebuild(now_s)
+        except BaseException:
+            self.log.close()  # release the directory: the open failed
+            raise
 
     # -- lookups and uses (state lock) ----------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -264,7 +267,6 @@ class DiskTier:
             self.segment_live_bytes(entry.segment_id) + sign * entry.record_bytes
         )
         self.live_bytes += sign * entry.record_bytes
-        self.payload_bytes += sign * entry.size_bytes
 
     def _set_touch(self, key: Key, entry: DiskEntry, segment_id: int | None, touch_bytes: int) -> None:
         if entry.touch_segment_id is not None:
