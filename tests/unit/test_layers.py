@@ -1,7 +1,7 @@
 """Packages import only downwards: the import graph of shared/deepinfer and services, read from the source.
 
-A unit is a subpackage (`deepinfer.engine`, `services.gateway`), a top-level module (`deepinfer.service`) or a
-root package (`deepinfer`, `services`). Every `import` / `from ... import` counts, wherever it sits: inside
+A unit is a subpackage (`deepinfer.engine`, `services.gateway`), a top-level module (`deepinfer.service`), a
+root package (`deepinfer`, `services`) or a deeper subpackage named in `NESTED_UNITS` (`deepinfer.kvcache.store`). Every `import` / `from ... import` counts, wherever it sits: inside
 functions (lazy imports) and under `if TYPE_CHECKING:` too. Only imports by name through `importlib` are
 invisible here (`deepinfer serve` loading `services.<name>.main`, the model registry's classes).
 
@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "deepinfer.tasks"),
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
      "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership"),
+    ("deepinfer.kvcache.store",),  # the store's storage engine: a BlockProvider with metrics, above its parent
     ("deepinfer.kernels",),
     ("deepinfer.distributed",),  # tensor-parallel primitives: process group, parallel layers, shard arithmetic
     ("deepinfer.models",),
@@ -34,6 +35,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("services", "services.gateway", "services.scheduler", "services.prefill", "services.decode",
      "services.kvcache", "deepinfer.cli", "deepinfer.demo", "deepinfer"),
 )
+
+#: Subpackages that are units of their own, placed apart from their parent package: `deepinfer.kvcache` (block
+#: identity) is imported by everything, while its `store` serves the data plane and exports metrics.
+NESTED_UNITS = ("deepinfer.kvcache.store",)
 
 Graph = Mapping[str, Iterable[str]]
 
@@ -51,7 +56,11 @@ def source_modules() -> dict[str, tuple[Path, bool]]:
 
 
 def unit_of(module: str) -> str:
-    """The unit a module belongs to: its first two dotted parts (the root package alone stays itself)."""
+    """The unit a module belongs to: a NESTED_UNITS entry it is in, else its first two dotted parts (the root
+    package alone stays itself)."""
+    for unit in NESTED_UNITS:
+        if module == unit or module.startswith(unit + "."):
+            return unit
     return ".".join(module.split(".")[:2])
 
 
@@ -235,3 +244,12 @@ def test_the_parser_sees_lazy_relative_and_type_checking_imports(tmp_path):
     }
     assert unit_graph(edges) == {"pkg": {"pkg.sub"}, "pkg.sub": {"pkg.top"}, "pkg.top": {"pkg.sub"}}
     assert cycles(unit_graph(edges)) == [["pkg.sub", "pkg.top"]]
+
+
+def test_a_nested_unit_is_apart_from_its_parent():
+    assert unit_of("deepinfer.kvcache.store.disk") == unit_of("deepinfer.kvcache.store") == "deepinfer.kvcache.store"
+    assert unit_of("deepinfer.kvcache.hashing") == "deepinfer.kvcache"
+    assert unit_of("deepinfer.kvcache.storehouse") == "deepinfer.kvcache"  # a prefix of the name is not enough
+    # The parent importing its storage engine would be an upward edge.
+    graph = {"deepinfer.kvcache": {"deepinfer.kvcache.store"}}
+    assert upward_edges(graph, LAYERS) == [("deepinfer.kvcache", "deepinfer.kvcache.store")]

@@ -18,6 +18,7 @@ TORCH_FREE_MODULES = (
     "deepinfer.cli",
     "deepinfer.bus",
     "deepinfer.kvcache.hashing",
+    "deepinfer.kvcache.store",
     "deepinfer.membership",
     "deepinfer.tasks",
     "deepinfer.tokenizer",

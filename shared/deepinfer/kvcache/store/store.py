@@ -1,0 +1,393 @@
+"""KvStore: the kvcache store's BlockProvider over a RAM tier and a disk tier, keyed by (layout_id, block_hash).
+
+    write_blocks: append the new blocks to the segments (write-through) → index them on disk → hold them in RAM
+    read_blocks:  RAM hit, else a disk hit (checksum verified) promoted to RAM, else BlockNotFound (all or nothing)
+    has_blocks:   held and not expired (not a use)
+
+Invariant: with a disk tier every RAM block is also on disk, so leaving RAM loses nothing, and leaving the disk
+(eviction, expiry, a bad checksum) also drops the block from RAM. Two locks: the state lock guards every index,
+the event buffer and the reads from disk (short: one block); the write lock makes one appender at a time
+(write_blocks, touch records, compaction), which does its file I/O without the state lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from deepinfer.dataplane.errors import BlockNotFound, DataPlaneError
+from deepinfer.dataplane.frames import BytesLike
+from deepinfer.kvcache.store.compaction import (
+    CompactionProgress,
+    choose_victim,
+    copy_step,
+    finish_step,
+    plan_step,
+)
+from deepinfer.kvcache.store.disk import CorruptRecordError, DiskTier
+from deepinfer.kvcache.store.events import EventBuffer, StoreEvent, StoreEventKind
+from deepinfer.kvcache.store.metrics import StoreMetrics, Tier
+from deepinfer.kvcache.store.ram import Key, RamTier
+from deepinfer.kvcache.store.records import MAX_KEY_PART_BYTES, record_bytes
+from deepinfer.kvcache.store.scan import CorruptReason
+from deepinfer.kvcache.store.settings import StoreSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What the store holds now."""
+
+    num_ram_blocks: int
+    ram_bytes: int
+    num_disk_blocks: int
+    #: Bytes of the live disk records (what disk_bytes bounds) and of the segment files (dead bytes included).
+    disk_live_bytes: int
+    disk_file_bytes: int
+    num_segments: int
+
+
+class KvStore:
+    """A thread-safe BlockProvider of immutable blocks by (layout_id, block_hash), RAM then disk, TTL since use.
+
+    Lifecycle: `KvStore(settings)` rebuilds the disk index from the segments (and holds the directory's lock) →
+    serve (`read_blocks` / `write_blocks` / `has_blocks`, from any thread) while the owner calls `expire()`,
+    `compact_step()` and `take_events()` periodically → `close()` (syncs, releases the directory).
+    `clock` gives wall-clock seconds (last uses survive restarts); inject one in tests.
+    """
+
+    def __init__(
+        self,
+        settings: StoreSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = StoreMetrics(registry if registry is not None else CollectorRegistry())
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._ram = RamTier(settings.ram_bytes)
+        self._disk = DiskTier(settings, clock()) if settings.disk_dir is not None else None
+        self._events = EventBuffer(settings.max_pending_events)
+        self._pending_touches: set[Key] = set()
+        self._closed = False
+        if self._disk is not None:
+            self.metrics.opened(self._disk.open_report)
+        self._update_usage()
+
+    # -- BlockProvider ----------------------------------------------------------------------------------------
+    def read_blocks(
+        self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], layout_id: str
+    ) -> list[bytes]:
+        """The blocks' payloads in request order; BlockNotFound (nothing served) unless every one is held."""
+        if block_ids:
+            raise DataPlaneError("the kvcache store serves blocks by hash, not by owner-local block id")
+        keys = [(layout_id, bytes(h)) for h in block_hashes]
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            missing = [key for key in keys if not self._holds(key, now, expire=True)]
+            if missing:
+                self._count_misses(missing)
+        if missing:
+            raise _not_found(layout_id, missing)
+        payloads = [self._read_one(key) for key in keys]
+        self._try_flush_touches()
+        lost = [key for key, payload in zip(keys, payloads, strict=True) if payload is None]
+        if lost:  # evicted, expired or found corrupt since the check above
+            raise _not_found(layout_id, lost)
+        return payloads  # type: ignore[return-value]  # no None left
+
+    def write_blocks(
+        self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]
+    ) -> None:
+        """Hold the blocks (a block already held only counts as a use: blocks are immutable)."""
+        _check_layout_id(layout_id)
+        if len(block_hashes) != len(payloads):
+            raise DataPlaneError(f"{len(block_hashes)} block hashes but {len(payloads)} payloads")
+        items: dict[Key, bytes] = {}
+        for block_hash, payload in zip(block_hashes, payloads, strict=True):
+            items.setdefault(
+                (layout_id, bytes(block_hash)), payload if isinstance(payload, bytes) else bytes(payload)
+            )
+        with self._write_lock:
+            with self._lock:
+                self._check_open()
+                now = self._clock()
+                fresh = [(key, payload) for key, payload in items.items() if not self._refresh(key, now)]
+            if fresh:
+                self._store_new(fresh, now)
+            self._flush_touches()
+
+    def has_blocks(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bool]:
+        """One flag per hash: held under this layout and not expired (a probe, not a use)."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            return [self._holds((layout_id, bytes(h)), now, expire=False) for h in block_hashes]
+
+    # -- the owner's periodic work ---------------------------------------------------------------------------
+    def expire(self) -> int:
+        """Drop every block unused for more than ttl_s from every tier; how many were dropped."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            expired = (
+                self._disk.expired(now)
+                if self._disk is not None
+                else self._ram.expired(now, self.settings.ttl_s)
+            )
+            for key in expired:
+                self._drop(key, now, StoreEventKind.EXPIRED)
+            self._update_usage()
+        return len(expired)
+
+    def compact_step(self) -> CompactionProgress:
+        """One bounded compaction step (at most compact_step_bytes copied); readers wait only for its edges."""
+        if self._disk is None:
+            return CompactionProgress()
+        with self._write_lock:
+            self._flush_touches()
+            with self._lock:
+                self._check_open()
+                plan = plan_step(self._disk, self.settings.compact_step_bytes)
+            if plan is None:
+                return CompactionProgress()
+            copied = copy_step(self._disk, plan)
+            with self._lock:
+                for key in copied.corrupt:
+                    self._drop_corrupt(key)
+                reclaimed = finish_step(self._disk, plan, copied)
+                self.metrics.compacted_bytes.inc(reclaimed)
+                self._update_usage()
+                done = choose_victim(self._disk) is None
+        return CompactionProgress(copied.copied_bytes, reclaimed, done)
+
+    def compact(self) -> CompactionProgress:
+        """Compaction steps until no segment qualifies; the totals."""
+        copied = reclaimed = 0
+        while True:
+            step = self.compact_step()
+            copied, reclaimed = copied + step.copied_bytes, reclaimed + step.reclaimed_bytes
+            if step.done:
+                return CompactionProgress(copied, reclaimed, True)
+
+    def take_events(self) -> list[StoreEvent]:
+        """Stored / expired / evicted events since the last call, oldest first."""
+        with self._lock:
+            return self._events.take()
+
+    @property
+    def num_dropped_events(self) -> int:
+        """Events dropped because the buffer was full (the owner should republish a snapshot)."""
+        return self._events.num_dropped
+
+    def stats(self) -> StoreStats:
+        """What each tier holds now."""
+        with self._lock:
+            disk = self._disk
+            return StoreStats(
+                num_ram_blocks=len(self._ram),
+                ram_bytes=self._ram.used_bytes,
+                num_disk_blocks=0 if disk is None else len(disk),
+                disk_live_bytes=0 if disk is None else disk.live_bytes,
+                disk_file_bytes=0 if disk is None else disk.log.file_bytes,
+                num_segments=0 if disk is None else len(disk.log.sizes()),
+            )
+
+    def held_keys(self, tier: Tier) -> list[Key]:
+        """(layout_id, block_hash) of every block a tier holds, least recently used first (for snapshots)."""
+        with self._lock:
+            if tier == Tier.RAM:
+                return self._ram.keys()
+            return [] if self._disk is None else self._disk.keys()
+
+    def close(self) -> None:
+        """Write pending touches, sync and close the segments, release the directory; idempotent."""
+        with self._write_lock:
+            if self._closed:
+                return
+            self._flush_touches()
+            with self._lock:
+                self._closed = True
+                if self._disk is not None:
+                    self._disk.close()
+
+    def __enter__(self) -> KvStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- reads (state lock) ----------------------------------------------------------------------------------
+    def _holds(self, key: Key, now: float, *, expire: bool) -> bool:
+        """Held and not expired; with `expire`, an expired block is dropped on the way."""
+        entry = self._disk.get(key) if self._disk is not None else self._ram.get(key)
+        if entry is None:
+            return False
+        if now - entry.last_used_s <= self.settings.ttl_s:
+            return True
+        if expire:
+            self._drop(key, now, StoreEventKind.EXPIRED)
+        return False
+
+    def _read_one(self, key: Key) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            now, start_s = self._clock(), time.perf_counter()
+            ram_entry = self._ram.get(key)
+            if ram_entry is not None:
+                age_s = now - ram_entry.last_used_s
+                self._use(key, now)
+                self.metrics.hit(Tier.RAM, age_s, time.perf_counter() - start_s)
+                return ram_entry.payload
+            self.metrics.misses.labels(tier=Tier.RAM).inc()
+            if self._disk is None:
+                return None  # evicted since the check in read_blocks
+            disk_entry = self._disk.get(key)
+            if disk_entry is None:
+                self.metrics.misses.labels(tier=Tier.DISK).inc()
+                return None
+            try:
+                payload = self._disk.read_payload(disk_entry)
+            except CorruptRecordError as exc:
+                logger.warning("kvstore: block %s of layout %s not served: %s", key[1].hex(), key[0], exc)
+                self._drop_corrupt(key)
+                self.metrics.misses.labels(tier=Tier.DISK).inc()
+                return None
+            age_s = now - disk_entry.last_used_s
+            self._use(key, now)
+            self._on_ram_evicted(self._ram.put(key, payload, now), now)  # promote
+            self.metrics.hit(Tier.DISK, age_s, time.perf_counter() - start_s)
+            self._update_usage()
+            return payload
+
+    def _use(self, key: Key, now: float) -> None:
+        if key in self._ram:
+            self._ram.use(key, now)
+        if self._disk is not None and key in self._disk and self._disk.use(key, now):
+            self._pending_touches.add(key)
+
+    def _refresh(self, key: Key, now: float) -> bool:
+        """A put of a block already held: count the use; False when the block is not held (or expired)."""
+        if not self._holds(key, now, expire=True):
+            return False
+        self._use(key, now)
+        return True
+
+    def _count_misses(self, keys: list[Key]) -> None:
+        self.metrics.misses.labels(tier=Tier.RAM).inc(len(keys))
+        if self._disk is not None:
+            self.metrics.misses.labels(tier=Tier.DISK).inc(len(keys))
+
+    # -- writes ----------------------------------------------------------------------------------------------
+    def _store_new(self, fresh: list[tuple[Key, bytes]], now: float) -> None:
+        """Under the write lock: append the new blocks (no state lock), then index and announce them."""
+        start_s = time.perf_counter()
+        largest = max(len(payload) for _, payload in fresh)
+        if self._disk is None:
+            if largest > self.settings.ram_bytes:
+                raise DataPlaneError(
+                    f"a block of {largest} bytes exceeds ram_bytes={self.settings.ram_bytes}"
+                )
+            with self._lock:
+                for key, payload in fresh:
+                    self._on_ram_evicted(self._ram.put(key, payload, now), now)
+                    self._events.add(StoreEventKind.STORED, key[0], key[1], now)
+                self.metrics.write_seconds.labels(tier=Tier.RAM).observe(time.perf_counter() - start_s)
+                self._update_usage()
+            return
+        largest_record = max(record_bytes(key, payload) for key, payload in fresh)
+        if largest_record > self.settings.disk_bytes:
+            raise DataPlaneError(
+                f"a record of {largest_record} bytes exceeds disk_bytes={self.settings.disk_bytes}"
+            )
+        appended = self._disk.append_blocks([(key, payload, now) for key, payload in fresh])
+        write_s = time.perf_counter() - start_s
+        with self._lock:
+            for block, (key, payload) in zip(appended, fresh, strict=True):
+                for evicted in self._disk.insert(block, now):
+                    self._drop(evicted, now, StoreEventKind.EVICTED, left_disk=True)
+                self._on_ram_evicted(self._ram.put(key, payload, now), now)
+                self._events.add(StoreEventKind.STORED, key[0], key[1], now)
+            self.metrics.write_seconds.labels(tier=Tier.DISK).observe(write_s)
+            self._update_usage()
+
+    def _flush_touches(self) -> None:
+        """Under the write lock: write the due touch records (the durable last use of recently used blocks)."""
+        if self._disk is None or not self._pending_touches:
+            return
+        with self._lock:
+            due = [
+                (key, entry.last_used_s) for key in self._pending_touches if (entry := self._disk.get(key))
+            ]
+            self._pending_touches.clear()
+        if due:
+            appended = self._disk.append_touches(due)
+            with self._lock:
+                for touch in appended:
+                    self._disk.record_touch(touch)
+
+    def _try_flush_touches(self) -> None:
+        """Flush touches unless a writer holds the write lock (it flushes them itself before releasing it)."""
+        if self._pending_touches and self._write_lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._flush_touches()
+            finally:
+                self._write_lock.release()
+
+    # -- drops (state lock) ----------------------------------------------------------------------------------
+    def _drop(self, key: Key, now: float, kind: StoreEventKind, *, left_disk: bool = False) -> None:
+        """Remove a block from every tier (`left_disk`: the disk index let it go already), count and announce it."""
+        counter = self.metrics.expirations if kind == StoreEventKind.EXPIRED else self.metrics.evictions
+        if self._ram.remove(key):
+            counter.labels(tier=Tier.RAM).inc()
+        if left_disk or (self._disk is not None and self._disk.remove(key)):
+            counter.labels(tier=Tier.DISK).inc()
+        self._pending_touches.discard(key)
+        self._events.add(kind, key[0], key[1], now)
+
+    def _drop_corrupt(self, key: Key) -> None:
+        self.metrics.corrupt_records.labels(reason=CorruptReason.CHECKSUM).inc()
+        self._drop(key, self._clock(), StoreEventKind.EVICTED)
+
+    def _on_ram_evicted(self, keys: Iterable[Key], now: float) -> None:
+        """Blocks the RAM tier let go: still on disk (a metric only), or gone from a RAM-only store."""
+        for key in keys:
+            self.metrics.evictions.labels(tier=Tier.RAM).inc()
+            if self._disk is None:
+                self._pending_touches.discard(key)
+                self._events.add(StoreEventKind.EVICTED, key[0], key[1], now)
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DataPlaneError("the kvcache store is closed")
+
+    def _update_usage(self) -> None:
+        self.metrics.usage(Tier.RAM, len(self._ram), self._ram.used_bytes)
+        if self._disk is not None:
+            self.metrics.usage(Tier.DISK, len(self._disk), self._disk.live_bytes)
+            self.metrics.disk_file_bytes.set(self._disk.log.file_bytes)
+
+
+def _check_layout_id(layout_id: str) -> None:
+    if not 0 < len(layout_id.encode()) <= MAX_KEY_PART_BYTES:
+        raise DataPlaneError(
+            f"the store keys blocks by layout_id: 1..{MAX_KEY_PART_BYTES} bytes, got {layout_id!r}"
+        )
+
+
+def _not_found(layout_id: str, missing: list[Key]) -> BlockNotFound:
+    return BlockNotFound(
+        f"{len(missing)} block(s) not held under layout {layout_id!r}, first {missing[0][1].hex()}"
+    )
