@@ -1,1 +1,1 @@
-"""KV cache store shard: content-addressed KV blocks in RAM then disk, 72 h TTL."""
+"""kvcache: one shard of the content-addressed KV store (RAM, then disk), served on the data plane."""

@@ -56,7 +56,7 @@ def _config_run(args: argparse.Namespace) -> int:
 
 
 #: Services `deepinfer serve` runs: `services.<name>.main:main`.
-SERVICE_NAMES = ("gateway", "scheduler", "prefill", "decode")
+SERVICE_NAMES = ("gateway", "scheduler", "prefill", "decode", "kvcache")
 
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +121,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         ),
         Subcommand(
             name="serve",
-            help="run one service (gateway, scheduler, prefill, decode) until SIGTERM",
+            help="run one service (gateway, scheduler, prefill, decode, kvcache) until SIGTERM",
             add_arguments=_serve_arguments,
             run=_serve_run,
         ),

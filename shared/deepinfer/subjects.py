@@ -105,10 +105,14 @@ def heartbeat_all(model: str) -> str:
     return f"{_model(model, 'heartbeat')}.*"
 
 
+#: Second tokens under di.kvcache that are streams, not shards: no shard may take these names.
+_RESERVED_SHARDS = frozenset({"events", "heartbeat"})
+
+
 def _check_shard(shard: str) -> str:
     check_id(shard, "shard")
-    if shard == "events":  # di.kvcache.events.<x> is the event stream, not a shard's lookup subject
-        raise ValueError("invalid shard 'events': the name is reserved")
+    if shard in _RESERVED_SHARDS:  # di.kvcache.events.<x> / .heartbeat.<x> are streams, not a shard's subjects
+        raise ValueError(f"invalid shard {shard!r}: the name is reserved")
     return shard
 
 
@@ -125,3 +129,13 @@ def kvcache_events(shard: str) -> str:
 def kvcache_events_all() -> str:
     """Wildcard over every store shard's events."""
     return f"{ROOT}.{KVCACHE_TOKEN}.events.*"
+
+
+def kvcache_heartbeat(shard: str) -> str:
+    """One store shard's KvStoreHeartbeat (every ~1 s; clients derive the live shard set from these)."""
+    return f"{ROOT}.{KVCACHE_TOKEN}.heartbeat.{_check_shard(shard)}"
+
+
+def kvcache_heartbeat_all() -> str:
+    """Wildcard over every store shard's heartbeats (not per model: one store serves every model)."""
+    return f"{ROOT}.{KVCACHE_TOKEN}.heartbeat.*"

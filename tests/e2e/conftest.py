@@ -25,8 +25,9 @@ STACK_ENV = {
 
 
 @pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
-    with Stack(port=0, env_overrides=STACK_ENV, start_timeout_s=240) as running:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {**STACK_ENV, "DEEPINFER_DATA_DIR": str(tmp_path_factory.mktemp("data"))}  # the store's segments
+    with Stack(port=0, env_overrides=env, start_timeout_s=240) as running:
         yield running
 
 

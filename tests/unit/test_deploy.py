@@ -19,7 +19,7 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "deepinfer"
-SERVICES = ("scheduler", "prefill", "decode", "gateway")
+SERVICES = ("scheduler", "kvcache", "prefill", "decode", "gateway")
 INTERNAL_PORT = re.compile(r"http://127\.0\.0\.1:(\d+)/ready")
 
 
@@ -147,12 +147,15 @@ def test_every_values_path_a_template_reads_exists():
     assert num_checked > 40  # the scan sees the references (a broken regex would pass vacuously)
 
 
-def test_workers_get_the_pod_ip_accelerators_and_no_kvcache_statefulset_yet():
+def test_workers_get_the_pod_ip_accelerators_and_the_store_a_statefulset_with_a_volume():
     workers = (CHART / "templates" / "workers.yaml").read_text()
     assert "fieldPath: status.podIP" in workers and "DATA_PLANE_HOST" in workers
     assert '"nvidia.com/gpu"' in workers and '"huawei.com/Ascend910"' in workers
+    kvcache = (CHART / "templates" / "kvcache.yaml").read_text()
+    assert "kind: StatefulSet" in kvcache and "volumeClaimTemplates:" in kvcache
+    assert "fieldPath: metadata.name" in kvcache  # the pod name is the shard: stable with its volume
+    assert "DEEPINFER_KVCACHE_DISK_DIR" in kvcache and "mountPath: /data" in kvcache
     text = "".join(path.read_text() for path in (CHART / "templates").glob("*"))
-    assert "StatefulSet" not in text  # the kvcache service does not exist yet
     for probe in ("path: /health", "path: /ready"):
         assert probe in text
     assert "not been rendered" in (ROOT / "helm" / "README.md").read_text()

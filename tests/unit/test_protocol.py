@@ -151,6 +151,11 @@ MESSAGES: list[p.Message] = [
         ts=1_700_000_001.0,
     ),
     p.ErrorDetail(code=p.ErrorCode.BAD_REQUEST, message="temperature must be >= 0"),
+    p.KvStoreHeartbeat(
+        shard="0", data_plane_address="10.0.0.9:8105", internal_address="10.0.0.9:8005", num_blocks=3,
+        ram_bytes=6 << 20, ram_capacity_bytes=4 << 30, disk_bytes=6 << 20, disk_capacity_bytes=64 << 30,
+        ts=1_700_000_002.0,
+    ),
 ]
 
 

@@ -46,6 +46,8 @@ def test_subjects_match_the_architecture_table():
     assert s.kvcache_lookup("3") == "di.kvcache.3.lookup"
     assert s.kvcache_events("3") == "di.kvcache.events.3"
     assert s.kvcache_events_all() == "di.kvcache.events.*"
+    assert s.kvcache_heartbeat("3") == "di.kvcache.heartbeat.3"
+    assert s.kvcache_heartbeat_all() == "di.kvcache.heartbeat.*"
     assert s.SCHEDULER_QUEUE == "scheduler"
 
 
@@ -68,12 +70,11 @@ def test_unsafe_ids_are_refused_by_name(func, kwarg: str, bad: str):
     assert repr(bad) in str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["", "a.b", "*", "events"])
+@pytest.mark.parametrize("bad", ["", "a.b", "*", "events", "heartbeat"])
 def test_unsafe_shards_are_refused(bad: str):
-    with pytest.raises(ValueError, match="shard"):
-        s.kvcache_lookup(bad)
-    with pytest.raises(ValueError, match="shard"):
-        s.kvcache_events(bad)
+    for subject in (s.kvcache_lookup, s.kvcache_events, s.kvcache_heartbeat):
+        with pytest.raises(ValueError, match="shard"):
+            subject(bad)
 
 
 def test_per_worker_subjects_are_single_tokens_under_their_wildcard():

@@ -17,6 +17,7 @@ from deepinfer.config import (
     CommonSettings,
     DecodeSettings,
     GatewaySettings,
+    KvCacheSettings,
     PrefillSettings,
     SchedulerSettings,
     describe_settings,
@@ -309,6 +310,7 @@ def test_stack_plan_passes_settings_every_service_accepts(tmp_path: Path, monkey
         "nats",
         "scheduler-0",
         "scheduler-1",
+        "kvcache-0",
         "prefill-0",
         "prefill-1",
         "decode-0",
@@ -317,7 +319,8 @@ def test_stack_plan_passes_settings_every_service_accepts(tmp_path: Path, monkey
     assert [specs[n].stop_tier for n in ("gateway-0", "prefill-0", "decode-0", "scheduler-0", "nats")] == [
         0, 1, 1, 2, 3
     ]  # fmt: skip
-    classes = {"scheduler": SchedulerSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+    classes = {"scheduler": SchedulerSettings, "prefill": PrefillSettings, "decode": DecodeSettings,
+               "kvcache": KvCacheSettings}
     classes["gateway"] = GatewaySettings
     known_envs = {row.env for row in describe_settings()}
     ports = set()
@@ -350,7 +353,7 @@ def test_stack_plan_passes_settings_every_service_accepts(tmp_path: Path, monkey
                 stack.port,
                 "127.0.0.1",
             )
-    assert len(ports) == 6  # one internal port each, all different
+    assert len(ports) == 7  # one internal port each, all different
     assert stack.base_url == f"http://127.0.0.1:{stack.port}/v1"
     nats_config = (tmp_path / "nats-server.conf").read_text()
     assert stack.nats.token in nats_config and (tmp_path / "nats-server.conf").stat().st_mode & 0o077 == 0

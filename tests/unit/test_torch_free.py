@@ -26,6 +26,7 @@ TORCH_FREE_MODULES = (
     "services.gateway",
     "services.scheduler",
     "services.kvcache",
+    "services.kvcache.main",
 )
 
 

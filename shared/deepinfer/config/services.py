@@ -8,15 +8,14 @@ Default ports (each overridable; 0 = pick a free port, for internal and data-pla
 | scheduler | -    | 8002                               | -          |
 | prefill   | -    | 8003                               | 8103       |
 | decode    | -    | 8004                               | 8104       |
-
-8005 / 8105 are kept for the kvcache store, whose settings arrive with the service (a setting nothing reads
-does not exist).
+| kvcache   | -    | 8005                               | 8105       |
 """
 
 from __future__ import annotations
 
 import json
 from functools import partial
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ByteSize, Field, field_validator
@@ -201,8 +200,49 @@ class DecodeSettings(WorkerSettings):
     )
 
 
+class KvCacheSettings(ServiceSettings):
+    """One shard of the content-addressed KV store (RAM, then disk; docs/kvstore.md)."""
+
+    service: ClassVar[str] = "kvcache"
+    model_config = settings_config("DEEPINFER_KVCACHE_")
+
+    shard: str = Field("0", description="This shard's name (a-z0-9_-); stable across restarts.")
+    internal_port: AnyPort = Field(8005, description="Port of /health, /ready and /metrics (0 = any free port).")
+    data_plane_host: str = Field(
+        "127.0.0.1", description="Interface the data plane binds and advertises (the pod IP in Kubernetes)."
+    )
+    data_plane_port: AnyPort = Field(8105, description="Data-plane port (0 = any free port).")
+    ram_bytes: ByteSize = Field(ByteSize(4 * GiB), ge=0, description="RAM tier capacity (e.g. 4GiB).")
+    disk_dir: Path | None = Field(None, description="Disk tier directory; unset = <data_dir>/kvcache/<shard>.")
+    disk_bytes: ByteSize = Field(ByteSize(64 * GiB), ge=1, description="Disk tier capacity (live block bytes).")
+    ttl_s: float = Field(72 * 3600.0, gt=0, description="A block expires this long after its last use.")
+    fsync: Literal["none", "batch", "always"] = Field(
+        "none", description="none: an OS crash may lose ~30 s of puts (kill -9 loses nothing); batch: nothing a "
+        "put was acknowledged for; always: at most one block (docs/kvstore.md).",
+    )
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between KvStoreHeartbeat messages.")
+    maintenance_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between expiry sweeps, compaction steps and event publishes."
+    )
+
+    @field_validator("shard")
+    @classmethod
+    def _safe_shard(cls, value: str) -> str:
+        subjects.kvcache_events(value)  # raises ValueError on an unsafe or reserved shard name
+        return value
+
+    @field_validator("disk_dir")
+    @classmethod
+    def _expand_user(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    def resolved_disk_dir(self) -> Path:
+        """The disk tier's directory: disk_dir, else <data_dir>/kvcache/<shard>."""
+        return self.disk_dir or self.common.data_dir / "kvcache" / self.shard
+
+
 #: Service name -> its settings class (the order `deepinfer config` prints them in).
 SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {
     cls.service: cls
-    for cls in (GatewaySettings, SchedulerSettings, PrefillSettings, DecodeSettings)
+    for cls in (GatewaySettings, SchedulerSettings, PrefillSettings, DecodeSettings, KvCacheSettings)
 }

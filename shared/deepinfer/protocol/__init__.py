@@ -23,7 +23,7 @@ from deepinfer.protocol.requests import (
 )
 from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
 from deepinfer.protocol.sampling import SamplingParams
-from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch
+from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
 from deepinfer.protocol.tokens import FinishReason, TokenBatch, TokenChunk, TokenLogprobs
 from deepinfer.protocol.types import BLOCK_HASH_BYTES, BlockHash
 from deepinfer.protocol.workers import WorkerLoad, WorkerRole
@@ -49,6 +49,7 @@ __all__ = [
     "KvLookupReply",
     "KvLookupRequest",
     "KvStoreEventBatch",
+    "KvStoreHeartbeat",
     "KvTier",
     "Message",
     "PrefillRequest",

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #: Major version of the wire schema this build speaks. Bump on incompatible changes only.
 #: 2: errors are typed (ErrorDetail), DecodeAccepted has a status, WorkerLoad's limits are required.
 PROTOCOL_MAJOR = 2
-#: Minor version: additive changes (new optional fields) that older readers can ignore.
-PROTOCOL_MINOR = 0
+#: Minor version: additive changes (new optional fields, new messages) that older readers can ignore.
+#: 2.1: KvStoreHeartbeat (the kvcache store's shards announce themselves).
+PROTOCOL_MINOR = 1
 
 
 class ProtocolError(ValueError):

@@ -26,6 +26,27 @@ class KvLookupReply(Message):
     present: list[bool] = Field(default_factory=list)
 
 
+class KvStoreHeartbeat(Message):
+    """A store shard is alive: where its data plane is and how full it is (added in 2.1; old readers skip it)."""
+
+    kind = "kv_store_heartbeat"
+
+    shard: str = Field(min_length=1)
+    #: "host:port" of the shard's data plane (get / put / has by (layout_id, hash)).
+    data_plane_address: str
+    #: "host:port" of its /health, /ready, /metrics.
+    internal_address: str
+    num_blocks: NonNegativeInt = 0
+    ram_bytes: NonNegativeInt = 0
+    ram_capacity_bytes: NonNegativeInt = 0
+    disk_bytes: NonNegativeInt = 0
+    disk_capacity_bytes: NonNegativeInt = 0
+    #: Stops taking puts, finishing what it has.
+    draining: bool = False
+    #: Unix seconds on the shard's clock.
+    ts: float
+
+
 class KvStoreEventBatch(Message):
     """Changes to one shard's set of blocks of one layout; `seq` increases by one per batch."""
 

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedulers", type=_count_positive, default=1, metavar="K", help="scheduler replicas (default: 1)"
     )
     parser.add_argument(
+        "--kvcache", type=_count, default=1, metavar="S",
+        help="kvcache store shards, data under DEEPINFER_DATA_DIR/kvcache (default: 1; 0: none)",
+    )
+    parser.add_argument(
         "--gateways", type=_count_positive, default=None, metavar="G",
         help="gateway processes sharing the API port (default: one per 4 cores, 1 to 4)",
     )
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         num_decode=args.decode,
         num_schedulers=args.schedulers,
         num_gateways=args.gateways,
+        num_kvcache=args.kvcache,
         log_dir=common.data_dir / "up" / "logs",
     )
     handler = _setup_logging(width=max(len(name) for name in _child_names(stack)))
@@ -169,7 +174,8 @@ def _child_names(stack: Stack) -> list[str]:
         f"decode-{i}" for i in range(stack.num_decode)
     ]
     gateways = [f"gateway-{g}" for g in range(stack.num_gateways)]
-    return ["nats", *gateways, *[f"scheduler-{k}" for k in range(stack.num_schedulers)], *workers]
+    stores = [f"kvcache-{k}" for k in range(stack.num_kvcache)]
+    return ["nats", *gateways, *[f"scheduler-{k}" for k in range(stack.num_schedulers)], *stores, *workers]
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -29,6 +29,7 @@ from deepinfer.config import (
     CommonSettings,
     DecodeSettings,
     GatewaySettings,
+    KvCacheSettings,
     PrefillSettings,
     SchedulerSettings,
     derive_served_model_name,
@@ -42,7 +43,7 @@ from deepinfer.up.supervisor import ChildSpec, RestartPolicy, Supervisor, Superv
 HOST = "127.0.0.1"
 NATS_NAME = "nats"
 #: Stop tiers: the gateway drains first (its in-flight requests still need the workers), NATS goes last.
-STOP_TIERS = {"gateway": 0, "prefill": 1, "decode": 1, "scheduler": 2, NATS_NAME: 3}
+STOP_TIERS = {"gateway": 0, "prefill": 1, "decode": 1, "scheduler": 2, "kvcache": 2, NATS_NAME: 3}
 DEFAULT_START_TIMEOUT_S = 300.0
 
 
@@ -79,8 +80,8 @@ def service_available(service: str) -> bool:
 
 
 class Stack:
-    """nats-server + G gateways (one API port, SO_REUSEPORT) + K schedulers + N prefill + M decode workers,
-    supervised.
+    """nats-server + G gateways (one API port, SO_REUSEPORT) + K schedulers + S kvcache shards + N prefill +
+    M decode workers, supervised.
 
     Lifecycle: `start()` → `wait_ready(timeout_s)` → serve (`base_url`, `kill()`, `restart_count()`) → `stop()`.
     As a context manager, entering does start() and wait_ready(start_timeout_s); leaving does stop().
@@ -97,6 +98,7 @@ class Stack:
         num_decode: int = 1,
         num_schedulers: int = 1,
         num_gateways: int | None = None,
+        num_kvcache: int = 1,
         env_overrides: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
         base_env: Mapping[str, str] | None = None,
@@ -112,8 +114,9 @@ class Stack:
         self.port = port or free_port(HOST)
         self.num_prefill, self.num_decode, self.num_schedulers = num_prefill, num_decode, num_schedulers
         self.num_gateways = default_num_gateways() if num_gateways is None else num_gateways
-        if self.num_gateways < 1:
-            raise ValueError("need num_gateways >= 1")
+        self.num_kvcache = num_kvcache
+        if self.num_gateways < 1 or num_kvcache < 0:
+            raise ValueError("need num_gateways >= 1 and num_kvcache >= 0")
         self.env_overrides = dict(env_overrides or {})
         self.start_timeout_s = start_timeout_s
         self._base_env = base_env
@@ -274,6 +277,12 @@ class Stack:
             self._spec("scheduler", f"scheduler-{k}", common, {"scheduler_id": f"scheduler-{k}"})
             for k in range(self.num_schedulers)
         ]
+        # Store shards keep their data under DEEPINFER_DATA_DIR (<data_dir>/kvcache/<shard>): it outlives the stack.
+        specs += [
+            self._spec("kvcache", f"kvcache-{k}", common,
+                       {"shard": str(k), "data_plane_host": HOST, "data_plane_port": "0"})
+            for k in range(self.num_kvcache)
+        ]
         for service, index in workers:
             specs.append(self._worker_spec(service, f"{service}-{index}", common))
         probe_path = "/ready" if self.gateway_waits_for_workers else "/health"
@@ -342,6 +351,7 @@ class Stack:
 
 _SETTINGS = {
     "gateway": GatewaySettings,
+    "kvcache": KvCacheSettings,
     "scheduler": SchedulerSettings,
     "prefill": PrefillSettings,
     "decode": DecodeSettings,
