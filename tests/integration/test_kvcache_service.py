@@ -98,3 +98,16 @@ async def test_shard_serves_announces_and_survives_kill_9(nats_server, bus, tmp_
     finally:
         shard.send_signal(signal.SIGTERM)
         assert shard.wait(30) == 0, log.read_text()[-3000:]
+
+
+async def test_a_second_shard_on_the_same_directory_exits_as_a_configuration_error(nats_server, bus, tmp_path):
+    data_dir, log = tmp_path / "data", tmp_path / "kvcache.log"
+    first = start_shard(nats_server, data_dir, log)
+    try:
+        await next_heartbeat(bus, log)
+        second = start_shard(nats_server, data_dir, tmp_path / "second.log")
+        assert second.wait(60) == 2  # deepinfer up's supervisor does not restart a configuration error
+        assert "DEEPINFER_KVCACHE_DISK_DIR" in (tmp_path / "second.log").read_text()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
