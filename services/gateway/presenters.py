@@ -52,6 +52,7 @@ class StreamFormatter(ABC):
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
+        self.head, self.tail = self._frame()
 
     def opening(self) -> list[str]:
         """Events before the first delta."""
@@ -89,6 +90,12 @@ class StreamFormatter(ABC):
         assert text.endswith('"choices":[]}')
         usage = ',"usage":null' if self.generation.include_usage else ""
         return f"data: {text[:-2]}{{\"index\":", f"]{usage}}}\n\n"
+
+    def _text_event(self, delta: ChoiceDelta, before: str, after: str) -> str:
+        """The event of a delta without logprobs; its text (a JSON string) goes between `before` and `after`."""
+        finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
+        text = json.dumps(delta.text, ensure_ascii=False)
+        return f'{self.head}{delta.index},{before}{text}{after},"logprobs":null,"finish_reason":{finish}}}{self.tail}'
 
 
 class Presenter(ABC):
@@ -179,10 +186,6 @@ class ChatPresenter(Presenter):
 class _ChatStream(StreamFormatter):
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, generation: Generation) -> None:
-        super().__init__(generation)
-        self.head, self.tail = self._frame()
-
     def opening(self) -> list[str]:
         return [self._chunk(o.index, DeltaMessage(role="assistant", content="")) for o in self.generation.outputs]
 
@@ -191,10 +194,7 @@ class _ChatStream(StreamFormatter):
             return []
         g = self.generation
         if not g.logprobs:  # the per-token path: no models built
-            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
-            text = json.dumps(delta.text, ensure_ascii=False)
-            return [f'{self.head}{delta.index},"delta":{{"content":{text}}},"logprobs":null,'
-                    f'"finish_reason":{finish}}}{self.tail}']
+            return [self._text_event(delta, '"delta":{"content":', "}")]
         logprobs = chat_logprobs(g.tokenizer, delta.logprobs)
         return [
             self._chunk(delta.index, DeltaMessage(content=delta.text), logprobs=logprobs,
@@ -253,16 +253,13 @@ class _CompletionsStream(StreamFormatter):
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.text_offsets = [0] * len(generation.outputs)
-        self.head, self.tail = self._frame()
 
     def delta(self, delta: ChoiceDelta) -> list[str]:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return []
         g = self.generation
         if not g.logprobs:  # the per-token path: no models built
-            finish = "null" if delta.finish_reason is None else f'"{delta.finish_reason}"'
-            text = json.dumps(delta.text, ensure_ascii=False)
-            return [f'{self.head}{delta.index},"text":{text},"logprobs":null,"finish_reason":{finish}}}{self.tail}']
+            return [self._text_event(delta, '"text":', "")]
         logprobs = None
         if g.logprobs:
             logprobs, self.text_offsets[delta.index] = completion_logprobs(
