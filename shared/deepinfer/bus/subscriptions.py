@@ -34,9 +34,6 @@ class Subscriptions:
         self._by_name[name] = subscription
         return subscription
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._by_name
-
     async def unsubscribe(self, name: str) -> None:
         """Stop the subscription `name` (no-op when absent); a closed bus is not an error here."""
         subscription = self._by_name.pop(name, None)

@@ -13,9 +13,7 @@ child spawned outlives it. On Linux a child also gets SIGTERM if the supervisor 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -24,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepinfer.process import die_with_parent_preexec
+from deepinfer.process import describe_exit, die_with_parent_preexec, signal_group
 from deepinfer.up.logs import tail
 from deepinfer.up.probes import LivenessWatch, Probe, ProbeResult
 
@@ -178,7 +176,7 @@ class Supervisor:
             process = self._children[name].process
             if process is None or process.poll() is not None:
                 raise SupervisorError(f"{name} is not running")
-            _signal_group(process, sig)
+            signal_group(process, sig)
 
     def probe(self, name: str) -> ProbeResult:
         """Probe one child now (not ready while it is down)."""
@@ -258,13 +256,13 @@ class Supervisor:
             self._stopping = True
             for child in self._children.values():
                 if child.process is not None:
-                    _signal_group(child.process, signal.SIGKILL)
+                    signal_group(child.process, signal.SIGKILL)
 
     def _stop_tier(self, children: list[_Child]) -> None:
         running = [c for c in children if c.process is not None and c.process.poll() is None]
         for child in running:
             assert child.process is not None
-            _signal_group(child.process, signal.SIGTERM)
+            signal_group(child.process, signal.SIGTERM)
         deadline_s = time.monotonic() + self.grace_s
         for child in children:
             if child.process is None:
@@ -273,10 +271,10 @@ class Supervisor:
                 child.process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s: SIGKILL", child.spec.name, self.grace_s)
-                _signal_group(child.process, signal.SIGKILL)
+                signal_group(child.process, signal.SIGKILL)
                 child.process.wait()
             # Whatever the child spawned and left in its group goes too.
-            _signal_group(child.process, signal.SIGKILL)
+            signal_group(child.process, signal.SIGKILL)
             child.process = None
 
     def _monitor_loop(self) -> None:
@@ -310,7 +308,7 @@ class Supervisor:
                 if child.liveness.observe(alive, time.monotonic()):
                     log.warning("%s has not answered its liveness probe for %.0f s: killing it to restart it",
                                 child.spec.name, self.liveness_timeout_s)
-                    _signal_group(child.process, signal.SIGKILL)
+                    signal_group(child.process, signal.SIGKILL)
                     child.liveness.reset()
 
     def _check(self, child: _Child, now_s: float) -> None:
@@ -329,7 +327,7 @@ class Supervisor:
 
     def _on_exit(self, child: _Child, code: int, now_s: float) -> None:
         assert child.process is not None
-        _signal_group(child.process, signal.SIGKILL)
+        signal_group(child.process, signal.SIGKILL)
         child.process = None
         child.last_exit_code = code
         ran_s = now_s - child.started_at_s
@@ -387,19 +385,3 @@ class Supervisor:
         child.pids.append(child.process.pid)
         if child.liveness is not None:
             child.liveness.reset()
-
-
-def describe_exit(code: int) -> str:
-    """`code 1`, or `signal SIGKILL` for a negative Popen return code."""
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-code).name}"
-        return f"signal {-code}"
-    return f"code {code}"
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    # start_new_session made the child its group's leader: its pgid is its pid. A group whose members are
-    # all gone (or a leader already reaped with no members left) raises ProcessLookupError: nothing to do.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)
