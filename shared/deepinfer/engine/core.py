@@ -261,9 +261,13 @@ class EngineCore:
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
             activations += num_seqs * cfg.activation_bytes_per_token(elem)
             activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
-        own = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+        # Live tensors are ours; memory the caching allocator holds but no tensor uses (an earlier engine of this
+        # process, freed) is free to the KV cache, which the allocator carves from it or returns to CUDA for.
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated
         headroom = activations + logits + (256 << 20)
-        return min(int(total * self.args.gpu_memory_utilization) - own - headroom, free - headroom)
+        return min(int(total * self.args.gpu_memory_utilization) - allocated - CUDA_CONTEXT_BYTES - headroom,
+                   free + cached - headroom)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
