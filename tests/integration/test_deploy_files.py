@@ -69,7 +69,9 @@ def test_compose_prepares_the_model_once_before_every_model_loading_service(tool
     services = compose_config(tools, "--profile", "gpu")["services"]
     assert services["prepare-model"]["command"] == ["prepare"]
     for name in ("gateway", "prefill", "decode", "prefill-gpu", "decode-gpu"):
-        assert services[name]["depends_on"]["prepare-model"]["condition"] == "service_completed_successfully"
+        depends_on = services[name]["depends_on"]
+        assert depends_on["prepare-model"]["condition"] == "service_completed_successfully"
+        assert depends_on["scheduler"]["condition"] == depends_on["kvcache"]["condition"] == "service_healthy"
         (mount,) = [v for v in services[name]["volumes"] if v["target"] == "/models"]
         assert mount["source"] == "models"
     assert services["gateway"]["build"]["args"]["ACCELERATOR"] == "slim"
