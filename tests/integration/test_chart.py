@@ -57,6 +57,11 @@ def test_every_rendered_manifest_passes_kubernetes_validate_strict(tools: Tools,
     assert passed + unchecked == len(rendered[case]), result.stdout + result.stderr
 
 
+def test_no_nats_without_a_url_is_refused(tools: Tools):
+    result = tools.run("helm", "template", "rel", str(CHART), "--set", "nats.enabled=false", check=False)
+    assert result.returncode != 0 and "common.natsUrl" in result.stderr
+
+
 def test_schema_rejects_a_value_that_is_no_setting(tools: Tools):
     result = tools.run("helm", "lint", "--strict", str(CHART), "--set", "decode.settings.maxNumSeq=8", check=False)
     assert result.returncode != 0 and "maxNumSeq" in result.stdout + result.stderr

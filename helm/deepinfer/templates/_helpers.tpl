@@ -50,6 +50,9 @@ with commas. Args: dict "prefix" "DEEPINFER_PREFILL_" "settings" <map> "skip" <l
 {{/* Env every service gets: common settings, the NATS URL, the secrets. Arg: the root context. */}}
 {{- define "deepinfer.commonEnv" -}}
 {{- include "deepinfer.settingsEnv" (dict "prefix" "DEEPINFER_" "settings" .Values.common "skip" (list "natsUrl")) }}
+{{- if not (or .Values.nats.enabled .Values.common.natsUrl) }}
+{{- fail "nats.enabled=false needs common.natsUrl (the URL of your NATS)" }}
+{{- end }}
 - name: DEEPINFER_NATS_URL
   value: {{ .Values.common.natsUrl | default (printf "nats://%s-nats:4222" .Release.Name) | quote }}
 - name: DEEPINFER_NATS_TOKEN
