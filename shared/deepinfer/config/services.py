@@ -173,6 +173,9 @@ class WorkerSettings(ServiceSettings):
     batch_invariant: bool = Field(
         False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
+    )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
     _block_size = field_validator("block_size")(_power_of_two)
