@@ -1,0 +1,95 @@
+"""Tool-call formats per model family: parsing, the streamed split, the call grammars and the family's choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from deepinfer.structured import Grammars
+from deepinfer.tokenizer import Tokenizer
+from services.gateway.tool_calls import HERMES, LLAMA3, MISTRAL, ToolCallBuffer, ToolFormat, tool_format
+from tests.gateway_harness import write_tokenizer_dir
+
+TOOLS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                           "required": ["city"], "additionalProperties": False}},
+    {"name": "now"},
+]
+CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now", "parameters": {}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "now", "arguments": {}}]',
+}
+FORMATS = {"hermes": HERMES, "llama3": LLAMA3, "mistral": MISTRAL}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(write_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_each_family_parses_its_parallel_calls(family: str):
+    content, calls = FORMATS[family].parse(CALLS[family])
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("now", {})
+    ]
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_each_family_grammar_accepts_its_calls_and_only_named_tools(family: str, tokenizer: Tokenizer):
+    grammars = Grammars(tokenizer)
+    fmt = FORMATS[family]
+    grammar = llguidance.LLMatcher.grammar_from_lark(fmt.grammar(TOOLS, True, tokenizer))
+    grammars.check(grammar)
+    matcher = grammars.matcher(grammar)
+    assert matcher.accept_all(tokenizer.encode(CALLS[family], add_special_tokens=False))
+    assert matcher.is_accepting
+    single = grammars.matcher(llguidance.LLMatcher.grammar_from_lark(fmt.grammar(TOOLS[:1], False, tokenizer)))
+    assert not single.accept_all(tokenizer.encode(CALLS[family], add_special_tokens=False))  # "now" is not allowed
+
+
+def test_text_that_is_not_a_call_stays_content():
+    assert HERMES.parse("plain answer") == ("plain answer", [])
+    assert HERMES.parse("<tool_call>\n{not json}\n</tool_call>") == ("<tool_call>\n{not json}\n</tool_call>", [])
+    assert LLAMA3.parse("Sure: {} is empty") == ("Sure: {} is empty", [])
+    content, calls = HERMES.parse("Let me look. " + CALLS["hermes"])
+    assert content == "Let me look." and len(calls) == 2
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Let me ", "look. <to", "ol_call>\n", '{"name": "now", "arguments": {}}', "\n</tool_call>"],
+    ["Let me look. <tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>"],
+])
+def test_stream_buffer_sends_content_and_holds_the_call(pieces: list[str]):
+    buffer = ToolCallBuffer(HERMES)
+    sent = "".join(buffer.feed(piece) for piece in pieces)
+    rest, calls = buffer.finish()
+    assert (sent + rest).strip() == "Let me look."
+    assert [c.function.name for c in calls] == ["now"]
+
+
+def test_stream_buffer_releases_a_false_start():
+    buffer = ToolCallBuffer(HERMES)
+    assert buffer.feed("a <tool") == "a "
+    assert buffer.feed("kit") == "<toolkit"
+    assert buffer.finish() == ("", [])
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", HERMES),  # renders no tools: our Hermes rendering
+    ("{{ tools }} <tool_call>", HERMES),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
+    ("{% if tools %}{{ tools }}{% endif %}<|python_tag|>ipython", LLAMA3),
+])
+def test_family_is_read_from_the_chat_template(tmp_path: Path, template: str, expected: ToolFormat):
+    model_dir = write_tokenizer_dir(tmp_path)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert tool_format(Tokenizer.from_dir(model_dir)) is expected
