@@ -185,6 +185,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    #: vLLM's extension: structured output on completions too.
+    response_format: ResponseFormat | None = None
     best_of: int | None = Field(None, ge=1)
 
 

@@ -283,6 +283,10 @@ class CompletionsPresenter(Presenter):
         """The legacy integer logprobs."""
         return body.logprobs
 
+    def output_rules(self, model: ModelInfo, body: CompletionRequest) -> OutputRules | None:
+        """response_format (vLLM's extension)."""
+        return output_rules(model, body)
+
     def choice(self, generation: Generation, output: ChoiceOutput) -> CompletionChoice:
         """The text of one choice."""
         g = generation

@@ -30,7 +30,7 @@ from deepinfer.structured import (
 )
 from deepinfer.structured.schema import schema_error
 from services.gateway.errors import ApiError, bad_request
-from services.gateway.openai_models import ChatCompletionRequest, NamedToolChoice
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from services.gateway.recipe import ModelInfo
 from services.gateway.tool_calls import ToolFormat, tool_format
 
@@ -57,24 +57,33 @@ class OutputRules:
         return None if self.grammar is None else model.grammars.matcher(self.grammar)
 
 
-def output_rules(model: ModelInfo, body: ChatCompletionRequest) -> OutputRules | None:
-    """The request's rules; ApiError (400, `param` named) for a schema or tool choice that cannot be enforced."""
-    choice = body.tool_choice or "auto"
-    tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
-    fmt = tool_format(model.tokenizer) if tools and choice != "none" else None
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    if forced and not tools:
-        raise bad_request("tool_choice requires tools", param="tool_choice")
+def output_rules(model: ModelInfo, body: ChatCompletionRequest | CompletionRequest) -> OutputRules | None:
+    """The request's rules; ApiError (400, `param` named) for a schema or tool choice that cannot be enforced.
+    Completions have response_format only."""
     response_format = body.response_format
     wants_json = response_format is not None and response_format.type != "text"
+    chat = body if isinstance(body, ChatCompletionRequest) else None
+    choice = (chat.tool_choice if chat is not None else None) or "auto"
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if forced and wants_json:
         raise bad_request("response_format cannot be combined with tool_choice required or a named function",
                           param="response_format")
     if wants_json:
         assert response_format is not None
         return OutputRules(_compiled(model, _json_grammar(response_format), _SCHEMA_PARAM), None)
-    if fmt is None:
+    return None if chat is None else _tool_rules(model, chat)
+
+
+def _tool_rules(model: ModelInfo, body: ChatCompletionRequest) -> OutputRules | None:
+    """auto: parse the output for calls; required / named: a grammar of calls, parsed."""
+    choice = body.tool_choice or "auto"
+    tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and not tools:
+        raise bad_request("tool_choice requires tools", param="tool_choice")
+    if not tools or choice == "none":
         return None
+    fmt = tool_format(model.tokenizer)
     if not forced:
         return OutputRules(None, fmt)
     if isinstance(choice, NamedToolChoice):

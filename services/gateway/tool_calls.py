@@ -138,7 +138,7 @@ def template_messages(
     does not gets them in the Hermes form: the tools and the call syntax in the system message, earlier calls
     and tool results as text."""
     if renders_tools(tokenizer):
-        return messages, tools
+        return [_with_argument_objects(message) for message in messages], tools
     rendered = [_as_text(message) for message in messages]
     if tools:
         prompt = _hermes_system_prompt(tools)
@@ -147,6 +147,19 @@ def template_messages(
         else:
             rendered.insert(0, {"role": "system", "content": prompt})
     return rendered, None
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """Earlier calls with their arguments as objects, as Hugging Face templates expect (OpenAI sends JSON text)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    decoded = [
+        {**c, "function": {**c["function"], "arguments": _arguments(c)}}
+        if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+        for c in calls
+    ]
+    return {**message, "tool_calls": decoded}
 
 
 def _hermes_system_prompt(tools: list[dict[str, Any]]) -> str:

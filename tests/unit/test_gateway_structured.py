@@ -198,3 +198,16 @@ async def test_tool_choice_none_renders_no_tools_and_parses_nothing(harness: Har
     assert result.choices[0].message.content == CALL_TEXT and result.choices[0].message.tool_calls is None
     prompt = harness.tokenizer.decode(harness.fake.decode_requests[-1].prompt_token_ids, skip_special_tokens=False)
     assert "get_weather" not in prompt
+
+
+async def test_completions_take_response_format_too(harness: Harness):
+    answer(harness, '{"a": 3}')
+    client = harness.openai()
+    result = await client.completions.create(
+        model=MODEL, prompt="JSON:", max_tokens=20, extra_body={"response_format": json_schema(SCHEMA)}
+    )
+    assert json.loads(result.choices[0].text) == {"a": 3}
+    assert "json_schema" in harness.fake.decode_requests[-1].sampling.grammar
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt="JSON:", extra_body={
+            "response_format": json_schema({"not": {}})})

@@ -10,7 +10,15 @@ import pytest
 
 from deepinfer.structured import Grammars
 from deepinfer.tokenizer import Tokenizer
-from services.gateway.tool_calls import HERMES, LLAMA3, MISTRAL, ToolCallBuffer, ToolFormat, tool_format
+from services.gateway.tool_calls import (
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    ToolCallBuffer,
+    ToolFormat,
+    template_messages,
+    tool_format,
+)
 from tests.gateway_harness import write_tokenizer_dir
 
 TOOLS = [
@@ -93,3 +101,26 @@ def test_family_is_read_from_the_chat_template(tmp_path: Path, template: str, ex
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     assert tool_format(Tokenizer.from_dir(model_dir)) is expected
+
+
+QWEN_STYLE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_with_argument_objects(tmp_path: Path):
+    model_dir = write_tokenizer_dir(tmp_path)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_STYLE}))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}
+    messages = [{"role": "user", "content": "time?"}, {"role": "assistant", "tool_calls": [call]}]
+    tools = [{"type": "function", "function": TOOLS[1]}]
+    rendered, passed = template_messages(tokenizer, messages, tools)
+    assert passed == tools and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    text = tokenizer.apply_chat_template(rendered, tools=passed)
+    assert '<tool_call>{"name": "now", "arguments": {"tz": "UTC"}}</tool_call>' in text and '"now"' in text
+    assert tool_format(tokenizer) is HERMES
