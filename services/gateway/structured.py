@@ -46,11 +46,8 @@ class OutputRules:
     tools: ToolFormat | None
 
     def apply(self, sampling: SamplingParams) -> SamplingParams:
-        """The sampling params carrying the grammar (and keeping a family's special-token markers)."""
-        update: dict[str, Any] = {"grammar": self.grammar}
-        if self.tools is not None and self.tools.keeps_special_tokens:
-            update["skip_special_tokens"] = False
-        return sampling.model_copy(update=update)
+        """The sampling params carrying the grammar."""
+        return sampling.model_copy(update={"grammar": self.grammar})
 
     def checker(self, model: ModelInfo) -> GrammarMatcher | None:
         """A matcher the gateway feeds each choice's tokens: a worker that ignored the grammar is caught."""

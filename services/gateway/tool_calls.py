@@ -1,12 +1,13 @@
 """Tool calls per model family: how a call looks in the model's output, its grammar, and its parser.
 
     fmt = tool_format(tokenizer)                      # from the chat template: hermes, llama3 or mistral
-    grammar = fmt.grammar(tools, only=name, parallel) # tool_choice required / named: the output must be calls
+    lark = fmt.grammar(tools, parallel, tokenizer)     # tool_choice required / named: the output must be calls
     content, calls = fmt.parse(text)                  # the output as OpenAI tool_calls (none: plain content)
 
 Families: Hermes / Qwen wrap each call in `<tool_call>{"name", "arguments"}</tool_call>`; Llama 3 answers a bare
-`{"name", "parameters"}` object (`;` between parallel calls, optionally after `<|python_tag|>`); Mistral writes
-`[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`. A template that renders no tools gets the Hermes
+`{"name", "parameters"}` object (`;` between parallel calls, optionally after `<|python_tag|>`); Mistral starts
+with `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`. The two markers are special tokens, dropped from
+the text by skip_special_tokens, so those calls are also found by the JSON that opens the output. A template that renders no tools gets the Hermes
 form, described in the system message (`template_messages`).
 """
 
@@ -37,8 +38,6 @@ class ToolFormat:
     at_start_only: bool
     #: The key holding a call's arguments.
     arguments_key: str
-    #: The markers are special tokens: the output must keep them (skip_special_tokens off).
-    keeps_special_tokens: bool = False
 
     def call_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         """The JSON schema of one call to any of `tools` (function dicts: name, parameters)."""
@@ -80,7 +79,8 @@ class ToolFormat:
     def may_start(self, text: str) -> int:
         """The length of `text` that can be sent as content now: all but a tail that may open a marker."""
         if self.at_start_only:
-            return len(text) if text.strip() else 0
+            stripped = text.lstrip()
+            return 0 if not stripped or any(m.startswith(stripped) for m in self.markers) else len(text)
         for keep in range(min(len(text), max(len(m) for m in self.markers)), 0, -1):
             if any(m.startswith(text[-keep:]) for m in self.markers):
                 return len(text) - keep
@@ -100,10 +100,10 @@ class ToolFormat:
 
 
 HERMES = ToolFormat("hermes", ("<tool_call>",), at_start_only=False, arguments_key="arguments")
-LLAMA3 = ToolFormat("llama3", ("<|python_tag|>", "{"), at_start_only=True, arguments_key="parameters",
-                    keeps_special_tokens=True)
-MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]",), at_start_only=False, arguments_key="arguments",
-                     keeps_special_tokens=True)
+# Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS] are special tokens: skip_special_tokens (the default) drops
+# them from the text, so the calls are also recognised by the JSON that starts the output.
+LLAMA3 = ToolFormat("llama3", ("<|python_tag|>", "{"), at_start_only=True, arguments_key="parameters")
+MISTRAL = ToolFormat("mistral", ("[TOOL_CALLS]", "[{"), at_start_only=True, arguments_key="arguments")
 
 
 def tool_template(tokenizer: Tokenizer) -> str:
@@ -252,8 +252,8 @@ class ToolCallBuffer:
         self.held += text
         if self.fmt.start(self.sent + self.held) >= 0:
             begin = self.fmt.start(self.sent + self.held) - len(self.sent)
-            if begin <= 0:
-                return ""
+            if begin <= 0 or not self.held[:begin].strip():
+                return ""  # nothing but whitespace before the call: not content
             ready, self.held = self.held[:begin], self.held[begin:]
         else:
             cut = self.fmt.may_start(self.sent + self.held) - len(self.sent)

@@ -67,6 +67,9 @@ def test_text_that_is_not_a_call_stays_content():
     assert HERMES.parse("plain answer") == ("plain answer", [])
     assert HERMES.parse("<tool_call>\n{not json}\n</tool_call>") == ("<tool_call>\n{not json}\n</tool_call>", [])
     assert LLAMA3.parse("Sure: {} is empty") == ("Sure: {} is empty", [])
+    without_marker = CALLS["mistral"].removeprefix("[TOOL_CALLS]")  # the special token skipped from the text
+    assert [c.function.name for c in MISTRAL.parse(without_marker)[1]] == ["get_weather", "now"]
+    assert MISTRAL.parse("See [{1}]") == ("See [{1}]", [])
     content, calls = HERMES.parse("Let me look. " + CALLS["hermes"])
     assert content == "Let me look." and len(calls) == 2
 
@@ -81,6 +84,22 @@ def test_stream_buffer_sends_content_and_holds_the_call(pieces: list[str]):
     rest, calls = buffer.finish()
     assert (sent + rest).strip() == "Let me look."
     assert [c.function.name for c in calls] == ["now"]
+
+
+@pytest.mark.parametrize(("fmt", "pieces"), [
+    (MISTRAL, [" ", "[", '{"name": "now", ', '"arguments": {}}]']),
+    (LLAMA3, ["{", '"name": "now", "parameters": {}}']),
+])
+def test_stream_buffer_holds_a_call_that_opens_the_output(fmt: ToolFormat, pieces: list[str]):
+    buffer = ToolCallBuffer(fmt)
+    assert "".join(buffer.feed(piece) for piece in pieces) == ""
+    rest, calls = buffer.finish()
+    assert rest == "" and [c.function.name for c in calls] == ["now"]
+    prose = ToolCallBuffer(fmt)  # a false start is held, then goes out; at the end, unparsable held text too
+    sent = prose.feed("[")
+    assert sent == ("" if fmt is MISTRAL else "[")
+    sent += prose.feed("1, 2] {") + prose.feed("}")
+    assert sent + prose.finish()[0] == "[1, 2] {}"
 
 
 def test_stream_buffer_releases_a_false_start():
@@ -124,3 +143,19 @@ def test_a_template_that_renders_tools_gets_them_with_argument_objects(tmp_path:
     text = tokenizer.apply_chat_template(rendered, tools=passed)
     assert '<tool_call>{"name": "now", "arguments": {"tz": "UTC"}}</tool_call>' in text and '"now"' in text
     assert tool_format(tokenizer) is HERMES
+
+
+def test_mistral_grammar_opens_with_the_special_token_when_there_is_one(tmp_path: Path):
+    model_dir = write_tokenizer_dir(tmp_path)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer.backend.add_special_tokens(["[TOOL_CALLS]"])
+    marker = tokenizer.token_to_id("[TOOL_CALLS]")
+    assert marker is not None
+    lark = MISTRAL.grammar(TOOLS, False, tokenizer)
+    assert lark.startswith(f"start: <[{marker}]>")
+    grammars = Grammars(tokenizer)
+    matcher = grammars.matcher(llguidance.LLMatcher.grammar_from_lark(lark))
+    call = tokenizer.encode('[{"name": "now", "arguments": {}}]', add_special_tokens=False)
+    assert matcher.accept_all([marker, *call]) and matcher.is_accepting
+    text = tokenizer.decode([marker, *call])  # skip_special_tokens: the marker is gone
+    assert [c.function.name for c in MISTRAL.parse(text)[1]] == ["now"]
