@@ -15,7 +15,7 @@ enforce while decoding, and the tool-call parsing the presenter applies after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import llguidance
@@ -80,7 +80,7 @@ def _tool_rules(model: ModelInfo, body: ChatCompletionRequest) -> OutputRules | 
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if not tools or choice == "none":
         return None
-    fmt = tool_format(model.tokenizer)
+    fmt = replace(tool_format(model.tokenizer), single_call=not body.parallel_tool_calls)
     if not forced:
         return OutputRules(None, fmt)
     if isinstance(choice, NamedToolChoice):

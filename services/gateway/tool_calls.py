@@ -38,6 +38,8 @@ class ToolFormat:
     at_start_only: bool
     #: The key holding a call's arguments.
     arguments_key: str
+    #: parallel_tool_calls false: only the first call counts.
+    single_call: bool = False
 
     def call_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
         """The JSON schema of one call to any of `tools` (function dicts: name, parameters)."""
@@ -96,7 +98,8 @@ class ToolFormat:
         calls = [_tool_call(obj, self.arguments_key) for obj in objects]
         if not objects or any(call is None for call in calls):
             return text, []
-        return content, [c for c in calls if c is not None]
+        found = [c for c in calls if c is not None]
+        return content, found[:1] if self.single_call else found
 
 
 HERMES = ToolFormat("hermes", ("<tool_call>",), at_start_only=False, arguments_key="arguments")

@@ -211,3 +211,13 @@ async def test_completions_take_response_format_too(harness: Harness):
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=MODEL, prompt="JSON:", extra_body={
             "response_format": json_schema({"not": {}})})
+
+
+async def test_parallel_tool_calls_false_keeps_the_first_call(harness: Harness):
+    answer(harness, CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Rome"))
+    client = harness.openai()
+    both = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    one = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
+                                               parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in one.choices[0].message.tool_calls] == ["Paris"]
