@@ -66,7 +66,6 @@ class ChoiceOutput:
         self.finish_reason = delta.finish_reason
         return delta
 
-
     def _check_grammar(self, chunk: TokenChunk) -> None:
         """502 when a token breaks the grammar, or the output ends by a stop before the grammar is complete."""
         checker = self.checker

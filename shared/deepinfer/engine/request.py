@@ -182,7 +182,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish the request if its last token ends it; True when it did.
 
     Order: eos (unless ignore_eos), stop_token_ids — both only once min_tokens are out — then a grammar that
-    allows nothing more ("stop"), then max_tokens and max_model_len ("length"). An eos id also listed in stop_token_ids reports no stop_reason, as before.
+    allows nothing more ("stop"), then max_tokens and max_model_len ("length"). An eos id also listed in
+    stop_token_ids reports no stop_reason, as before.
     """
     rule = request.stop_rule
     output_token_ids = request.output_token_ids
