@@ -2,7 +2,7 @@
 # The serving runs of one device session, as run on the GPU machine (see bench/device_wheels.sh for the
 # wheels it installs first). Each variant: bench/serve.py under a time limit, its JSON and log under $OUT.
 #
-#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: split | aggregated | *-gil | split8b | aggregated8b
+#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated | *-gil | split8b | aggregated8b
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -20,6 +20,10 @@ run() {  # NAME LIMIT_S ARGS...
 }
 for variant in "$@"; do
     case $variant in
+        default) run default 300 --random-model llama-1b --sweep 1,64,256 ;;
+        default-async) run default-async 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
+            --env DEEPINFER_DECODE_ASYNC_SCHEDULING=true ;;
+        default8b) run default8b 300 --random-model llama-8b --sweep 1,64 ;;
         split) run split 330 --random-model llama-1b --sweep 1,64,256 ;;
         aggregated) run aggregated 230 --random-model llama-1b --sweep 1,64,256 --prefill 0 ;;
         aggregated-gil) run aggregated-gil 200 --random-model llama-1b --sweep 1,64,256 --prefill 0 --no-offline \
