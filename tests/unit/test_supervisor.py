@@ -123,6 +123,21 @@ def test_configuration_error_is_not_restarted_and_fails_wait_ready(supervisor: S
     assert supervisor.restart_count("bad-config") == 0
 
 
+def test_a_child_crashing_before_it_is_ever_ready_fails_wait_ready(tmp_path: Path):
+    # An import error loops forever under the restart policy; wait_ready says so instead of waiting it out.
+    sup = Supervisor(tmp_path, RestartPolicy(initial_delay_s=0.05, max_delay_s=0.05))
+    sup.add(spec("broken", "import no_such_module_here", probe=lambda: ProbeResult(False, "starting")))
+    sup.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(SupervisorError, match="broken exited with code 1 and crashed 5 times") as info:
+            sup.wait_ready(timeout_s=60.0)
+        assert time.monotonic() - started < 30
+        assert "No module named 'no_such_module_here'" in str(info.value)
+    finally:
+        sup.stop()
+
+
 def test_killed_child_is_restarted(supervisor: Supervisor, tmp_path: Path):
     supervisor.add(spec("sleeper", "import time; time.sleep(60)"))
     supervisor.start()
