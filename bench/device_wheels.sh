@@ -84,7 +84,7 @@ TARGET = {
 PIP = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
        "--abi", "abi3", "--abi", "none"]
-PIP += [arg for n in ("2_28", "2_27", "2_17") for arg in ("--platform", f"manylinux_{n}_x86_64")]
+PIP += [arg for n in ("2_31", "2_28", "2_27", "2_17") for arg in ("--platform", f"manylinux_{n}_x86_64")]
 PIP += ["--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(DEST)]
 
 

@@ -10,6 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD/shared:$PWD PATH=/tmp/site/bin:$PATH
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# Fail in a second, not after a start timeout, when the carried wheels miss something the services import.
+python3 -c "import services.gateway.main, services.decode.main, services.prefill.main, services.scheduler.main" || exit 1
 run() {  # NAME LIMIT_S ARGS...
     local name=$1 limit=$2; shift 2
     local started=$SECONDS
