@@ -24,9 +24,10 @@ from services.gateway.errors import ApiError, internal
 from services.gateway.metrics import RequestRecord
 from services.gateway.openai_models import PromptTokensDetails, Usage
 from services.gateway.output import ChoiceDelta, ChoiceOutput
-from services.gateway.pipeline import RequestPipeline, RunningRequest
+from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import Presenter
 from services.gateway.recipe import GenerateRequest
+from services.gateway.running import RunningRequest
 from services.gateway.structured import OutputRules
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from deepinfer.protocol import WorkerLoad
 from deepinfer.telemetry import InternalServer, serve_internal
 from deepinfer.telemetry.hops import Hops
 from services.gateway.app import ApiState, create_app
+from services.gateway.errors import overloaded
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.recipe import ModelInfo
@@ -28,6 +29,8 @@ from services.gateway.streams import TokenStreams
 
 #: What is left of the drain grace for background publishes (Cancel) once in-flight requests are done.
 MIN_TASK_DRAIN_S = 1.0
+#: Past the grace: how long the requests ended with an error get to write it (error event + [DONE], or a 503).
+ABORT_WRITE_S = 2.0
 
 
 class GatewayHandler:
@@ -47,8 +50,12 @@ class GatewayHandler:
         self.membership = Membership(settings.worker_lease_s)
         self.streams = TokenStreams(bus, model.served_model_name, settings.gateway_id)
         hops = Hops(tracer, registry, "gateway")
-        self.pipeline = RequestPipeline(bus, settings, model.served_model_name, self.membership, self.streams, hops)
-        self.state = ApiState(self.pipeline, model, GatewayMetrics(registry), settings, hops)
+        metrics = GatewayMetrics(registry)
+        self.pipeline = RequestPipeline(
+            bus, settings, model.served_model_name, self.membership, self.streams, hops,
+            on_reissue=lambda kind: metrics.reissues.labels(kind).inc(),
+        )
+        self.state = ApiState(self.pipeline, model, metrics, settings, hops)
         self.app = create_app(self.state)
         self.server: InternalServer | None = None
         self._subscriptions = Subscriptions(bus)
@@ -82,16 +89,26 @@ class GatewayHandler:
         return self.state.not_ready_reason()
 
     async def drain(self, grace_s: float) -> None:
-        """Refuse new requests (503), wait for in-flight ones up to `grace_s`, stop the API server, then flush
-        the background publishes (Cancel) so they leave before the bus closes."""
+        """Refuse new requests (503), wait for in-flight ones up to `grace_s`; past it end every one still running
+        with an error (an error event + [DONE] on a stream, a 503 otherwise: its Cancel goes to the workers); stop
+        the API server, then flush the background publishes (Cancel) so they leave before the bus closes."""
         self.state.accepting = False
         deadline_s = time.monotonic() + grace_s
-        while self.state.metrics.num_in_flight > 0 and time.monotonic() < deadline_s:
-            await asyncio.sleep(0.05)
+        await self._wait_in_flight(deadline_s)
+        if self.state.metrics.num_in_flight > 0:
+            error = overloaded(f"the server is shutting down: the request did not finish within the drain grace "
+                               f"({grace_s:g} s)", self.settings.retry_after_s)
+            self.pipeline.abort_all(error)
+            deadline_s = time.monotonic() + ABORT_WRITE_S
+            await self._wait_in_flight(deadline_s)
         if self.server is not None:
             await self.server.stop(timeout_s=max(0.1, deadline_s - time.monotonic()))
             self.server = None
         await self.pipeline.tasks.drain(max(MIN_TASK_DRAIN_S, deadline_s - time.monotonic()))
+
+    async def _wait_in_flight(self, deadline_s: float) -> None:
+        while self.state.metrics.num_in_flight > 0 and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         """Stop everything; idempotent."""

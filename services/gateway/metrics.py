@@ -26,6 +26,10 @@ class GatewayMetrics:
             registry, "gateway_prompt_length_tokens", "Prompt length per request", buckets=TOKEN_BUCKETS
         )
         self.in_flight = gauge(registry, "gateway_in_flight_requests", "Requests being served now")
+        self.reissues = counter(
+            registry, "gateway_reissues", "Requests re-issued to another worker: kind=start (a prefill or decode "
+            "admission retried) or migration (resumed mid-stream)", ["kind"],
+        )
         #: The in-flight count as a plain int (the drain waits for it to reach 0).
         self.num_in_flight = 0
 

@@ -9,14 +9,17 @@ Failures before the first token are 503s (retryable: the scheduler picks another
 worker says the request itself is bad (its ErrorCode decides, through `errors.HTTP_ERRORS`); failures after
 are 502s, or an error event for a stream that already started. A worker that stops heartbeating or a stream
 that goes silent ends the request within `stream_timeout_s` / the heartbeat lease, never a hang; a request
-past its deadline (`request_timeout_s`) ends with a 504 and a Cancel to every worker.
+past its deadline (`request_timeout_s`) ends with a 504 and a Cancel to every worker. With migration on (the
+default) a worker lost before the first token is retried on another, and one lost mid-stream is resumed there
+(`running.py`), within `migration_budget` re-issues; the errors above are what is left when the budget runs out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import TypeVar
 
 from deepinfer import subjects
@@ -29,19 +32,19 @@ from deepinfer.protocol import (
     DecodeAccepted,
     DecodeRequest,
     DecodeStatus,
-    FinishReason,
+    KvHandle,
     Message,
     PrefillRequest,
     PrefillResult,
     RouteDecision,
     RouteRequest,
     RouteStatus,
-    TokenChunk,
 )
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry.hops import Hops
-from services.gateway.errors import ApiError, client_gone, from_wire, overloaded, timed_out, worker_lost
+from services.gateway.errors import ApiError, client_gone, from_wire, overloaded, timed_out
 from services.gateway.recipe import GenerateRequest
+from services.gateway.running import REISSUE_CODES, RunningRequest, attempt_id
 from services.gateway.streams import RequestStream, TokenStreams
 
 M = TypeVar("M", bound=Message)
@@ -58,6 +61,7 @@ class RequestPipeline:
         membership: Membership,
         streams: TokenStreams,
         hops: Hops,
+        on_reissue: Callable[[str], None] = lambda kind: None,
     ) -> None:
         self.bus = bus
         self.hops = hops
@@ -67,26 +71,98 @@ class RequestPipeline:
         self.membership = membership
         self.streams = streams
         self.tasks = BackgroundTasks("gateway")
+        #: Requests streaming now (shutdown aborts them); set when shutting down past the drain grace.
+        self.running: set[RunningRequest] = set()
+        self.closing = False
+        #: Called per re-issue with its kind ("start": a prefill or admission retried, "migration": mid-stream).
+        self.on_reissue = on_reissue
 
     async def start(self, request: GenerateRequest) -> RunningRequest:
-        """route → prefill (when the decision names a prefill worker) → decode; then stream the result."""
+        """route → prefill (when the decision names a prefill worker) → decode; then stream the result. A prefill
+        or decode worker lost (or refusing: full, draining) before the decode started is retried elsewhere, within
+        the migration budget."""
         block_hashes, fingerprint = self.block_hashes(request)
+        exclude: list[str] = []
+        num_reissues = 0
+        while True:
+            attempt = dataclasses.replace(request, request_id=attempt_id(request.request_id, num_reissues))
+            failed_worker: list[str] = []
+            try:
+                return await self._start_once(attempt, block_hashes, fingerprint, exclude, num_reissues,
+                                              failed_worker)
+            except ApiError as exc:
+                if not (self._may_reissue(exc, num_reissues, request) and failed_worker):
+                    raise
+            exclude.extend(failed_worker)
+            num_reissues += 1
+            self.on_reissue("start")
+
+    async def _start_once(
+        self, request: GenerateRequest, block_hashes: list[bytes], fingerprint: bytes | None, exclude: list[str],
+        num_reissues: int, failed_worker: list[str],
+    ) -> RunningRequest:
         with self.hops.span("route"):
-            decision = await self.route(request, block_hashes, fingerprint)
+            decision = await self.route(request, block_hashes, fingerprint, exclude)
         prefill = None
         if decision.prefill_worker_id:
+            failed_worker[:] = [decision.prefill_worker_id]
             with self.hops.span("prefill", worker_id=decision.prefill_worker_id):
                 prefill = await self.prefill(request, decision, block_hashes)
         stream = self.streams.open(request.request_id)  # before decode starts, so no chunk is missed
         try:
             if prefill is None or prefill.finish_reason is None:
-                with self.hops.span("decode_admission", worker_id=decision.decode_worker_id or ""):
-                    await self.decode(request, decision, prefill)
+                worker_id = decision.decode_worker_id
+                assert worker_id is not None
+                failed_worker[:] = [worker_id]
+                first_ids = [] if prefill is None or prefill.first_token_id is None else [prefill.first_token_id]
+                with self.hops.span("decode_admission", worker_id=worker_id):
+                    await self.decode(request, worker_id, first_ids, None if prefill is None else prefill.kv_handle,
+                                      decision.prefill_worker_id)
         except BaseException:
             stream.close()
             self.cancel_soon(request.request_id, "decode did not start")
             raise
-        return RunningRequest(self, request, decision, prefill, stream)
+        return RunningRequest(self, request, decision, prefill, stream, num_reissues)
+
+    def _may_reissue(self, exc: ApiError, num_reissues: int, request: GenerateRequest) -> bool:
+        """Whether a failure before the first token may be retried on another worker."""
+        return (
+            self.settings.migration
+            and not self.closing
+            and exc.error_code in REISSUE_CODES
+            and num_reissues < self.settings.migration_budget
+            and time.monotonic() < request.deadline_s
+        )
+
+    async def resume(
+        self, request: GenerateRequest, request_id: str, output_token_ids: list[int], exclude: list[str]
+    ) -> tuple[RouteDecision, RequestStream]:
+        """Re-issue `request` as `request_id` with the tokens already sent, straight to a decode worker (it computes
+        prompt + those tokens itself: a prefill worker would sample the next token without knowing they are
+        output); returns the decision and the new attempt's open stream."""
+        attempt = dataclasses.replace(request, request_id=request_id)
+        block_hashes, fingerprint = self.block_hashes(request)
+        decision = await self.route(attempt, block_hashes, fingerprint, exclude, len(output_token_ids))
+        worker_id = decision.decode_worker_id
+        assert worker_id is not None
+        stream = self.streams.open(request_id)
+        try:
+            await self.decode(attempt, worker_id, list(output_token_ids), None, None)
+        except BaseException:
+            stream.close()
+            self.cancel_soon(request_id, "resumed decode did not start")
+            raise
+        self.on_reissue("migration")
+        return decision, stream
+
+    def abort_all(self, error: ApiError) -> int:
+        """Shutdown past the drain grace: every running request ends with `error` (no re-issue from now on);
+        returns how many were running."""
+        self.closing = True
+        running = list(self.running)
+        for run in running:
+            run.abort(error)
+        return len(running)
 
     def block_hashes(self, request: GenerateRequest) -> tuple[list[bytes], bytes | None]:
         """(hashes of the prompt's full blocks, the fingerprint used), from the latest heartbeat; none before."""
@@ -97,15 +173,18 @@ class RequestPipeline:
         return hash_blocks(request.prompt_token_ids, latest.block_size, fingerprint, request.cache_salt), fingerprint
 
     async def route(
-        self, request: GenerateRequest, block_hashes: list[bytes], fingerprint: bytes | None
+        self, request: GenerateRequest, block_hashes: list[bytes], fingerprint: bytes | None,
+        exclude: list[str] | None = None, num_output_tokens: int = 0,
     ) -> RouteDecision:
-        """Ask the scheduler for a (prefill, decode) pair; 503 when overloaded or no scheduler answers."""
+        """Ask the scheduler for a (prefill, decode) pair, avoiding `exclude` if it can; 503 when overloaded or no
+        scheduler answers."""
         route_request = RouteRequest(
             request_id=request.request_id,
             gateway_id=self.gateway_id,
             block_hashes=block_hashes,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids) + num_output_tokens,
             model_fingerprint=fingerprint,
+            exclude_worker_ids=exclude or [],
         )
         timeout_s = self._hop_timeout_s(request, self.settings.route_timeout_s)
         retry_after_s = self.settings.retry_after_s
@@ -150,21 +229,20 @@ class RequestPipeline:
         return result
 
     async def decode(
-        self, request: GenerateRequest, decision: RouteDecision, prefill: PrefillResult | None
+        self, request: GenerateRequest, worker_id: str, output_token_ids: list[int], kv_handle: KvHandle | None,
+        prefill_worker_id: str | None,
     ) -> None:
-        """Hand the request (and the prefill's KV handle) to the decode worker; its refusal's code decides."""
-        worker_id = decision.decode_worker_id
-        assert worker_id is not None
-        first_ids = [] if prefill is None or prefill.first_token_id is None else [prefill.first_token_id]
+        """Hand the request (with the tokens already generated, and the prefill's KV handle if any) to the decode
+        worker; its refusal's code decides."""
         decode_request = DecodeRequest(
             request_id=request.request_id,
             gateway_id=self.gateway_id,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=first_ids,
+            output_token_ids=output_token_ids,
             sampling=request.sampling,
             cache_salt=request.cache_salt,
-            kv_handle=None if prefill is None else prefill.kv_handle,
-            prefill_worker_id=decision.prefill_worker_id,
+            kv_handle=kv_handle,
+            prefill_worker_id=prefill_worker_id,
         )
         accepted = await self._request_while_alive(
             request, subjects.decode(self.model, worker_id), decode_request, DecodeAccepted,
@@ -190,6 +268,8 @@ class RequestPipeline:
                 if done:
                     return task.result()
                 self._check_deadline(request)
+                if self.closing:
+                    raise overloaded("the server is shutting down", retry_after_s)
                 if request.is_disconnected is not None and await request.is_disconnected():
                     raise client_gone()  # the caller's Cancel reaches the worker: a long prefill stops
                 if self.membership.is_alive(worker_id) is False:
@@ -216,100 +296,3 @@ class RequestPipeline:
         """Publish Cancel in the background (safe from a cancelled task or a closing generator)."""
         cancel = Cancel(request_id=request_id, reason=reason)
         self.tasks.spawn(self.bus.publish(subjects.cancel(self.model), cancel), name=f"cancel-{request_id}")
-
-
-class RunningRequest:
-    """A request the decode worker accepted (or the prefill already finished): its token chunks."""
-
-    def __init__(
-        self,
-        pipeline: RequestPipeline,
-        request: GenerateRequest,
-        decision: RouteDecision,
-        prefill: PrefillResult | None,
-        stream: RequestStream,
-    ) -> None:
-        self.pipeline = pipeline
-        self.request = request
-        self.decision = decision
-        self.prefill = prefill
-        self.stream = stream
-        self.finished = False
-
-    @property
-    def request_id(self) -> str:
-        """The id the workers know this request by."""
-        return self.request.request_id
-
-    async def chunks(self) -> AsyncIterator[TokenChunk]:
-        """The prefill's first token, then the decode worker's chunks, until one carries a finish_reason.
-
-        Raises ApiError when the worker fails, dies or goes silent (502) or the deadline passes (504).
-        Leaving early (break, close) cancels.
-        """
-        try:
-            if self.prefill is not None and (
-                self.prefill.first_token_id is not None or self.prefill.finish_reason is not None
-            ):
-                first = _first_chunk(self.prefill)
-                self.finished = first.finish_reason is not None
-                yield first
-                if self.finished:
-                    return
-            async for chunk in self._decoded():
-                yield chunk
-        except ApiError as exc:
-            self.stop(f"gateway gave up: {exc.message}")
-            raise
-        finally:
-            self.stop("client disconnected")
-
-    async def _decoded(self) -> AsyncIterator[TokenChunk]:
-        settings, is_disconnected = self.pipeline.settings, self.request.is_disconnected
-        worker_id = self.decision.decode_worker_id or ""
-        silence_limit_s = settings.first_token_timeout_s
-        last_chunk_s = last_check_s = time.monotonic()
-        while True:
-            left_s = self.request.deadline_s - time.monotonic()
-            if left_s <= 0:
-                raise timed_out(settings.request_timeout_s)
-            chunk = await self.stream.get(min(settings.poll_interval_s, left_s))
-            if is_disconnected is not None and time.monotonic() - last_check_s >= settings.poll_interval_s:
-                last_check_s = time.monotonic()
-                if await is_disconnected():
-                    return
-            if chunk is None:
-                if self.pipeline.membership.is_alive(worker_id) is False:
-                    raise worker_lost(f"decode worker {worker_id} stopped sending heartbeats")
-                if time.monotonic() - last_chunk_s > silence_limit_s:
-                    raise worker_lost(f"decode worker {worker_id} sent no tokens for {silence_limit_s:g} s")
-                continue
-            silence_limit_s = settings.stream_timeout_s
-            last_chunk_s = time.monotonic()
-            if chunk.error is not None or chunk.finish_reason is FinishReason.ERROR:
-                self.finished = True  # the worker already dropped it
-                if chunk.error is None:
-                    raise worker_lost(f"decode worker {worker_id} failed")
-                raise from_wire(chunk.error, f"decode worker {worker_id} failed", settings.retry_after_s)
-            self.finished = chunk.finish_reason is not None
-            yield chunk
-            if self.finished:
-                return
-
-    def stop(self, reason: str) -> None:
-        """End the request here; unless it already finished, Cancel tells the workers to drop it."""
-        self.stream.close()
-        if not self.finished:
-            self.finished = True
-            self.pipeline.cancel_soon(self.request_id, reason)
-
-
-def _first_chunk(prefill: PrefillResult) -> TokenChunk:
-    """The prefill worker's first token, as the first chunk of the stream."""
-    return TokenChunk(
-        request_id=prefill.request_id,
-        token_ids=[] if prefill.first_token_id is None else [prefill.first_token_id],
-        logprobs=None if prefill.first_logprobs is None else [prefill.first_logprobs],
-        finish_reason=prefill.finish_reason,
-        num_cached_tokens=prefill.num_cached_tokens,
-    )

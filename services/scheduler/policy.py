@@ -16,7 +16,9 @@ Rules of `LeastLoadedPolicy` (docs/services.md has the same list):
 - prefill: least loaded unsaturated worker of role prefill or both whose layout_id equals the decode worker's
   (KV moves between them); none, or the decode worker itself → prefill_worker_id None (decode computes
   the prompt);
-- expected_cached_tokens is 0 (the prefix-aware policy fills it).
+- expected_cached_tokens is 0 (the prefix-aware policy fills it);
+- workers in the request's exclude_worker_ids (a migrated request's lost worker) are left out while another
+  decode worker can take the request; otherwise they are candidates like the others.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class LeastLoadedPolicy:
     ) -> RouteDecision:
         """The least-loaded pair for `request`, or OVERLOADED when no decode worker can take it."""
         usable = [m for m in members if not m.draining and not is_saturated(m) and serves_model(m, request)]
+        preferred = [m for m in usable if m.worker_id not in request.exclude_worker_ids]
+        usable = preferred if any(m.can_decode for m in preferred) else usable
         decode = self.least_loaded([m for m in usable if m.can_decode], in_flight)
         if decode is None:
             return RouteDecision(

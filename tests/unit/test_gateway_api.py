@@ -262,7 +262,22 @@ async def test_decode_refusal_is_503_and_cancels_the_prefill(model_dir: Path):
     assert response.status_code == 503 and "refused" in _error(response)["message"]
     await h.gateway.pipeline.tasks.drain(1.0)
     await h.fake.bus.broker.settle()
+    # retried on another worker (the fake has one) within the migration budget, each attempt's prefill cancelled
+    attempts = [r.request_id for r in h.fake.decode_requests]
+    assert len(attempts) == 1 + h.gateway.settings.migration_budget
+    assert [c.request_id for c in h.fake.cancels] == attempts
+    assert all(r.exclude_worker_ids for r in h.fake.route_requests[1:])
+
+
+async def test_decode_refusal_without_migration_is_503_at_once(model_dir: Path):
+    h = await make_harness(model_dir, settings={"migration": False}, refuse_decode=ErrorCode.OVERLOADED)
+    async with h.http() as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
     assert [c.request_id for c in h.fake.cancels] == [h.fake.decode_requests[0].request_id]
+    assert len(h.fake.decode_requests) == 1
 
 
 async def test_metrics_count_requests(harness: Harness):

@@ -18,7 +18,8 @@ from deepinfer.testing.fake_workers import worker_load
 from services.gateway.streams import TokenStreams
 from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
 
-FAST = {"stream_timeout_s": 0.5, "first_token_timeout_s": 0.5, "poll_interval_s": 0.05}
+#: Migration off: these tests are about how a failure ends a request (what a spent migration budget leaves).
+FAST = {"stream_timeout_s": 0.5, "first_token_timeout_s": 0.5, "poll_interval_s": 0.05, "migration": False}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ async def test_silent_stream_ends_with_an_error_event(model_dir: Path):
 
 async def test_dead_decode_worker_ends_the_stream_within_the_lease(model_dir: Path):
     settings = {"stream_timeout_s": 30.0, "first_token_timeout_s": 30.0, "poll_interval_s": 0.05,
-                "worker_lease_s": 0.4}
+                "worker_lease_s": 0.4, "migration": False}
     h = await make_harness(model_dir, settings=settings, tokens_per_step=1, stall_after=2)
     h.workers.observe(worker_load("decode-0", WorkerRole.DECODE, MODEL))  # seen once, then its lease lapses
     started = time.monotonic()

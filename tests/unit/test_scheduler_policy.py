@@ -38,9 +38,10 @@ def member(worker_id: str, role: WorkerRole, running: int = 0, waiting: int = 0,
     )
 
 
-def request(request_id: str = "r1", fingerprint: bytes | None = FP) -> RouteRequest:
+def request(request_id: str = "r1", fingerprint: bytes | None = FP, exclude: list[str] | None = None) -> RouteRequest:
     return RouteRequest(
-        request_id=request_id, gateway_id="g1", num_prompt_tokens=40, model_fingerprint=fingerprint
+        request_id=request_id, gateway_id="g1", num_prompt_tokens=40, model_fingerprint=fingerprint,
+        exclude_worker_ids=exclude or [],
     )
 
 
@@ -70,6 +71,14 @@ def test_least_loaded_prefill_and_decode_counting_waiting_requests():
         expected_cached_tokens=0,
         scheduler_id="sched-1",
     )
+
+
+def test_excluded_workers_are_avoided_while_another_decode_worker_can_take_it():
+    members = [member("p1", P), member("p2", P, running=5), member("d1", D), member("d2", D, running=5)]
+    decision = pick(members, exclude=["d1", "p1"])  # a migrated request's lost workers: the busier ones win
+    assert (decision.prefill_worker_id, decision.decode_worker_id) == ("p2", "d2")
+    only = pick([member("p1", P), member("d1", D)], exclude=["d1"])  # the one decode worker: taken anyway
+    assert only.status is RouteStatus.ACCEPTED and only.decode_worker_id == "d1"
 
 
 def test_equal_load_goes_to_fewer_running():

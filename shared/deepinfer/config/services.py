@@ -95,6 +95,13 @@ class GatewaySettings(ServiceSettings):
         1.0, ge=0, description="Retry-After of a 503 when the scheduler gives none."
     )
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is considered dead after this long without a heartbeat.")
+    migration: bool = Field(
+        True, description="Resume a request on another decode worker when its worker dies or goes silent mid-stream "
+        "(prompt + the tokens already sent; the client sees one stream). Off: the stream ends with an error event.",
+    )
+    migration_budget: int = Field(
+        3, ge=0, description="Most re-issues of one request (migrations and prefill retries) before the clean error.",
+    )
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )

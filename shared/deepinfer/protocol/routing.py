@@ -27,6 +27,8 @@ class RouteRequest(Message):
     block_hashes: list[BlockHash] = Field(default_factory=list)
     num_prompt_tokens: NonNegativeInt
     model_fingerprint: bytes | None = None
+    #: Workers to avoid (a migrated request's dead worker); used only while another worker can take it.
+    exclude_worker_ids: list[str] = Field(default_factory=list)
 
 
 class RouteDecision(Message):

@@ -77,6 +77,8 @@ class FakeWorkers:
     refuse_decode: ErrorCode | None = None
     #: Stop sending (without finishing) after this many output tokens: a silent stream.
     stall_after: int | None = None
+    #: How many decode requests stall (stall_after); later ones (a migrated request's) run to the end.
+    num_stalls: int | None = None
     route_requests: list[RouteRequest] = field(default_factory=list)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
     decode_requests: list[DecodeRequest] = field(default_factory=list)
@@ -154,13 +156,16 @@ class FakeWorkers:
 
     async def _stream(self, request: DecodeRequest) -> None:
         ids, finish = self.script(request.sampling)
+        stall_after = self.stall_after
+        if self.num_stalls is not None and len(self.decode_requests) > self.num_stalls:
+            stall_after = None
         position = len(request.output_token_ids)
         step = 0
         first = True
         while position < len(ids):
             if any(c.request_id == request.request_id for c in self.cancels):
                 return
-            if self.stall_after is not None and position >= self.stall_after:
+            if stall_after is not None and position >= stall_after:
                 return
             await asyncio.sleep(self.step_delay_s)
             new_ids = ids[position : position + self.tokens_per_step]

@@ -1,0 +1,131 @@
+"""Gateway migration (scripted workers): a stream whose decode worker goes silent resumes on a decode worker as
+prompt + the tokens already sent; the client sees one stream. Shutdown past the drain grace ends every stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
+
+FAST = {"stream_timeout_s": 0.3, "first_token_timeout_s": 0.3, "poll_interval_s": 0.02, "retry_after_s": 0.05}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+async def _stream(client: openai.AsyncOpenAI, **kwargs) -> tuple[str, list[str | None], list]:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    text, finishes, usages = "", [], []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finishes.append(choice.finish_reason)
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+    return text, [f for f in finishes if f is not None], usages
+
+
+@pytest.mark.parametrize("stall_after", [1, 3, 9])
+async def test_a_silent_decode_worker_is_replaced_mid_stream(model_dir: Path, stall_after: int):
+    h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, stall_after=stall_after, num_stalls=1)
+    text, finishes, usages = await _stream(h.openai(), seed=7, temperature=0.8)
+    assert text == ANSWER and finishes == ["stop"]
+    assert len(usages) == 1 and usages[0].completion_tokens == len(h.fake.output_token_ids)
+    first, resumed = h.fake.decode_requests
+    assert resumed.request_id == f"{first.request_id}-m1"
+    sent = first.output_token_ids + h.fake.output_token_ids[len(first.output_token_ids):stall_after]
+    assert resumed.output_token_ids == sent  # what the client already has, as output (not as prompt)
+    assert resumed.prompt_token_ids == first.prompt_token_ids
+    assert resumed.sampling == first.sampling and resumed.sampling.seed == 7  # same seed, same budget
+    assert resumed.kv_handle is None
+    assert h.fake.route_requests[-1].exclude_worker_ids == ["decode-0"]
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
+    assert [c.request_id for c in h.fake.cancels] == [first.request_id]  # the lost attempt only
+    assert h.state.metrics.reissues.labels("migration")._value.get() == 1
+
+
+async def test_a_seeded_request_without_a_seed_keeps_the_one_the_gateway_drew(model_dir: Path):
+    h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, stall_after=4, num_stalls=1)
+    text, _, _ = await _stream(h.openai(), temperature=0.8)
+    assert text == ANSWER
+    first, resumed = h.fake.decode_requests
+    assert first.sampling.seed is not None and resumed.sampling.seed == first.sampling.seed
+
+
+async def test_a_stop_string_across_the_seam_still_stops(model_dir: Path):
+    # "Hello, wo|rld": the stop string's first half came from the lost worker, its second from the new one
+    h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, num_stalls=1)
+    tokenizer = h.tokenizer
+    ids = h.fake.output_token_ids
+    h.fake.stall_after = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("Hello, wo"))
+    text, finishes, _ = await _stream(h.openai(), stop=["world"])
+    assert text == "Hello, " and finishes == ["stop"]
+    assert len(h.fake.decode_requests) == 2
+
+
+async def test_a_non_streamed_request_is_migrated(model_dir: Path):
+    h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, stall_after=5, num_stalls=1)
+    reply = await h.openai().chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert reply.choices[0].message.content == ANSWER and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(h.fake.output_token_ids)
+    assert len(h.fake.decode_requests) == 2
+
+
+async def test_a_spent_budget_ends_with_the_error_of_today(model_dir: Path):
+    h = await make_harness(model_dir, settings={**FAST, "migration_budget": 2}, tokens_per_step=1, stall_after=3)
+    async with h.http() as http:
+        response = await http.post("/v1/chat/completions",
+                                   json={"model": MODEL, "messages": MESSAGES, "stream": True})
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["type"] == "server_error" and "no tokens" in error["message"]
+    assert len(h.fake.decode_requests) == 3  # the request, then 2 re-issues
+    assert [r.request_id[-3:] for r in h.fake.decode_requests[1:]] == ["-m1", "-m2"]
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
+    assert sorted(c.request_id for c in h.fake.cancels) == sorted(r.request_id for r in h.fake.decode_requests)
+
+
+async def test_migration_off_ends_the_stream_at_the_first_loss(model_dir: Path):
+    h = await make_harness(model_dir, settings={**FAST, "migration": False}, tokens_per_step=1, stall_after=3,
+                           num_stalls=1)
+    with pytest.raises(openai.APIError, match="no tokens"):
+        await _stream(h.openai())
+    assert len(h.fake.decode_requests) == 1
+
+
+async def test_shutdown_past_the_grace_ends_every_request_with_an_error(model_dir: Path):
+    # the workers never finish (they stall): the drain grace runs out with a stream and a plain request open
+    h = await make_harness(model_dir, settings={"stream_timeout_s": 30.0, "poll_interval_s": 0.02},
+                           tokens_per_step=1, stall_after=3)
+    async with h.http() as http:
+        body = {"model": MODEL, "messages": MESSAGES}
+        streamed = asyncio.create_task(http.post("/v1/chat/completions", json={**body, "stream": True}))
+        plain = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        while len(h.fake.decode_requests) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(h.gateway.drain(0.2), 5.0)
+        streamed_response, plain_response = await asyncio.wait_for(asyncio.gather(streamed, plain), 1.0)
+    events = [e for e in streamed_response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert "shutting down" in json.loads(events[-2][len("data: "):])["error"]["message"]
+    assert '"content":"' in streamed_response.text  # it had started
+    assert plain_response.status_code == 503 and "shutting down" in plain_response.json()["error"]["message"]
+    await h.fake.bus.broker.settle()
+    # drain flushed the Cancels (before the bus closes): every worker drops what it holds
+    assert sorted(c.request_id for c in h.fake.cancels) == sorted(r.request_id for r in h.fake.decode_requests)
+    assert len(h.fake.decode_requests) == 2  # nothing was migrated while shutting down
+    assert h.state.metrics.num_in_flight == 0
