@@ -18,6 +18,9 @@ STACK_ENV = {
     "OMP_NUM_THREADS": "1",  # two workers share two cores
     # Short leases and timeouts so failure tests finish quickly; defaults are for production.
     "DEEPINFER_SCHEDULER_WORKER_LEASE_S": "2",
+    # The shared stack has one decode worker: its failure tests check the clean error a lost worker leaves when
+    # nothing is migrated (as with a spent budget); test_migration.py runs a stack of its own with migration on.
+    "DEEPINFER_GATEWAY_MIGRATION": "false",
     # Every service writes its spans beside its log (stack.trace_dir), exported every 0.2 s.
     "DEEPINFER_OTEL_EXPORTER": "file",
     "OTEL_BSP_SCHEDULE_DELAY": "200",
