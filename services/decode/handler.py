@@ -36,8 +36,11 @@ from deepinfer.protocol import (
     DecodeStatus,
     ErrorCode,
     ErrorDetail,
+    FinishReason,
     KvHandle,
     Release,
+    TokenBatch,
+    TokenChunk,
     TokenLogprobs,
     WorkerRole,
     encode_token_batch,
@@ -51,6 +54,9 @@ from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
 
 log = logging.getLogger(__name__)
+
+#: Past the drain grace: time left for the abort's error chunks to leave before the bus closes.
+ABORT_FLUSH_S = 1.0
 
 
 @dataclass
@@ -105,13 +111,34 @@ class DecodeHandler:
         return self.runtime.not_ready_reason()
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking requests; finish the running batch and publish its last tokens, within grace_s."""
+        """Stop taking requests; finish the running batch and publish its last tokens, within grace_s. Past it,
+        abort what is left and tell each request's gateway (an OVERLOADED error chunk: it resumes the request on
+        another worker, or ends it cleanly)."""
         await self.runtime.drain()
         await self._subscriptions.unsubscribe("decode")
         deadline = time.monotonic() + grace_s
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.runtime.flush(deadline - time.monotonic())
+        if self._streams:
+            await self._abort_held(f"decode worker {self.runtime.worker_id} shut down past its drain grace")
+        await self.runtime.flush(max(deadline - time.monotonic(), ABORT_FLUSH_S))
+
+    async def _abort_held(self, reason: str) -> None:
+        """Abort every request still held (engine blocks freed) and send each one's gateway an error chunk."""
+        streams, self._streams = self._streams, {}
+        error = ErrorDetail(code=ErrorCode.OVERLOADED, message=reason)
+        by_gateway: dict[str, list[TokenChunk]] = {}
+        for request_id, stream in streams.items():
+            chunk = TokenChunk(request_id=request_id, token_ids=[], finish_reason=FinishReason.ERROR, error=error)
+            by_gateway.setdefault(stream.gateway_id, []).append(chunk)
+        log.warning("aborting %d request(s): %s", len(streams), reason)
+        for gateway_id, chunks in by_gateway.items():
+            batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step + 1, chunks=chunks)
+            self._tasks.spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
+        if self.runtime.engine is not None:
+            ids = list(streams)
+            with contextlib.suppress(Exception):
+                await self.runtime.engine.call(lambda core: core.abort_requests(ids))
 
     async def close(self) -> None:
         """Stop the engine and close data-plane connections."""

@@ -38,6 +38,8 @@ EXIT_FAILED = 1
 
 #: Default time a handler gets to finish in-flight work after SIGTERM (Kubernetes' default grace is 30 s).
 DEFAULT_DRAIN_GRACE_S = 20.0
+#: Past the grace, the time a handler gets to end what is left (error events, aborts, their publishes).
+DRAIN_OVERRUN_S = 5.0
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -276,9 +278,9 @@ class Service(Generic[S]):
         started_s = time.monotonic()
         drain = asyncio.ensure_future(self._handler.drain(self.drain_grace_s))
         force = asyncio.ensure_future(self._force.wait())
-        # One extra second: the handler's own grace accounting may overrun slightly.
+        # Past the grace the handler ends what is left (a gateway's error events, a worker's aborts): a few seconds.
         done, _ = await asyncio.wait(
-            {drain, force}, timeout=self.drain_grace_s + 1.0, return_when=asyncio.FIRST_COMPLETED
+            {drain, force}, timeout=self.drain_grace_s + DRAIN_OVERRUN_S, return_when=asyncio.FIRST_COMPLETED
         )
         force.cancel()
         if drain not in done:
@@ -307,4 +309,5 @@ def service_main(settings_cls: type[S], build: Build[S], **options: Any) -> int:
     """A service's sync entry point: settings from the environment (exit 2 on a bad value), then run."""
     settings = load_settings(settings_cls)
     sys.setswitchinterval(settings.gil_switch_interval_s)
+    options.setdefault("drain_grace_s", settings.drain_grace_s)
     return asyncio.run(run_service(settings, build, **options))

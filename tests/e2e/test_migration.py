@@ -142,3 +142,32 @@ def test_a_non_streamed_request_survives_its_decode_worker(pair, client, fault_f
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == MAX_TOKENS
     assert _reissues(pair) == before + 1
     _both_decoders_up(pair)
+
+
+def _decoders_idle(pair: Stack) -> bool:
+    for name in DECODERS:
+        sample = metrics(pair, name)
+        if sample["deepinfer_worker_running_requests"] or (
+            sample["deepinfer_worker_free_blocks"] != sample["deepinfer_worker_total_blocks"]
+        ):
+            return False
+    return True
+
+
+def test_shutdown_past_the_grace_ends_the_stream_and_the_workers_drop_it(pair):
+    # A gateway of its own with a 1 s drain grace; SIGTERM while a long stream runs.
+    base_url = pair.add_gateway("gateway-grace", {"DEEPINFER_GATEWAY_DRAIN_GRACE_S": "1"})
+    pair.wait_ready(60)
+    client = openai.OpenAI(base_url=base_url, api_key="e2e", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model=pair.model_name, messages=QUESTION, max_tokens=2000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    with pytest.raises(openai.APIError, match="shutting down"):  # the error event, then [DONE]
+        for _ in stream:
+            received += 1
+            if received == 5:
+                pair.kill("gateway-grace", signal.SIGTERM)
+                stopped_at = time.monotonic()
+    assert received > 5  # tokens kept flowing through the grace
+    assert time.monotonic() - stopped_at < 1 + 4.0
+    wait_until(lambda: _decoders_idle(pair), 5, "the decode workers to drop the request")

@@ -19,6 +19,7 @@ from deepinfer.protocol import (
     DecodeRequest,
     DecodeStatus,
     ErrorCode,
+    FinishReason,
     PrefillRequest,
     PrefillResult,
     SamplingParams,
@@ -79,8 +80,9 @@ def reference(tiny_dir, params: EngineSamplingParams) -> list[int]:
 
 
 async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, request_id: str, mutate=None,
-                      wait_before_decode_s: float = 0.0):
-    """Drive one request like the gateway: prefill → decode → collect the token stream."""
+                      wait_before_decode_s: float = 0.0, resume_from: list[int] | None = None):
+    """Drive one request like the gateway: prefill → decode → collect the token stream (`resume_from`: the
+    tokens a lost worker already sent, as a migrated request carries them)."""
     chunks: list = []
     done = asyncio.Event()
 
@@ -93,7 +95,7 @@ async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, req
 
     token = MODEL_TOKEN["value"]
     sub = await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
-    first, handle = [], None
+    first, handle = list(resume_from or []), None
     if prefill_id is not None:
         result = await bus.request(subjects.prefill(token, prefill_id), PrefillRequest(
             request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling),
@@ -182,6 +184,52 @@ async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir
     assert accepted.status is DecodeStatus.ACCEPTED
     assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
     assert decode._requests.labels("local")._value.get() == 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_a_resumed_request_continues_as_the_lost_worker_would_have(workers, bus, tiny_dir, sampling):
+    # A migrated request: prompt + the 4 tokens the lost worker sent, no KV; the rest is the uninterrupted run's.
+    expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    accepted, tokens = await run_request(bus, None, sampling, f"r-resume-{sampling.temperature}",
+                                         resume_from=expected[:4])
+    assert accepted.status is DecodeStatus.ACCEPTED
+    assert tokens == expected and len(tokens) == sampling.max_tokens  # max_tokens counts the resumed ones
+
+
+async def _wait_idle(decode) -> None:
+    for _ in range(100):
+        await decode.runtime.heartbeat()
+        stats = decode.runtime.stats
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
+    _, decode = workers
+    token = MODEL_TOKEN["value"]
+    chunks: list = []
+
+    async def on_batch(batch: TokenBatch, msg) -> None:
+        chunks.extend(batch.chunks)
+
+    await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id="r-drain", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
+        timeout_s=30)
+    assert accepted.status is DecodeStatus.ACCEPTED
+    await asyncio.sleep(0.2)
+    await asyncio.wait_for(decode.drain(0.2), 5.0)
+    await bus.flush()
+    await asyncio.sleep(0.1)
+    last = chunks[-1]
+    assert last.request_id == "r-drain" and last.finish_reason is FinishReason.ERROR
+    assert last.error is not None and last.error.code is ErrorCode.OVERLOADED and "drain grace" in last.error.message
+    assert 0 < sum(len(c.token_ids) for c in chunks) < 400  # it was generating, and stopped
+    await _wait_idle(decode)
+    assert decode.runtime.stats.num_running == 0
+    assert decode.runtime.stats.num_free_blocks == decode.runtime.stats.num_total_blocks
 
 
 async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):

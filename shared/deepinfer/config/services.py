@@ -45,6 +45,10 @@ class ServiceSettings(BaseSettings):
         default_factory=CommonSettings, description="Shared settings (DEEPINFER_*), built from the environment."
     )
     internal_port: AnyPort = Field(0, description="Port of /health, /ready and /metrics (0 = any free port).")
+    drain_grace_s: float = Field(
+        20.0, gt=0, description="After SIGTERM: time to finish in-flight work; past it the service ends what is left "
+        "(a gateway: an error to each open request) and exits within a few seconds more.",
+    )
     gil_switch_interval_s: float = Field(
         0.0005, gt=0, le=0.1,
         description="Python's thread switch interval (sys.setswitchinterval): the longest a thread holding the GIL "
