@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import openai
 import pytest
 
+from deepinfer.protocol import WorkerRole
+from deepinfer.testing.fake_workers import worker_load
 from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
 
 FAST = {"stream_timeout_s": 0.3, "first_token_timeout_s": 0.3, "poll_interval_s": 0.02, "retry_after_s": 0.05}
@@ -80,6 +83,24 @@ async def test_a_non_streamed_request_is_migrated(model_dir: Path):
     assert reply.choices[0].message.content == ANSWER and reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens == len(h.fake.output_token_ids)
     assert len(h.fake.decode_requests) == 2
+
+
+async def test_a_prefill_worker_lost_before_its_reply_is_retried_elsewhere(model_dir: Path):
+    # prefill-0 takes 5 s and its heartbeats stop: the request is routed again without it (decode computes it)
+    h = await make_harness(model_dir, settings={**FAST, "worker_lease_s": 0.2}, prefill_delay_s=5.0)
+    h.workers.observe(worker_load("prefill-0", WorkerRole.PREFILL, MODEL))  # seen once, then its lease lapses
+    started = time.monotonic()
+    reply = await h.openai().chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert reply.choices[0].message.content == ANSWER
+    assert time.monotonic() - started < 2.0
+    first, retried = h.fake.route_requests
+    assert retried.exclude_worker_ids == ["prefill-0"] and retried.request_id == f"{first.request_id}-m1"
+    assert [r.request_id for r in h.fake.decode_requests] == [retried.request_id]
+    assert h.fake.decode_requests[0].kv_handle is None
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
+    assert [c.request_id for c in h.fake.cancels] == [first.request_id]  # the lost prefill is told to stop
+    assert h.state.metrics.reissues.labels("start")._value.get() == 1
 
 
 async def test_a_spent_budget_ends_with_the_error_of_today(model_dir: Path):

@@ -124,7 +124,7 @@ class FakeWorkers:
         decision = RouteDecision(
             request_id=request.request_id,
             status=RouteStatus.OVERLOADED if self.overloaded else RouteStatus.ACCEPTED,
-            prefill_worker_id=PREFILL_ID if self.use_prefill else None,
+            prefill_worker_id=PREFILL_ID if self.use_prefill and PREFILL_ID not in request.exclude_worker_ids else None,
             decode_worker_id=None if self.overloaded else DECODE_ID,
             retry_after_s=2.0 if self.overloaded else None,
             scheduler_id="scheduler-0",
