@@ -75,6 +75,8 @@ class Tally:
     tokens_lost: int = 0
     tokens_duplicated: int = 0
     mismatched: int = 0
+    #: A few (fault-free text, text) pairs that differ, for the report.
+    samples: list[tuple[str, str]] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -127,7 +129,10 @@ def load_loop(client, model, max_tokens, references, tokenizer, tally: Tally, st
             tally.completed += 1
             tally.tokens_lost += lost
             tally.tokens_duplicated += duplicated
-            tally.mismatched += text != references[job]
+            if text != references[job]:
+                tally.mismatched += 1
+                if len(tally.samples) < 5:
+                    tally.samples.append((references[job], text))
 
 
 def inject(stack: Stack, fault: str, index: int, stop_s: float) -> str:
@@ -242,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
         return {"faults": dict(injected), "recovery_s": recovery, "attempted": tally.attempted,
                 "completed": tally.completed, "failed": tally.failed, "tokens_lost": tally.tokens_lost,
                 "tokens_duplicated": tally.tokens_duplicated, "mismatched": tally.mismatched,
-                "errors": dict(tally.errors), "held_after": held(stack), "reissues": reissues(stack)}
+                "errors": dict(tally.errors), "differing_samples": tally.samples, "held_after": held(stack), "reissues": reissues(stack)}
 
 
 def table(result: dict) -> str:

@@ -66,6 +66,8 @@ class _Stream:
     gateway_id: str
     want_logprobs: bool
     sent_first: bool = False
+    #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
+    num_tokens: int = 0
     #: The request's trace context when it is traced (its token batches become spans there), else None.
     trace_context: Context | None = None
 
@@ -179,7 +181,8 @@ class DecodeHandler:
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None,
-                                            trace_context=otel_context.get_current() if traced else None)
+                                            trace_context=otel_context.get_current() if traced else None,
+                                            num_tokens=len(request.output_token_ids))
         try:
             kv = None
             if on_device:
@@ -274,8 +277,10 @@ class DecodeHandler:
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
                 finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
+                num_previous_tokens=stream.num_tokens,
             )
             stream.sent_first = True
+            stream.num_tokens += len(output.new_token_ids)
             batches.setdefault(stream.gateway_id, []).append(chunk)
             if stream.trace_context is not None:
                 traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(output.new_token_ids)))

@@ -108,13 +108,13 @@ class RequestPipeline:
             failed_worker[:] = [decision.prefill_worker_id]
             with self.hops.span("prefill", worker_id=decision.prefill_worker_id):
                 prefill = await self.prefill(request, decision, block_hashes)
-        stream = self.streams.open(request.request_id)  # before decode starts, so no chunk is missed
+        first_ids = [] if prefill is None or prefill.first_token_id is None else [prefill.first_token_id]
+        stream = self.streams.open(request.request_id, len(first_ids))  # before decode starts: no chunk missed
         try:
             if prefill is None or prefill.finish_reason is None:
                 worker_id = decision.decode_worker_id
                 assert worker_id is not None
                 failed_worker[:] = [worker_id]
-                first_ids = [] if prefill is None or prefill.first_token_id is None else [prefill.first_token_id]
                 with self.hops.span("decode_admission", worker_id=worker_id):
                     await self.decode(request, worker_id, first_ids, None if prefill is None else prefill.kv_handle,
                                       decision.prefill_worker_id)
@@ -145,7 +145,7 @@ class RequestPipeline:
         decision = await self.route(attempt, block_hashes, fingerprint, exclude, len(output_token_ids))
         worker_id = decision.decode_worker_id
         assert worker_id is not None
-        stream = self.streams.open(request_id)
+        stream = self.streams.open(request_id, len(output_token_ids))
         try:
             await self.decode(attempt, worker_id, list(output_token_ids), None, None)
         except BaseException:

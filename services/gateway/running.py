@@ -6,13 +6,15 @@
     running.abort(error)                   # shutdown past the drain grace: chunks() raises `error`
 
 Migration (on by default, `GatewaySettings.migration`): when the decode worker dies or goes silent (its heartbeats
-stop, no chunk within the silence limit, or it reports the request lost or refused), the request is re-issued
+stop, no chunk within the silence limit, or it reports the request lost or refused), or a chunk of its stream was
+lost in transit (a gap in `num_previous_tokens`, e.g. across a NATS restart), the request is re-issued
 through the scheduler (the lost worker excluded while another can take it) to a decode worker as prompt + the
 tokens already consumed here (`output_token_ids`), under a new wire id (`<id>-m<n>`: a late chunk of the lost
-worker is dropped, its Cancel cannot hit the new attempt). The seed is fixed per request in the gateway and the
+worker is dropped, its Cancel cannot hit the new attempt). Until a worker takes it (none free, the lost one
+restarting, NATS reconnecting) it is tried again every `retry_after_s`, for up to `migration_wait_s`. The seed is fixed per request in the gateway and the
 draw is a function of (seed, position), so the new worker continues exactly; max_tokens, min_tokens, penalties,
 stop ids and the grammar count the tokens already sent on the worker, and the gateway's own state (detokenizer,
-stop strings, grammar check, usage) continues untouched. At most `migration_budget` re-issues per request; then
+stop strings, grammar check, usage) continues untouched. At most `migration_budget` migrations per request; then
 the error of today (an error event, or a 502).
 """
 
@@ -38,9 +40,9 @@ log = logging.getLogger(__name__)
 REISSUE_CODES = frozenset({ErrorCode.WORKER_LOST, ErrorCode.OVERLOADED})
 
 
-def attempt_id(request_id: str, num_reissues: int) -> str:
-    """The wire id of a request's re-issue `num_reissues` (0: the request's own id)."""
-    return request_id if num_reissues == 0 else f"{request_id}-m{num_reissues}"
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The wire id of a request's attempt `attempt` (0: the request's own id)."""
+    return request_id if attempt == 0 else f"{request_id}-m{attempt}"
 
 
 class RunningRequest:
@@ -63,6 +65,8 @@ class RunningRequest:
         self.finished = False
         #: Re-issues so far (prefill retries at the start included); bounded by settings.migration_budget.
         self.num_reissues = num_reissues
+        #: Attempts so far after the first (each has its own wire id; a migration may take several tries).
+        self.num_attempts = num_reissues
         #: Every token handed to the caller, in order: what a migrated request resumes from.
         self.sent_token_ids: list[int] = []
         #: Set by abort(): chunks() raises it at once.
@@ -130,6 +134,8 @@ class RunningRequest:
                 if await is_disconnected():
                     return
             if chunk is None:
+                if self.stream.broken is not None:
+                    raise worker_lost(f"decode worker {worker_id}: {self.stream.broken}")
                 if self.pipeline.membership.is_alive(worker_id) is False:
                     raise worker_lost(f"decode worker {worker_id} stopped sending heartbeats")
                 if time.monotonic() - last_chunk_s > silence_limit_s:
@@ -149,13 +155,15 @@ class RunningRequest:
 
     def _may_migrate(self, exc: ApiError) -> bool:
         """Whether `exc` (raised mid-stream) may be answered by resuming on another worker."""
-        settings = self.pipeline.settings
+        return self._may_retry(exc) and self.num_reissues < self.pipeline.settings.migration_budget
+
+    def _may_retry(self, exc: ApiError) -> bool:
+        """Whether a lost or refused attempt may be followed by another (the budget aside)."""
         return (
-            settings.migration
+            self.pipeline.settings.migration
             and self.aborted is None
             and not self.pipeline.closing
             and exc.error_code in REISSUE_CODES
-            and self.num_reissues < settings.migration_budget
             and time.monotonic() < self.request.deadline_s
         )
 
@@ -170,9 +178,11 @@ class RunningRequest:
         self.finished = False
         if sampling.max_tokens is not None and len(self.sent_token_ids) >= sampling.max_tokens:
             return TokenChunk(request_id=old_id, token_ids=[], finish_reason=FinishReason.LENGTH)
+        self.num_reissues += 1
+        give_up_s = min(self.request.deadline_s, time.monotonic() + settings.migration_wait_s)
         while True:
-            self.num_reissues += 1
-            new_id = attempt_id(self.request.request_id, self.num_reissues)
+            self.num_attempts += 1
+            new_id = attempt_id(self.request.request_id, self.num_attempts)
             log.warning("request %s: %s; resuming as %s after %d tokens", old_id, lost.message, new_id,
                         len(self.sent_token_ids), extra={"request_id": self.request.request_id})
             try:
@@ -180,10 +190,10 @@ class RunningRequest:
                     self.request, new_id, self.sent_token_ids, exclude=[lost_worker]
                 )
                 return None
-            except ApiError as exc:
-                if not self._may_migrate(exc):
+            except ApiError as exc:  # no scheduler, no decode worker free or alive yet (a restart, a NATS outage)
+                if not (self._may_retry(exc) and time.monotonic() < give_up_s):
                     break
-            await asyncio.sleep(min(settings.retry_after_s, max(0.0, self.request.deadline_s - time.monotonic())))
+            await asyncio.sleep(min(settings.retry_after_s, max(0.0, give_up_s - time.monotonic())))
         self.finished = True  # nothing runs on any worker now
         raise self.aborted or lost
 

@@ -19,10 +19,29 @@ logger = logging.getLogger(__name__)
 class RequestStream:
     """The TokenChunks of one request, in arrival order; close it when the request ends."""
 
-    def __init__(self, owner: TokenStreams, request_id: str) -> None:
+    def __init__(self, owner: TokenStreams, request_id: str, num_previous_tokens: int | None = None) -> None:
         self.request_id = request_id
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        #: The output position the next chunk must start at (None: not checked until a chunk says).
+        self.next_position = num_previous_tokens
+        #: Why the chunks stopped being usable (a gap: a chunk lost in transit); later chunks are dropped.
+        self.broken: str | None = None
         self._owner = owner
+
+    def put(self, chunk: TokenChunk) -> None:
+        """Queue a chunk that continues the stream; a repeat is dropped, a gap breaks the stream."""
+        if self.broken is not None:
+            return
+        position, expected = chunk.num_previous_tokens, self.next_position
+        if position is not None and expected is not None and position != expected:
+            if position + len(chunk.token_ids) <= expected and chunk.finish_reason is None and chunk.error is None:
+                return  # tokens already here (a repeated message)
+            self.broken = f"output tokens {expected}..{position} were lost in transit"
+            logger.warning("request %s: %s", self.request_id, self.broken)
+            return
+        if position is not None:
+            self.next_position = position + len(chunk.token_ids)
+        self.queue.put_nowait(chunk)
 
     async def get(self, timeout_s: float) -> TokenChunk | None:
         """Every chunk that arrived since the last call, merged into one (None when none came within `timeout_s`).
@@ -32,6 +51,8 @@ class RequestStream:
         behind). A gateway that keeps up gets one chunk at a time, as sent.
         """
         if self.queue.empty():
+            if self.broken is not None:
+                return None
             try:
                 first = await asyncio.wait_for(self.queue.get(), timeout_s)
             except TimeoutError:
@@ -58,6 +79,7 @@ def merge_chunks(first: TokenChunk, then: TokenChunk) -> TokenChunk:
         finish_reason=then.finish_reason,
         num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None else then.num_cached_tokens,
         error=then.error,
+        num_previous_tokens=first.num_previous_tokens,
     )
 
 
@@ -82,11 +104,12 @@ class TokenStreams:
             await self._subscription.unsubscribe()
             self._subscription = None
 
-    def open(self, request_id: str) -> RequestStream:
-        """Start collecting `request_id`'s chunks; open BEFORE asking a worker to decode, or early ones are lost."""
+    def open(self, request_id: str, num_previous_tokens: int | None = None) -> RequestStream:
+        """Start collecting `request_id`'s chunks (the first one continuing at output position
+        `num_previous_tokens`); open BEFORE asking a worker to decode, or early ones are lost."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} already has an open stream")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, num_previous_tokens)
         self._streams[request_id] = stream
         return stream
 
@@ -106,4 +129,4 @@ class TokenStreams:
             if stream is None:
                 self.num_dropped_chunks += 1  # finished, cancelled or another gateway's id: nothing to do
                 continue
-            stream.queue.put_nowait(chunk)
+            stream.put(chunk)

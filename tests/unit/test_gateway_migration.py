@@ -58,6 +58,34 @@ async def test_a_silent_decode_worker_is_replaced_mid_stream(model_dir: Path, st
     assert h.state.metrics.reissues.labels("migration")._value.get() == 1
 
 
+async def test_a_chunk_lost_in_transit_is_a_gap_and_the_request_resumes_before_it(model_dir: Path):
+    # the chunk at output position 4 never arrives (a NATS restart); position 5 shows the gap
+    h = await make_harness(model_dir, settings={**FAST, "stream_timeout_s": 30.0}, tokens_per_step=1,
+                           lose_chunk_at=4)
+    text, finishes, usages = await _stream(h.openai())
+    assert text == ANSWER and finishes == ["stop"]
+    assert usages[0].completion_tokens == len(h.fake.output_token_ids)
+    first, resumed = h.fake.decode_requests
+    assert resumed.output_token_ids == h.fake.output_token_ids[:4]
+    await h.gateway.pipeline.tasks.drain(1.0)
+    await h.fake.bus.broker.settle()
+    assert [c.request_id for c in h.fake.cancels] == [first.request_id]
+
+
+def test_a_repeated_chunk_is_dropped_and_a_gap_breaks_the_stream():
+    from deepinfer.protocol import TokenChunk
+    from services.gateway.streams import RequestStream, TokenStreams
+
+    stream = RequestStream(TokenStreams(None, MODEL, "gw"), "r", 1)  # type: ignore[arg-type]
+    stream.put(TokenChunk(request_id="r", token_ids=[5, 6], num_previous_tokens=1))
+    stream.put(TokenChunk(request_id="r", token_ids=[6], num_previous_tokens=2))  # a repeat
+    assert stream.queue.qsize() == 1 and stream.next_position == 3 and stream.broken is None
+    stream.put(TokenChunk(request_id="r", token_ids=[8], num_previous_tokens=4))  # position 3 never came
+    assert stream.broken and stream.queue.qsize() == 1
+    stream.put(TokenChunk(request_id="r", token_ids=[7], num_previous_tokens=3))  # too late: dropped
+    assert stream.queue.qsize() == 1
+
+
 async def test_a_seeded_request_without_a_seed_keeps_the_one_the_gateway_drew(model_dir: Path):
     h = await make_harness(model_dir, settings=FAST, tokens_per_step=1, stall_after=4, num_stalls=1)
     text, _, _ = await _stream(h.openai(), temperature=0.8)
@@ -101,6 +129,32 @@ async def test_a_prefill_worker_lost_before_its_reply_is_retried_elsewhere(model
     await h.fake.bus.broker.settle()
     assert [c.request_id for c in h.fake.cancels] == [first.request_id]  # the lost prefill is told to stop
     assert h.state.metrics.reissues.labels("start")._value.get() == 1
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.3])
+async def test_a_migration_waits_for_a_worker_up_to_migration_wait_s(model_dir: Path, wait_s: float):
+    # the lost worker's replacement is not there for 1.5 s (the scheduler answers overloaded meanwhile)
+    h = await make_harness(model_dir, settings={**FAST, "migration_wait_s": wait_s}, tokens_per_step=1,
+                           stall_after=3, num_stalls=1)
+
+    async def outage() -> None:
+        while not h.fake.decode_requests:
+            await asyncio.sleep(0.01)
+        h.fake.overloaded = True
+        await asyncio.sleep(1.5)
+        h.fake.overloaded = False
+
+    task = asyncio.create_task(outage())
+    if wait_s > 1.5:
+        text, finishes, _ = await _stream(h.openai())
+        assert text == ANSWER and finishes == ["stop"]
+        assert len(h.fake.route_requests) > 3  # tried every retry_after_s until one took it
+        assert len(h.fake.decode_requests) == 2
+    else:
+        with pytest.raises(openai.APIError, match="no tokens"):  # the loss, as today
+            await _stream(h.openai())
+        assert len(h.fake.decode_requests) == 1
+    await task
 
 
 async def test_a_spent_budget_ends_with_the_error_of_today(model_dir: Path):

@@ -106,6 +106,10 @@ class GatewaySettings(ServiceSettings):
     migration_budget: int = Field(
         3, ge=0, description="Most re-issues of one request (migrations and prefill retries) before the clean error.",
     )
+    migration_wait_s: float = Field(
+        30.0, gt=0, description="Longest a migrating request waits for a decode worker to take it (none free, the "
+        "lost one restarting, NATS reconnecting), trying every retry_after_s; then the clean error.",
+    )
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )

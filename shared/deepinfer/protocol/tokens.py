@@ -46,6 +46,9 @@ class TokenChunk(Message):
     num_cached_tokens: NonNegativeInt | None = None
     #: Set with finish_reason ERROR: why the worker dropped the request.
     error: ErrorDetail | None = None
+    #: The request's output tokens before this chunk's (those it came with included): a gateway sees a chunk lost
+    #: in transit (a NATS restart) as a gap. None: not counted.
+    num_previous_tokens: NonNegativeInt | None = None
 
 
 class TokenBatch(Message):
@@ -70,6 +73,7 @@ def token_chunk_fields(
     logprobs: list[TokenLogprobs] | None = None,
     finish_reason: FinishReason | None = None,
     num_cached_tokens: int | None = None,
+    num_previous_tokens: int | None = None,
 ) -> dict:
     """A TokenChunk as `model_dump` gives it, built without validation: the decode worker makes one per running
     request per step, where constructing and dumping the model cost ~7 µs a chunk of its event loop (held GIL
@@ -83,6 +87,7 @@ def token_chunk_fields(
         "finish_reason": finish_reason,
         "num_cached_tokens": num_cached_tokens,
         "error": None,
+        "num_previous_tokens": num_previous_tokens,
     }
 
 

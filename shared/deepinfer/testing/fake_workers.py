@@ -79,6 +79,8 @@ class FakeWorkers:
     stall_after: int | None = None
     #: How many decode requests stall (stall_after); later ones (a migrated request's) run to the end.
     num_stalls: int | None = None
+    #: The first decode request's chunk starting at this output position is never published (lost in transit).
+    lose_chunk_at: int | None = None
     route_requests: list[RouteRequest] = field(default_factory=list)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
     decode_requests: list[DecodeRequest] = field(default_factory=list)
@@ -169,18 +171,21 @@ class FakeWorkers:
                 return
             await asyncio.sleep(self.step_delay_s)
             new_ids = ids[position : position + self.tokens_per_step]
-            position += len(new_ids)
+            previous, position = position, position + len(new_ids)
             chunk = TokenChunk(
                 request_id=request.request_id,
                 token_ids=new_ids,
                 logprobs=_logprobs(new_ids, request.sampling) if request.sampling.logprobs is not None else None,
                 finish_reason=finish if position >= len(ids) else None,
                 num_cached_tokens=self.num_cached_tokens if first else None,
+                num_previous_tokens=previous,
             )
             first = False
             batch = TokenBatch(worker_id=DECODE_ID, step=step, chunks=[chunk])
-            await self.bus.publish(subjects.tokens(self.model, request.gateway_id), batch)
             step += 1
+            if previous == self.lose_chunk_at and request is self.decode_requests[0]:
+                continue
+            await self.bus.publish(subjects.tokens(self.model, request.gateway_id), batch)
 
     async def _cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.cancels.append(cancel)
