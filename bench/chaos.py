@@ -278,7 +278,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help=f"comma-separated fault kinds of {','.join(FAULTS)}")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--interval-s", type=float, default=1.0, help="pause after a recovery")
+    parser.add_argument("--interval-s", type=float, default=2.0, help="pause after a recovery")
     parser.add_argument("--stop-s", type=float, default=4.0, help="how long a SIGSTOP lasts")
     parser.add_argument("--settle-s", type=float, default=3.0, help="wait after the load before the leak check")
     parser.add_argument("--retries", type=int, default=2, help="the openai client's max_retries (its default: 2)")
