@@ -104,6 +104,10 @@ class DecodeHandler:
         """Why not ready."""
         return self.runtime.not_ready_reason()
 
+    def unhealthy_reason(self) -> str:
+        """Why /health fails ("" when healthy): the engine failed or a step is stuck."""
+        return self.runtime.unhealthy_reason()
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests; finish the running batch and publish its last tokens, within grace_s."""
         await self.runtime.drain()

@@ -105,6 +105,10 @@ class PrefillHandler:
         """Why not ready."""
         return "binding data plane" if self.data_plane is None else self.runtime.not_ready_reason()
 
+    def unhealthy_reason(self) -> str:
+        """Why /health fails ("" when healthy): the engine failed or a step is stuck."""
+        return self.runtime.unhealthy_reason()
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking prefills; finish running ones and let decode workers pull leased KV (their Releases
         still arrive), then flush background work, within grace_s."""

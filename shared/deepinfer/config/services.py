@@ -165,6 +165,12 @@ class WorkerSettings(ServiceSettings):
     async_scheduling: bool = Field(
         False, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md)."
     )
+    engine_step_deadline_s: float = Field(
+        120.0, gt=0,
+        description="A single engine step running longer than this (a hung device or collective) makes /health "
+        "answer 503, so the supervisor or the kubelet restarts the worker; first steps compile kernels: keep it "
+        "well above them.",
+    )
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
         description="auto: the checkpoint's weights; dummy: random weights from config.json alone (vLLM's name), "

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,6 +49,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self.num_steps = 0
+        #: time.monotonic() when the step now running began; None between steps (read by the health check).
+        self.step_started_s: float | None = None
         self.error: BaseException | None = None
         #: Load numbers as of the last step or command, replaced (never mutated) by the engine thread, so
         #: heartbeats read them without waiting for a long step (a big prefill can take seconds on a CPU).
@@ -72,6 +75,11 @@ class EngineLoop:
         await asyncio.to_thread(self._thread.join)
 
     @property
+    def stopping(self) -> bool:
+        """True once stop() was called."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         """True while the thread runs and has not failed."""
         return self._thread.is_alive() and self.error is None
@@ -83,7 +91,9 @@ class EngineLoop:
                 self.stats = engine_stats(self.core)
                 if self._stopping or not self.core.has_unfinished_requests():
                     continue
+                self.step_started_s = time.monotonic()
                 outputs = self.core.step()
+                self.step_started_s = None
                 events = self.core.scheduler.take_kv_events()
                 self.num_steps += 1
                 self.stats = engine_stats(self.core)

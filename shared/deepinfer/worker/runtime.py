@@ -130,6 +130,21 @@ class WorkerRuntime:
             return f"engine failed: {self.engine.error}"
         return "draining" if self.draining else "registering"
 
+    def unhealthy_reason(self) -> str:
+        """Why the worker cannot recover by itself ("" when healthy): its engine thread failed, or one step has
+        run past `engine_step_deadline_s` (a hung device or collective). /health answers 503 with it, so the
+        supervisor or the kubelet restarts the process. Loading is not unhealthy."""
+        engine = self.engine
+        if engine is None:
+            return ""
+        if not engine.alive and not engine.stopping:
+            return f"engine failed: {engine.error}"
+        started_s = engine.step_started_s
+        if started_s is not None and time.monotonic() - started_s > self.settings.engine_step_deadline_s:
+            return (f"engine step running for {time.monotonic() - started_s:.0f} s "
+                    f"(engine_step_deadline_s={self.settings.engine_step_deadline_s:g})")
+        return ""
+
     async def heartbeat(self) -> None:
         """Publish one WorkerLoad with fresh engine numbers."""
         assert self.core is not None and self.engine is not None and self.layout is not None
