@@ -32,6 +32,7 @@ class ChoiceOutput:
         self.logprobs: list[TokenLogprobs] = []
         self.num_output_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.cached_tokens_by_tier: dict[str, int] | None = None
         self.finish_reason: str | None = None
 
     def add(self, chunk: TokenChunk) -> ChoiceDelta:
@@ -40,6 +41,7 @@ class ChoiceOutput:
             return ChoiceDelta(self.index, "", finish_reason=self.finish_reason)
         if chunk.num_cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = chunk.num_cached_tokens
+            self.cached_tokens_by_tier = chunk.cached_tokens_by_tier
         self.num_output_tokens += len(chunk.token_ids)
         new_logprobs = list(chunk.logprobs or [])
         self.logprobs.extend(new_logprobs)

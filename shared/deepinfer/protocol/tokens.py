@@ -43,6 +43,8 @@ class TokenChunk(Message):
     finish_reason: FinishReason | None = None
     #: Set on the first chunk of a request so the gateway can report cached tokens in usage.
     num_cached_tokens: NonNegativeInt | None = None
+    #: With num_cached_tokens: where they came from, e.g. {"device": 512, "store": 1024} (added in 2.2).
+    cached_tokens_by_tier: dict[str, NonNegativeInt] | None = None
     #: Set with finish_reason ERROR: why the worker dropped the request.
     error: ErrorDetail | None = None
 
