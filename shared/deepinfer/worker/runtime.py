@@ -109,7 +109,8 @@ class WorkerRuntime:
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.start()
-        if self.settings.kv_store:
+        # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
+        if self.settings.kv_store and self.core.args.tensor_parallel_size == 1:
             self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id())
         log.info(
             "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
