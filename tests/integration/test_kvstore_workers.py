@@ -160,16 +160,19 @@ async def announce(bus, proxy_address: str) -> None:
         shard=SHARD, data_plane_address=proxy_address, internal_address="", ts=time.time()))
 
 
-def settings(cls, nats_server, tiny_dir, tmp_path, worker_id: str):
+def settings(cls, nats_server, tiny_dir, tmp_path, worker_id: str, **overrides):
     shared = CommonSettings(nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
                             data_plane_secret=SECRET, model_cache_dir=tmp_path)
-    return cls(common=shared, worker_id=worker_id, block_size=4, internal_port=0, data_plane_port=0,
-               kv_store_shard_lease_s=600, kv_store_load_timeout_s=5)
+    fields = {"block_size": 4, "internal_port": 0, "data_plane_port": 0, "kv_store_shard_lease_s": 600,
+              "kv_store_load_timeout_s": 5, **overrides}
+    return cls(common=shared, worker_id=worker_id, **fields)
 
 
-async def start_worker(handler_cls, settings_cls, nats_server, tiny_dir, tmp_path, bus, worker_id, proxy_address):
+async def start_worker(handler_cls, settings_cls, nats_server, tiny_dir, tmp_path, bus, worker_id, proxy_address,
+                       **overrides):
     handler = handler_cls(ServiceContext(worker_id, settings(settings_cls, nats_server, tiny_dir, tmp_path,
-                                                             worker_id), bus, new_registry(), NoOpTracer()))
+                                                             worker_id, **overrides), bus, new_registry(),
+                                         NoOpTracer()))
     await handler.load()
     await handler.start()
     await announce(bus, proxy_address)
@@ -280,3 +283,25 @@ async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server
         if shard.poll() is None:
             shard.send_signal(signal.SIGTERM)
             shard.wait(30)
+
+
+async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_server, bus, tiny_dir, tmp_path,
+                                                                     reference):
+    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
+    worker = None
+    try:
+        model = CommonSettings(model=str(tiny_dir)).model_token
+        worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-f",
+                                    address, kv_store_write_queue_blocks=2)
+        tokens, _ = await generate(bus, model, "dec-f", "r6")
+        assert tokens == reference  # the step never waits for the store
+        await worker.runtime.store.flush(10)
+        dropped = metric(worker, "worker_store_write_dropped_blocks_total", reason="queue_full")
+        assert dropped >= 3  # the prompt's 5 blocks were cached in one step: 2 queued, 3 dropped
+        assert metric(worker, "worker_store_written_blocks_total") + dropped == 7
+    finally:
+        if worker is not None:
+            await worker.close()
+        await proxy.close()
+        shard.send_signal(signal.SIGTERM)
+        shard.wait(30)

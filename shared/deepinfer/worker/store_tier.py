@@ -139,13 +139,13 @@ class StoreTier:
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
             await self.engine.call(lambda core: fail_load(core, plan.request_id))
             return
+        self._remember(hashes)  # held by the store: once cached here, not written behind again
         loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
             self.m_load_s.observe(time.perf_counter() - started)
             self.m_loaded_blocks.inc(len(payloads))
             self.m_loaded_bytes.inc(sum(len(p) for p in payloads))
-            self._remember(hashes)
 
     # -- write-behind -------------------------------------------------------------------------------------------
     def on_stored(self, block_hashes: Sequence[bytes]) -> None:
