@@ -9,6 +9,7 @@ import torch
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.kv_load import export_cached, fail_load, finish_load, start_load
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
@@ -61,6 +62,7 @@ def test_a_loaded_prefix_gives_the_recomputed_tokens_while_others_run(tiny_dir, 
         for out in core.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert "r" not in tokens and tokens["other"]
+    assert (engine_stats(core).num_running, engine_stats(core).num_waiting) == (1, 1)  # loading counts as waiting
     assert finish_load(core, plan, payloads)
     outputs = run(core, tokens)
     assert outputs["r"] == reference
