@@ -45,7 +45,7 @@ from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.settings import engine_args
-from deepinfer.worker.store_tier import StoreTier
+from deepinfer.worker.store_tier import StoreTier, start_store_client
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +103,24 @@ class WorkerRuntime:
     async def load(self) -> None:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
         started = time.perf_counter()
-        self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        # The store's shards heartbeat every second or so: follow them while the model loads.
+        client = await start_store_client(self.settings, self.bus) if self.settings.kv_store else None
+        try:
+            self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        except BaseException:
+            if client is not None:
+                await client.close()
+            raise
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
-        if self.settings.kv_store and self.core.args.tensor_parallel_size == 1:
-            self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id())
+        if client is not None and self.core.args.tensor_parallel_size == 1:
+            self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id(), client)
+        elif client is not None:
+            await client.close()
         log.info(
             "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
             time.perf_counter() - started, self.core.model_dir.name, self.core.kv_plan.num_blocks,
@@ -125,7 +134,7 @@ class WorkerRuntime:
             "cancel", subjects.cancel(self.model), self._on_cancel, message_type=Cancel
         )
         if self.store is not None:
-            await self.store.start(self.bus)
+            await self.store.start()
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 

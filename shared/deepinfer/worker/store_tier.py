@@ -42,15 +42,14 @@ KNOWN_HASHES = 1 << 16
 class StoreTier:
     """Loads stored prefixes at admission and writes full blocks behind, for one worker's engine."""
 
-    def __init__(self, settings: WorkerSettings, registry: CollectorRegistry, engine: EngineLoop, layout_id: str):
+    def __init__(self, settings: WorkerSettings, registry: CollectorRegistry, engine: EngineLoop, layout_id: str,
+                 client: KvStoreClient):
         self.settings = settings
         self.engine = engine
         self.layout_id = layout_id
         core = engine.core
         self.block_size, self.fingerprint = core.args.block_size, core.fingerprint
-        secret = settings.common.data_plane_secret
-        self.client = KvStoreClient(secret.get_secret_value() if secret else None,
-                                    settings.kv_store_load_timeout_s, settings.kv_store_shard_lease_s)
+        self.client = client
         self._queue: deque[bytes] = deque()
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._wake = asyncio.Event()
@@ -72,9 +71,8 @@ class StoreTier:
                                  "Blocks not written behind, by reason (queue_full, evicted, error).", ["reason"])
         self.m_queue = gauge(registry, "worker_store_write_queue_blocks", "Blocks waiting to be written behind.")
 
-    async def start(self, bus: MessageBus) -> None:
-        """Follow the shards' heartbeats; start the write-behind task."""
-        await self.client.start(bus)
+    async def start(self) -> None:
+        """Start the write-behind task."""
         self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
 
     async def flush(self, timeout_s: float) -> None:
@@ -84,7 +82,7 @@ class StoreTier:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        """Stop writing behind (what is queued is dropped) and close the connections."""
+        """Stop writing behind (what is queued is dropped) and close the client."""
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -207,6 +205,16 @@ class StoreTier:
             known.move_to_end(block_hash)
         while len(known) > KNOWN_HASHES:
             known.popitem(last=False)
+
+
+async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvStoreClient:
+    """A client following the shards' heartbeats from now on (a worker starts it before loading its model, so it
+    knows the shards by the time it serves)."""
+    secret = settings.common.data_plane_secret
+    client = KvStoreClient(secret.get_secret_value() if secret else None, settings.kv_store_load_timeout_s,
+                           settings.kv_store_shard_lease_s)
+    await client.start(bus)
+    return client
 
 
 def cached_tokens_by_tier(output: EngineOutput) -> dict[str, int]:
