@@ -197,6 +197,8 @@ class PromptTokensDetails(BaseModel):
     """`usage.prompt_tokens_details`: how many prompt tokens came from the KV cache."""
 
     cached_tokens: int = 0
+    #: Ours (the SDKs ignore it): where cached_tokens came from, e.g. {"device": 16, "store": 512}.
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
 
 
 class Usage(BaseModel):

@@ -182,6 +182,25 @@ class WorkerSettings(ServiceSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )
+    kv_store: bool = Field(
+        True, description="Use the kvcache store (docs/kvstore.md, Workers): load stored prefixes instead of "
+        "recomputing them, write full blocks behind. Off, or with no live shard, the worker never touches it.",
+    )
+    kv_store_lookup_timeout_s: float = Field(
+        0.5, gt=0, description="Longest the store's has-lookup before admission may take (then: recompute)."
+    )
+    kv_store_load_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a load of stored blocks may take; the request then recomputes them."
+    )
+    kv_store_write_queue_blocks: int = Field(
+        4096, ge=1, description="Full blocks waiting to be written behind; past this new ones are dropped (counted)."
+    )
+    kv_store_write_batch_blocks: int = Field(
+        64, ge=1, description="Blocks exported and put to the store per write-behind round."
+    )
+    kv_store_shard_lease_s: float = Field(
+        3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."
+    )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
     _block_size = field_validator("block_size")(_power_of_two)

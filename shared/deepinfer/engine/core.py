@@ -300,6 +300,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             stop_reason=u.stop_reason,
             num_cached_tokens=u.num_cached_tokens,
             first_scheduled_time=u.first_scheduled_time,
+            num_store_cached_tokens=u.num_store_cached_tokens,
         )
         for u in updates
     ]

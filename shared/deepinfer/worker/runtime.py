@@ -3,6 +3,7 @@
     engine thread (EngineLoop) ──outputs──► role handler (prefill: first tokens; decode: token batches)
     heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
     KV events       ── KvEventBatch (seq +1 per batch) ──────────► kv_events(model, worker_id)
+                    ── blocks newly cached ──► StoreTier write-behind (kvcache store; admission loads from it)
     cancel(model)   ── Cancel ──► role handler's on_cancel
     tasks           ── BackgroundTasks shared with the role handler: publishes, engine commands; flushed on drain
 """
@@ -37,12 +38,14 @@ from deepinfer.protocol import (
     WorkerLoad,
     WorkerRole,
 )
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.settings import engine_args
+from deepinfer.worker.store_tier import StoreTier, start_store_client
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class WorkerRuntime:
         self.core: EngineCore | None = None
         self.engine: EngineLoop | None = None
         self.layout: KvLayout | None = None
+        #: The kvcache store tier (None with kv_store off): admission loads, write-behind.
+        self.store: StoreTier | None = None
         self.data_plane_address = ""
         self.internal_address = ""
         self.draining = False
@@ -81,6 +86,7 @@ class WorkerRuntime:
         #: Spans and `deepinfer_<role>_hop_seconds` of the hops a request takes here.
         self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
+        self._registry = registry
         self._heartbeats_sent = 0
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
@@ -97,12 +103,24 @@ class WorkerRuntime:
     async def load(self) -> None:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
         started = time.perf_counter()
-        self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        # The store's shards heartbeat every second or so: follow them while the model loads.
+        client = await start_store_client(self.settings, self.bus) if self.settings.kv_store else None
+        try:
+            self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        except BaseException:
+            if client is not None:
+                await client.close()
+            raise
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.start()
+        # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
+        if client is not None and self.core.args.tensor_parallel_size == 1:
+            self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id(), client)
+        elif client is not None:
+            await client.close()
         log.info(
             "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
             time.perf_counter() - started, self.core.model_dir.name, self.core.kv_plan.num_blocks,
@@ -115,8 +133,25 @@ class WorkerRuntime:
         await self._subscriptions.subscribe(
             "cancel", subjects.cancel(self.model), self._on_cancel, message_type=Cancel
         )
+        if self.store is not None:
+            await self.store.start()
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+        output_token_ids: Sequence[int] = (), hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request in the engine, its prefix loaded from the kvcache store where it is there (see
+        StoreTier); ValueError for an invalid request."""
+        if self.store is not None:
+            await self.store.add_request(request_id, prompt_token_ids, params, cache_salt, output_token_ids,
+                                         hold_blocks)
+            return
+        assert self.engine is not None
+        await self.engine.call(lambda core: core.add_request(
+            request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
+            hold_blocks=hold_blocks))
 
     def is_ready(self) -> bool:
         """Model loaded, engine thread alive, registered with at least one heartbeat, not draining."""
@@ -189,7 +224,10 @@ class WorkerRuntime:
 
     async def flush(self, timeout_s: float) -> None:
         """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         await self.tasks.drain(max(0.0, timeout_s))
+        if self.store is not None:  # blocks of the last steps reach the store before the worker stops
+            await self.store.flush(deadline - time.monotonic())
 
     async def close(self) -> None:
         """Stop heartbeats, unsubscribe, flush what is left in the background, stop the engine thread."""
@@ -200,6 +238,8 @@ class WorkerRuntime:
             self._heartbeat_task = None
         await self._subscriptions.close()
         await self.flush(CLOSE_FLUSH_S)
+        if self.store is not None:
+            await self.store.close()
         if self.engine is not None:
             await self.engine.stop()
 
@@ -236,6 +276,8 @@ class WorkerRuntime:
     def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
         if outputs:
             self.on_outputs(outputs)
+        if events and self.store is not None:
+            self.store.on_stored([h for event in events if isinstance(event, Stored) for h in event.block_hashes])
         if events:
             self._events_seq += 1
             batch = KvEventBatch(
