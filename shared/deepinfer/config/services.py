@@ -198,6 +198,10 @@ class WorkerSettings(ServiceSettings):
     kv_store_write_batch_blocks: int = Field(
         64, ge=1, description="Blocks exported and put to the store per write-behind round."
     )
+    kv_store_write_generated: bool = Field(
+        False, description="Also write behind the blocks of generated tokens, not only prompt blocks (LMCache's "
+        "save_decode_cache): every 16 generated tokens then cost a device-to-host copy on the engine thread.",
+    )
     kv_store_shard_lease_s: float = Field(
         3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."
     )

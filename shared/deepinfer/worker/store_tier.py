@@ -4,7 +4,8 @@
                 n > device hits: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others)
                                  ─ get (load_timeout_s) ─► finish_load: runs from its first token not loaded
                                  a failed or late get ─► fail_load: recomputed, the blocks never served
-    write-behind  blocks entering the prefix cache (the step's Stored events) ─► bounded queue (full: dropped,
+    write-behind  prompt blocks entering the prefix cache (the step's Stored events; generated blocks too with
+                kv_store_write_generated) ─► bounded queue (full: dropped,
                 counted) ─► background task: has → export the missing ones on the engine thread between steps
                 (still cached; evicted ones are dropped, counted) → put to their shards
 
@@ -52,6 +53,8 @@ class StoreTier:
         self.client = client
         self._queue: deque[bytes] = deque()
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        #: Full prompt blocks of admitted requests: what write-behind writes (unless kv_store_write_generated).
+        self._prompt_blocks: OrderedDict[bytes, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writing = False
         self._writer: asyncio.Task[None] | None = None
@@ -99,6 +102,7 @@ class StoreTier:
         tokens = [*prompt_token_ids, *output_token_ids]
         hashes = hash_blocks(tokens, self.block_size, self.fingerprint, cache_salt)[: (len(tokens) - 1)
                                                                                     // self.block_size]
+        self._remember(hashes, self._prompt_blocks)
         num_stored = await self._lookup(hashes)
         if num_stored:
             plan = await self.engine.call(lambda core: start_load(
@@ -150,9 +154,9 @@ class StoreTier:
         """Blocks that just entered the device prefix cache (event loop; never blocks)."""
         if not self.client.has_shards():
             return
-        limit = self.settings.kv_store_write_queue_blocks
+        limit, any_block = self.settings.kv_store_write_queue_blocks, self.settings.kv_store_write_generated
         for block_hash in block_hashes:
-            if block_hash in self._known:
+            if block_hash in self._known or not (any_block or block_hash in self._prompt_blocks):
                 continue
             if len(self._queue) >= limit:
                 self.m_dropped.labels("queue_full").inc()
@@ -198,8 +202,9 @@ class StoreTier:
         self.m_written_bytes.inc(sum(len(p) for p in payloads))
         self._remember(kept)
 
-    def _remember(self, hashes: Sequence[bytes]) -> None:
-        known = self._known
+    def _remember(self, hashes: Sequence[bytes], known: OrderedDict[bytes, None] | None = None) -> None:
+        """Add to a bounded set of hashes (default: those the store holds)."""
+        known = self._known if known is None else known
         for block_hash in hashes:
             known[block_hash] = None
             known.move_to_end(block_hash)
