@@ -43,6 +43,8 @@ class Member:
     draining: bool
     #: Our monotonic clock when the latest heartbeat arrived (never the worker's clock).
     last_seen_s: float
+    #: The worker's boot id (protocol 2.2; "" from older workers).
+    epoch: str = ""
 
     @classmethod
     def from_load(cls, load: WorkerLoad, now_s: float) -> Member:

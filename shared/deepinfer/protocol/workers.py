@@ -42,5 +42,7 @@ class WorkerLoad(Message):
     internal_address: str
     #: Stops taking new work, finishing what it has.
     draining: bool = False
+    #: Boot id of this worker process (2.2): a new epoch is a restart, its KV index entries start over.
+    epoch: str = ""
     #: Unix seconds on the worker's clock.
     ts: float
