@@ -2,7 +2,8 @@
 
     engine thread (EngineLoop) ──outputs──► role handler (prefill: first tokens; decode: token batches)
     heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
-    KV events       ── KvEventBatch (seq +1 per batch) ──────────► kv_events(model, worker_id)
+    KV events       ── KvEventBatch (seq +1 per batch, epoch) ───► kv_events(model, worker_id)
+    snapshot        ◄─ SnapshotRequest ─ a scheduler; SnapshotPage (cut on the engine thread, at a seq) ─►
     cancel(model)   ── Cancel ──► role handler's on_cancel
     tasks           ── BackgroundTasks shared with the role handler: publishes, engine commands; flushed on drain
 """
@@ -14,6 +15,7 @@ import contextlib
 import gc
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from opentelemetry.trace import Tracer
@@ -34,6 +36,7 @@ from deepinfer.protocol import (
     KvEventKind,
     KvLayout,
     Message,
+    SnapshotRequest,
     WorkerLoad,
     WorkerRole,
 )
@@ -42,6 +45,7 @@ from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.settings import engine_args
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,9 @@ class WorkerRuntime:
         self.draining = False
         self.on_outputs: Callable[[list[EngineOutput]], None] = lambda outputs: None
         self.on_cancel: Callable[[Cancel], None] = lambda cancel: None
-        self._events_seq = 0
+        #: Boot id: seq starts again in every epoch, so a scheduler tells a restart from lost events.
+        self.epoch = uuid.uuid4().hex[:16]
+        self.snapshots = SnapshotPages(self.worker_id, self.epoch, self._cut_snapshot)
         self._heartbeat_task: asyncio.Task[None] | None = None
         #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
         self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
@@ -114,6 +120,10 @@ class WorkerRuntime:
         self.internal_address, self.data_plane_address = internal_address, data_plane_address
         await self._subscriptions.subscribe(
             "cancel", subjects.cancel(self.model), self._on_cancel, message_type=Cancel
+        )
+        await self._subscriptions.subscribe(
+            "snapshot", subjects.snapshot(self.model, self.worker_id), self._on_snapshot,
+            message_type=SnapshotRequest,
         )
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -207,6 +217,7 @@ class WorkerRuntime:
             data_plane_address=self.data_plane_address,
             internal_address=self.internal_address,
             draining=self.draining,
+            epoch=self.epoch,
             ts=time.time(),
         )
 
@@ -218,15 +229,23 @@ class WorkerRuntime:
             except Exception:  # a lost heartbeat must not kill the loop: the next one may get through
                 log.warning("heartbeat failed", exc_info=True)
 
-    def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+    def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent], seq: int) -> None:
         if outputs:
             self.on_outputs(outputs)
         if events:
-            self._events_seq += 1
             batch = KvEventBatch(
-                worker_id=self.worker_id, seq=self._events_seq, events=to_wire_events(events), ts=time.time()
+                worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
             )
             self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+
+    async def _cut_snapshot(self) -> tuple[int, list[bytes]]:
+        assert self.engine is not None
+        return await self.engine.call(self.engine.cut_kv_snapshot)
+
+    async def _on_snapshot(self, request: SnapshotRequest, msg: IncomingMsg) -> None:
+        if self.engine is None:
+            return  # not loaded: no reply, the scheduler retries after its timeout
+        await self.bus.reply(msg, await self.snapshots.page(request))
 
     async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.on_cancel(cancel)
