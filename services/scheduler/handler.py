@@ -4,8 +4,9 @@
     → publish the decision on `decisions(model)` (peers count it as in-flight load)
 
 Beside it: heartbeats on `heartbeat_all(model)` keep the membership table, peers' decisions feed the in-flight
-counts, and a sweeper drops workers whose lease ran out. Everything runs on the event loop and never blocks:
-routing is a few comparisons over the members.
+counts, the KV index feed (kv_feed.py) follows every worker's and store shard's KV events, and a sweeper drops
+workers whose lease ran out (with their index entries). Everything runs on the event loop and never blocks:
+routing is a prefix walk over the index and a few comparisons over the members.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from deepinfer.membership import Membership
 from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus, WorkerLoad, WorkerRole
 from deepinfer.telemetry import counter, gauge, histogram, request_context
 from services.scheduler.inflight import InFlight
-from services.scheduler.policy import LeastLoadedPolicy, RoutingPolicy
+from services.scheduler.kv_feed import KvIndexFeed
+from services.scheduler.kv_index import KvIndex
+from services.scheduler.policy import LeastLoadedPolicy, RoundRobinPolicy, RoutingPolicy
+from services.scheduler.prefix_policy import CostWeights, PrefixPolicy
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class SchedulerHandler:
         in_flight: InFlight,
         policy: RoutingPolicy,
         registry: CollectorRegistry,
+        kv_feed: KvIndexFeed,
         tracer: Tracer | None = None,
     ) -> None:
         self.model = model
@@ -58,6 +63,7 @@ class SchedulerHandler:
         self.membership = membership
         self.in_flight = in_flight
         self.policy = policy
+        self.kv_feed = kv_feed
         self.metrics = SchedulerMetrics(registry)
         self.tracer = tracer or NoOpTracer()
         self.sweep_interval_s = min(MAX_SWEEP_INTERVAL_S, membership.lease_s / 4)
@@ -87,6 +93,7 @@ class SchedulerHandler:
         """A worker's WorkerLoad: refresh its membership; its heartbeat now covers older in-flight counts."""
         member, joined = self.membership.observe(load)
         self.in_flight.on_heartbeat(member.worker_id)
+        self.kv_feed.on_member(member)
         if joined:
             log.info(
                 "worker joined: %s (%s) at %s",
@@ -106,6 +113,7 @@ class SchedulerHandler:
         """Drop workers whose lease ran out and in-flight counts past their TTL."""
         for member in self.membership.sweep():
             self.in_flight.forget_worker(member.worker_id)
+            self.kv_feed.forget(member.worker_id)
             self.metrics.workers_expired.inc()
             log.warning(
                 "worker lost: %s (%s), no heartbeat for %.1f s",
@@ -115,6 +123,7 @@ class SchedulerHandler:
                 extra={"worker_id": member.worker_id, "role": member.role.value},
             )
         self.in_flight.expire()
+        self.kv_feed.sweep()
         self.metrics.set_members(self.membership.count_by_role())
         self.metrics.in_flight.set(self.in_flight.total())
 
@@ -123,6 +132,7 @@ class SchedulerHandler:
     async def start(self) -> None:
         """Subscribe to heartbeats and peers' decisions, then to routes; start the sweeper."""
         model, subscriptions = self.model, self._subscriptions
+        await self.kv_feed.start()
         await subscriptions.subscribe(
             "heartbeats", subjects.heartbeat_all(model), self.on_heartbeat, message_type=WorkerLoad
         )
@@ -152,6 +162,7 @@ class SchedulerHandler:
                 await self._sweeper
             self._sweeper = None
         await self._subscriptions.close()
+        await self.kv_feed.close()
 
     def is_ready(self) -> bool:
         """Subscribed and not draining; zero workers is fine (requests are answered overloaded)."""
@@ -177,6 +188,9 @@ class SchedulerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = counter(registry, "scheduler_decisions", "Route decisions by status.", ["status"])
+        self.expected_cached_tokens = counter(
+            registry, "scheduler_expected_cached_tokens", "Prompt tokens the decisions expect to find cached."
+        )
         self.members = gauge(registry, "scheduler_members", "Live workers by role.", ["role"])
         self.route_latency = histogram(
             registry,
@@ -196,6 +210,7 @@ class SchedulerMetrics:
     def observe(self, decision: RouteDecision, latency_s: float) -> None:
         """Count one decision and its latency."""
         self.decisions.labels(status=decision.status.value).inc()
+        self.expected_cached_tokens.inc(decision.expected_cached_tokens)
         self.route_latency.observe(latency_s)
 
     def set_members(self, counts: dict[WorkerRole, int]) -> None:
@@ -214,13 +229,33 @@ def build_handler(
     rng: random.Random | None = None,
 ) -> SchedulerHandler:
     """A SchedulerHandler wired from settings (clock and rng injectable for tests)."""
+    model = settings.common.served_model_name or settings.common.model
+    membership = Membership(settings.worker_lease_s, clock=clock)
+    index = KvIndex(settings.kv_index_max_entries)
     return SchedulerHandler(
-        model=settings.common.served_model_name or settings.common.model,
+        model=model,
         scheduler_id=settings.scheduler_id,
         bus=bus,
-        membership=Membership(settings.worker_lease_s, clock=clock),
+        membership=membership,
         in_flight=InFlight(clock=clock),
-        policy=LeastLoadedPolicy(settings.scheduler_id, rng=rng or random.Random()),
+        policy=build_policy(settings, index, rng or random.Random()),
         registry=registry,
+        kv_feed=KvIndexFeed(model, bus, index, membership, registry, settings.snapshot_timeout_s, clock=clock),
         tracer=tracer,
     )
+
+
+def build_policy(settings: SchedulerSettings, index: KvIndex, rng: random.Random) -> RoutingPolicy:
+    """The policy `settings.routing_policy` names."""
+    if settings.routing_policy == "round_robin":
+        return RoundRobinPolicy(settings.scheduler_id)
+    if settings.routing_policy == "least_loaded":
+        return LeastLoadedPolicy(settings.scheduler_id, rng=rng)
+    weights = CostWeights(
+        host_weight=settings.host_hit_weight,
+        store_weight=settings.store_hit_weight,
+        load_weight=settings.load_weight,
+        kv_weight=settings.kv_usage_weight,
+        direct_min_fraction=settings.direct_decode_min_fraction,
+    )
+    return PrefixPolicy(settings.scheduler_id, index, weights, rng=rng)

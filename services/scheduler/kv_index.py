@@ -215,8 +215,8 @@ class KvIndex:
 
     def match(self, layout_id: str, block_hashes: Sequence[bytes], worker_ids: Iterable[str]) -> dict[str, PrefixMatch]:
         """Each worker's cached prefix of `block_hashes`: per block its own device, its lower tier, else any
-        store shard of the layout; the prefix ends at the first block none of those holds. Workers not indexed,
-        or not live, match nothing."""
+        store shard of the layout; the prefix ends at the first block none of those holds. A worker not indexed,
+        or not live (its snapshot owed), matches only what the store holds."""
         layout_blocks = self._blocks.get(layout_id, {})
         store_mask = 0
         for holder in self._holders.values():
@@ -229,6 +229,8 @@ class KvIndex:
             holder = self._holders.get(worker_id)
             if holder is not None and holder.state is SyncState.LIVE and holder.layout_id == layout_id:
                 live.append((matches[worker_id], 2 * holder.slot))
+            elif store_mask:
+                live.append((matches[worker_id], -1))  # its own blocks unknown (yet): the store's still count
         for block_hash in block_hashes:
             if not live:
                 break
@@ -236,7 +238,7 @@ class KvIndex:
             in_store = bits & store_mask != 0
             still: list[tuple[PrefixMatch, int]] = []
             for prefix, shift in live:
-                own = (bits >> shift) & 3
+                own = (bits >> shift) & 3 if shift >= 0 else 0
                 if own & DEVICE_BIT:
                     prefix.device_blocks += 1
                 elif own:

@@ -166,15 +166,18 @@ def test_match_walks_the_prefix_per_worker_with_tiers_and_the_store():
     live(index, "w2", [1])
     index.apply_batch(batch("w2", 1, stored(2, tier=KvTier.HOST)))
     index.apply_store_batch(KvStoreEventBatch(shard="s0", seq=1, layout_id="L", stored_block_hashes=[h(3)], ts=0.0))
-    index.observe_worker("w3", "L", "e1")  # no snapshot yet: matches nothing
+    index.observe_worker("w3", "L", "e1")  # no snapshot yet: only the store counts
     live(index, "w4", [1, 2, 3], layout="M")  # another layout
     found = index.match("L", [h(1), h(2), h(3), h(4)], ["w1", "w2", "w3", "w4", "w5"])
     assert found == {
         "w1": PrefixMatch(device_blocks=2, store_blocks=1),
         "w2": PrefixMatch(device_blocks=1, lower_blocks=1, store_blocks=1),
-        "w3": PrefixMatch(),
+        "w3": PrefixMatch(),  # the store has block 3, not the prefix's first
         "w4": PrefixMatch(),
         "w5": PrefixMatch(),
+    }
+    assert index.match("L", [h(3), h(1)], ["w1", "w3"]) == {
+        "w1": PrefixMatch(store_blocks=1, device_blocks=1), "w3": PrefixMatch(store_blocks=1)
     }
     # a prefix ends at the first block nobody holds, even if later blocks are cached
     assert index.match("L", [h(9), h(1)], ["w1"]) == {"w1": PrefixMatch()}
