@@ -92,7 +92,7 @@ class SchedulerHandler:
     async def on_heartbeat(self, load: WorkerLoad, msg: IncomingMsg) -> None:
         """A worker's WorkerLoad: refresh its membership; its heartbeat now covers older in-flight counts."""
         member, joined = self.membership.observe(load)
-        self.in_flight.on_heartbeat(member.worker_id)
+        self.in_flight.on_heartbeat(member.worker_id, member.num_received)
         self.kv_feed.on_member(member)
         if joined:
             log.info(

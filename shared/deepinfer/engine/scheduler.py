@@ -114,6 +114,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrival_key: dict[str, tuple[float, int]] = {}
         self._add_order = itertools.count()
+        #: Requests admitted so far (add_request, add_prefilled_request): heartbeats carry it, so a router
+        #: knows how many of the requests it sent have arrived.
+        self.num_added = 0
         self._finished_request_ids: list[str] = []
         #: Finished requests whose blocks stay referenced until release_held (prefill leases).
         self._held: dict[str, list[KVCacheBlock]] = {}
@@ -159,6 +162,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._arrival_key[request.request_id] = (request.arrival_time, next(self._add_order))
         self.waiting.append(request)
+        self.num_added += 1
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish requests as aborted and drop every block reference (cached blocks stay reusable)."""
@@ -277,6 +281,7 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_prefilled_tokens
         request.status = RequestStatus.RUNNING
+        self.num_added += 1
         bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
         self._num_sent_blocks.pop(request.request_id, None)  # the runner gets the whole table at the next step
         return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 PROTOCOL_MAJOR = 2
 #: Minor version: additive changes (new optional fields, new messages) that older readers can ignore.
 #: 2.1: KvStoreHeartbeat (the kvcache store's shards announce themselves).
-#: 2.2: a worker's boot `epoch` in WorkerLoad, KvEventBatch and SnapshotPage; SnapshotRequest.seq.
+#: 2.2: a worker's boot `epoch` in WorkerLoad, KvEventBatch and SnapshotPage; SnapshotRequest.seq;
+#:      WorkerLoad.num_received.
 PROTOCOL_MINOR = 2
 
 

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 #: Longest close() waits for background work left after (or without) a drain.
 CLOSE_FLUSH_S = 2.0
+#: Least time between two heartbeats sent because the load changed (the periodic one goes on besides): the
+#: scheduler's in-flight counts end at a heartbeat, so a routed request stops counting twice, and a finished one
+#: stops counting as load, within this.
+LOAD_CHANGE_HEARTBEAT_S = 0.05
 
 
 class WorkerRuntime:
@@ -88,6 +92,9 @@ class WorkerRuntime:
         self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
         self._heartbeats_sent = 0
+        self._published_load = (0, 0, 0)
+        self._last_heartbeat_s = 0.0
+        self._load_heartbeat_pending = False
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
             name: gauge(registry, f"worker_{name}", doc)
@@ -150,7 +157,10 @@ class WorkerRuntime:
             ("total_blocks", self.stats.num_total_blocks),
         ):
             self._gauges[name].set(value)
-        await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), self._worker_load())
+        load = self._worker_load()
+        self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
+        self._last_heartbeat_s = time.monotonic()
+        await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), load)
         self._heartbeats_sent += 1
 
     async def drain(self) -> None:
@@ -214,6 +224,7 @@ class WorkerRuntime:
             num_waiting=stats.num_waiting,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
+            num_received=stats.num_added,
             data_plane_address=self.data_plane_address,
             internal_address=self.internal_address,
             draining=self.draining,
@@ -237,6 +248,23 @@ class WorkerRuntime:
                 worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
             )
             self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+        self._heartbeat_on_load_change()
+
+    def _heartbeat_on_load_change(self) -> None:
+        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved."""
+        stats = self.engine.stats if self.engine is not None else self.stats
+        if self._load_heartbeat_pending or self._heartbeats_sent == 0:
+            return
+        if (stats.num_running, stats.num_waiting, stats.num_added) == self._published_load:
+            return
+        self._load_heartbeat_pending = True
+        delay_s = max(0.0, self._last_heartbeat_s + LOAD_CHANGE_HEARTBEAT_S - time.monotonic())
+        self.tasks.spawn(self._load_change_heartbeat(delay_s), name="load-heartbeat")
+
+    async def _load_change_heartbeat(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._load_heartbeat_pending = False
+        await self.heartbeat()
 
     async def _cut_snapshot(self) -> tuple[int, list[bytes]]:
         assert self.engine is not None
