@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(results))
     meta = {"requests": len(trace), "block_size": args.block_size, "prefill": args.prefill, "decode": args.decode,
-            "concurrency": args.concurrency, "trace": str(args.trace or "synthetic"), "env": args.env}
+            "concurrency": args.concurrency, "env": args.env, "model": args.model,
+            "trace": str(args.trace) if args.trace else (f"synthetic sessions={args.sessions} turns={args.turns} "
+                                                         f"first_blocks={args.first_blocks} "
+                                                         f"blocks_per_turn={args.blocks_per_turn} "
+                                                         f"shared_blocks={args.shared_blocks} seed={args.seed}")}
     lines = [json.dumps({**json.loads(r.to_json()), **meta}, sort_keys=True) for r in results]
     print("\n".join(lines))
     if args.out is not None:
