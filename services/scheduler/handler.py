@@ -1,7 +1,10 @@
 """The scheduler's handler. One loop, per RouteRequest on `route(model)` (queue group `scheduler`):
 
-    receive RouteRequest → route (policy over live members + in-flight counts) → reply RouteDecision
+    receive RouteRequest → route (policy over live members with room + in-flight counts) → reply RouteDecision
     → publish the decision on `decisions(model)` (peers count it as in-flight load)
+
+When live decode workers exist but none has room, the request waits in the admission queue (admission.py) and is
+routed by the first heartbeat that shows room, or answered overloaded when its wait runs out.
 
 Beside it: heartbeats on `heartbeat_all(model)` keep the membership table, peers' decisions feed the in-flight
 counts, the KV index feed (kv_feed.py) follows every worker's and store shard's KV events, and a sweeper drops
@@ -26,11 +29,20 @@ from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import SchedulerSettings
 from deepinfer.membership import Membership
 from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus, WorkerLoad, WorkerRole
+from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import counter, gauge, histogram, request_context
+from services.scheduler.admission import AdmissionQueue, Waiting, with_room
 from services.scheduler.inflight import InFlight
 from services.scheduler.kv_feed import KvIndexFeed
 from services.scheduler.kv_index import KvIndex
-from services.scheduler.policy import LeastLoadedPolicy, RoundRobinPolicy, RoutingPolicy
+from services.scheduler.policy import (
+    DEFAULT_RETRY_AFTER_S,
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    RoutingPolicy,
+    overloaded,
+    serves_model,
+)
 from services.scheduler.prefix_policy import CostWeights, PrefixPolicy
 
 log = logging.getLogger(__name__)
@@ -39,6 +51,8 @@ log = logging.getLogger(__name__)
 MAX_SWEEP_INTERVAL_S = 0.5
 #: Routing takes tens of microseconds; the reply and publish add a round trip to the server.
 ROUTE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: A wait for room lasts up to admission_wait_s (1 s by default).
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class SchedulerHandler:
@@ -56,6 +70,8 @@ class SchedulerHandler:
         registry: CollectorRegistry,
         kv_feed: KvIndexFeed,
         tracer: Tracer | None = None,
+        max_queued: int = 0,
+        max_wait_s: float = 0.0,
     ) -> None:
         self.model = model
         self.scheduler_id = scheduler_id
@@ -65,6 +81,8 @@ class SchedulerHandler:
         self.policy = policy
         self.kv_feed = kv_feed
         self.metrics = SchedulerMetrics(registry)
+        self.admission = AdmissionQueue(max_queued, max_wait_s, self._on_wait_expired)
+        self._tasks = BackgroundTasks(f"scheduler {scheduler_id}")
         self.tracer = tracer or NoOpTracer()
         self.sweep_interval_s = min(MAX_SWEEP_INTERVAL_S, membership.lease_s / 4)
         self._subscriptions = Subscriptions(bus)
@@ -73,27 +91,59 @@ class SchedulerHandler:
         self._draining = False
 
     async def on_route(self, request: RouteRequest, msg: IncomingMsg) -> None:
-        """receive → route → reply → publish decision."""
+        """receive → route (or wait for room) → reply → publish decision."""
         started_s = time.perf_counter()
         with request_context(request.request_id), self.tracer.start_as_current_span("scheduler.route"):
-            decision = self.route(request)
-            await self.bus.reply(msg, decision)
-            self.metrics.observe(decision, time.perf_counter() - started_s)
-            await self.bus.publish(subjects.decisions(self.model), decision)
+            decision = None if len(self.admission) else self.route(request)  # none jumps the queue
+            if decision is None or decision.status is RouteStatus.OVERLOADED:
+                if self._can_wait(request) and self.admission.enqueue(request, msg, started_s):
+                    self.metrics.queued.set(len(self.admission))
+                    return
+                decision = decision or overloaded(request, self.scheduler_id, DEFAULT_RETRY_AFTER_S)
+            await self._answer(msg, decision, started_s)
 
     def route(self, request: RouteRequest) -> RouteDecision:
-        """The policy's decision over the live members; an accepted one counts as in-flight at once."""
-        decision = self.policy.pick(request, self.membership.members(), self.in_flight.counts())
+        """The policy's decision over the live members with room; an accepted one counts as in-flight at once."""
+        counts = self.in_flight.counts()
+        decision = self.policy.pick(request, with_room(self.membership.members(), counts), counts)
         self.in_flight.add(decision)
         if decision.status is RouteStatus.OVERLOADED:
             log.debug("overloaded: %d live workers", len(self.membership))
         return decision
+
+    async def _answer(self, msg: IncomingMsg, decision: RouteDecision, started_s: float) -> None:
+        await self.bus.reply(msg, decision)
+        self.metrics.observe(decision, time.perf_counter() - started_s)
+        await self.bus.publish(subjects.decisions(self.model), decision)
+
+    def _can_wait(self, request: RouteRequest) -> bool:
+        """Waiting helps only while a live decode worker that could serve the request exists."""
+        return any(m.can_decode and not m.draining and serves_model(m, request) for m in self.membership.members())
+
+    def admit_waiting(self) -> None:
+        """Route waiting requests, oldest first, while workers have room."""
+        while (waiting := self.admission.peek()) is not None:
+            decision = self.route(waiting.request)
+            if decision.status is RouteStatus.OVERLOADED:
+                break
+            self.admission.pop()
+            self.metrics.queue_time.observe(time.perf_counter() - waiting.started_s)
+            self._tasks.spawn(self._answer(waiting.msg, decision, waiting.started_s))
+        self.metrics.queued.set(len(self.admission))
+
+    def _on_wait_expired(self, waiting: Waiting) -> None:
+        self.metrics.queue_time.observe(time.perf_counter() - waiting.started_s)
+        self.metrics.queued.set(len(self.admission))
+        decision = overloaded(waiting.request, self.scheduler_id, DEFAULT_RETRY_AFTER_S)
+        self._tasks.spawn(self._answer(waiting.msg, decision, waiting.started_s))
 
     async def on_heartbeat(self, load: WorkerLoad, msg: IncomingMsg) -> None:
         """A worker's WorkerLoad: refresh its membership; its heartbeat now covers older in-flight counts."""
         member, joined = self.membership.observe(load)
         self.in_flight.on_heartbeat(member.worker_id, member.num_received)
         self.kv_feed.on_member(member)
+        if len(self.admission):
+            self.admit_waiting()
         if joined:
             log.info(
                 "worker joined: %s (%s) at %s",
@@ -152,6 +202,9 @@ class SchedulerHandler:
         """Stop being ready. Each route is answered within its message callback, so nothing is left
         in flight here; requests already delivered are answered by the bus drain that follows."""
         self._draining = True
+        for waiting in self.admission.clear():
+            self._on_wait_expired(waiting)
+        await self._tasks.drain(grace_s)
 
     async def close(self) -> None:
         """Stop the sweeper and unsubscribe (idempotent)."""
@@ -163,6 +216,8 @@ class SchedulerHandler:
             self._sweeper = None
         await self._subscriptions.close()
         await self.kv_feed.close()
+        self.admission.clear()  # their timers stop; the requesters time out
+        await self._tasks.drain(1.0)
 
     def is_ready(self) -> bool:
         """Subscribed and not draining; zero workers is fine (requests are answered overloaded)."""
@@ -188,6 +243,11 @@ class SchedulerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = counter(registry, "scheduler_decisions", "Route decisions by status.", ["status"])
+        self.queued = gauge(registry, "scheduler_admission_queued", "Route requests waiting for a worker with room.")
+        self.queue_time = histogram(
+            registry, "scheduler_admission_wait_seconds", "Time a route request waited for room (routed or not).",
+            buckets=QUEUE_BUCKETS_S,
+        )
         self.expected_cached_tokens = counter(
             registry, "scheduler_expected_cached_tokens", "Prompt tokens the decisions expect to find cached."
         )
@@ -242,6 +302,8 @@ def build_handler(
         registry=registry,
         kv_feed=KvIndexFeed(model, bus, index, membership, registry, settings.snapshot_timeout_s, clock=clock),
         tracer=tracer,
+        max_queued=settings.admission_queue_size,
+        max_wait_s=settings.admission_wait_s,
     )
 
 

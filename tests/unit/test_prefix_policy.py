@@ -3,6 +3,7 @@ handler feeding its KV index from events and snapshots on a FakeBus."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -181,4 +182,41 @@ async def test_handler_pages_snapshots_follows_events_and_credits_the_prefix():
     await worker.publish(subjects.heartbeat("m", "p2"), heartbeat("p2", P, epoch="e2"))
     await broker.settle()
     assert handler.kv_feed.index.holders("L", blocks[0]) == {"p1": "device"}
+    await handler.close()
+
+
+async def test_admission_waits_for_room_then_routes_oldest_first_or_answers_overloaded():
+    broker = FakeBroker()
+    settings = SchedulerSettings(common=CommonSettings(served_model_name="m"), scheduler_id="sched-a",
+                                 admission_queue_size=2, admission_wait_s=0.3)
+    handler = build_handler(settings, FakeBus(broker, "sched"), new_registry(False), rng=random.Random(1))
+    await handler.start()
+    client = FakeBus(broker, "client")
+    full = heartbeat("d1", D, max_num_seqs=2, num_received=0, epoch="e")
+    await client.publish(subjects.heartbeat("m", "d1"), full)
+    await broker.settle()
+
+    async def ask(request_id: str) -> RouteDecision:
+        return await client.request(subjects.route("m"), route(request_id, PROMPT), RouteDecision, timeout_s=2.0)
+
+    first = [await ask("r1"), await ask("r2")]
+    assert [d.status for d in first] == [RouteStatus.ACCEPTED] * 2
+    waiting = [asyncio.create_task(ask(f"w{i}")) for i in range(3)]
+    await broker.settle()
+    await asyncio.sleep(0.05)
+    assert len(handler.admission) == 2
+    assert waiting[2].done() and waiting[2].result().status is RouteStatus.OVERLOADED  # the queue was full
+    # d1's heartbeat: both requests arrived, one still running: room for one more
+    await client.publish(subjects.heartbeat("m", "d1"),
+                         heartbeat("d1", D, max_num_seqs=2, num_received=2, num_running=1, epoch="e"))
+    routed = await waiting[0]
+    assert (routed.status, routed.decode_worker_id) == (RouteStatus.ACCEPTED, "d1")
+    expired = await waiting[1]  # no more room within admission_wait_s
+    assert expired.status is RouteStatus.OVERLOADED and expired.retry_after_s == 1.0
+    assert len(handler.admission) == 0
+    # no live decode worker: overloaded at once, nothing waits
+    handler.membership = type(handler.membership)(settings.worker_lease_s)
+    started = asyncio.get_running_loop().time()
+    assert (await ask("r9")).status is RouteStatus.OVERLOADED
+    assert asyncio.get_running_loop().time() - started < 0.2
     await handler.close()

@@ -192,20 +192,18 @@ def test_in_flight_counts_end_by_ttl_or_by_a_later_heartbeat():
 
 
 def heartbeat(worker_id: str, role: WorkerRole, **fields) -> WorkerLoad:
-    return WorkerLoad(
-        worker_id=worker_id,
-        role=role,
-        model="m",
-        model_fingerprint=FP,
-        layout_id="L",
-        block_size=16,
-        max_num_seqs=256,
-        max_model_len=4096,
-        data_plane_address="127.0.0.1:1",
-        internal_address="127.0.0.1:2",
-        ts=0.0,
-        **fields,
-    )
+    values = {
+        "model": "m",
+        "model_fingerprint": FP,
+        "layout_id": "L",
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_model_len": 4096,
+        "data_plane_address": "127.0.0.1:1",
+        "internal_address": "127.0.0.1:2",
+        "ts": 0.0,
+    }
+    return WorkerLoad(worker_id=worker_id, role=role, **{**values, **fields})
 
 
 async def test_handler_route_loop_spreads_load_and_counts_peer_decisions():

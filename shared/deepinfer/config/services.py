@@ -140,6 +140,13 @@ class SchedulerSettings(ServiceSettings):
         "of the prompt's blocks.",
     )
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Wait for one KV snapshot page before trying again.")
+    admission_queue_size: int = Field(
+        1024, ge=0, description="Route requests that may wait for a decode worker with room (then overloaded)."
+    )
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="Longest a route request waits for room before the answer is overloaded (503); "
+        "keep it below the gateway's route_timeout_s. 0 = never wait.",
+    )
 
     _scheduler_id = field_validator("scheduler_id")(_check_subject_id)
 
