@@ -9,6 +9,7 @@ lucky one 0.47; seed 0 gives 0.68), so "≥ 1.5× round_robin" is checked at rou
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 
@@ -90,3 +91,39 @@ def test_a_shared_system_prompt_still_spreads_across_prefill_workers(prefix_stac
     assert sum(served) == 16
     assert max(served) <= 0.7 * 16, served
     assert result.cached_tokens >= 8 * 12 * BLOCK_SIZE, result  # the system prompt was still reused, mostly
+
+
+def test_overload_at_five_times_capacity_answers_only_200_or_503_and_admitted_requests_finish(tiny_model: str):
+    env = {**ENV, "DEEPINFER_DECODE_MAX_NUM_SEQS": "4"}
+    with Stack(model=tiny_model, device="cpu", port=0, num_prefill=1, num_decode=1, num_kvcache=0,
+               env_overrides=env, start_timeout_s=240) as running:
+
+        async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str | None, int, str | None]:
+            body = {"model": running.model_name, "prompt": [5 + i, 6, 7, 8] * 8, "max_tokens": 120,
+                    "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            finish, tokens = None, 0
+            async with client.stream("POST", "/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices", []):
+                            finish = choice.get("finish_reason") or finish
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                return response.status_code, response.headers.get("retry-after"), tokens, finish
+
+        async def burst() -> list[tuple[int, str | None, int, str | None]]:
+            async with httpx.AsyncClient(base_url=running.base_url, timeout=120) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(20)))
+
+        results = asyncio.run(burst())
+        statuses = sorted(status for status, *_ in results)
+        print(f"statuses: {statuses}")
+        assert set(statuses) <= {200, 503}, statuses
+        assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+        for status, retry_after, tokens, finish in results:
+            if status == 503:
+                assert retry_after is not None and float(retry_after) > 0
+            else:
+                assert (tokens, finish) == (120, "length")
+        assert all(info.num_restarts == 0 and info.pid for info in running.services.values()), running.services
