@@ -72,6 +72,7 @@ class SchedulerHandler:
         tracer: Tracer | None = None,
         max_queued: int = 0,
         max_wait_s: float = 0.0,
+        warm_up_s: float = 0.0,
     ) -> None:
         self.model = model
         self.scheduler_id = scheduler_id
@@ -80,6 +81,7 @@ class SchedulerHandler:
         self.in_flight = in_flight
         self.policy = policy
         self.kv_feed = kv_feed
+        self.warm_up_s = warm_up_s
         self.metrics = SchedulerMetrics(registry)
         self.admission = AdmissionQueue(max_queued, max_wait_s, self._on_wait_expired)
         self._tasks = BackgroundTasks(f"scheduler {scheduler_id}")
@@ -180,7 +182,7 @@ class SchedulerHandler:
     # -- lifecycle (deepinfer.service.Handler) --------------------------------------------------------------
 
     async def start(self) -> None:
-        """Subscribe to heartbeats and peers' decisions, then to routes; start the sweeper."""
+        """Subscribe to heartbeats, KV events and peers' decisions; warm up; then take routes; start the sweeper."""
         model, subscriptions = self.model, self._subscriptions
         await self.kv_feed.start()
         await subscriptions.subscribe(
@@ -189,6 +191,7 @@ class SchedulerHandler:
         await subscriptions.subscribe(
             "decisions", subjects.decisions(model), self.on_peer_decision, message_type=RouteDecision
         )
+        await self._warm_up()
         await subscriptions.subscribe(
             "route", subjects.route(model), self.on_route, queue=subjects.SCHEDULER_QUEUE, message_type=RouteRequest
         )
@@ -197,6 +200,15 @@ class SchedulerHandler:
         )
         self._started = True
         self.metrics.set_members(self.membership.count_by_role())
+
+    async def _warm_up(self) -> None:
+        """A replica (re)started beside others learns the workers (a heartbeat round) and pages their snapshots
+        before it takes a route request, so it never routes blind; `warm_up_s` bounds each of the two waits."""
+        if self.warm_up_s <= 0:
+            return
+        await asyncio.sleep(self.warm_up_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.kv_feed.wait_synced(), self.warm_up_s)
 
     async def drain(self, grace_s: float) -> None:
         """Stop being ready. Each route is answered within its message callback, so nothing is left
@@ -304,6 +316,7 @@ def build_handler(
         tracer=tracer,
         max_queued=settings.admission_queue_size,
         max_wait_s=settings.admission_wait_s,
+        warm_up_s=settings.warm_up_s,
     )
 
 

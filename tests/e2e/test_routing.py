@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from deepinfer.testing.checkpoints import make_tiny_checkpoint
 from deepinfer.testing.trace_replay import ReplayResult, replay, table
 from deepinfer.testing.traces import TraceRequest, multi_turn_trace
 from deepinfer.up import Stack
+from tests.e2e.conftest import wait_until
 
 BLOCK_SIZE = 16
 VOCAB = 300  # the tiny checkpoint has 384 ids
@@ -55,6 +58,19 @@ def prefill_requests(running: Stack) -> list[int]:
         match = re.search(r'^deepinfer_prefill_hop_seconds_count\{hop="request"\} ([0-9.e+]+)$', text, re.M)
         counts.append(int(float(match.group(1))) if match else 0)
     return counts
+
+
+def index_entries(running: Stack, name: str) -> int:
+    port = running.services[name].internal_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    match = re.search(r"^deepinfer_scheduler_kv_index_entries ([0-9.e+]+)$", text, re.M)
+    return int(float(match.group(1))) if match else -1
+
+
+def agreed_index_entries(running: Stack) -> int:
+    """The index size every replica reports, once they all agree (0 = not yet)."""
+    sizes = {index_entries(running, f"scheduler-{k}") for k in range(3)}
+    return sizes.pop() if len(sizes) == 1 and min(sizes) > 0 else 0
 
 
 def run_trace(running: Stack, trace: list[TraceRequest], label: str, **kwargs) -> ReplayResult:
@@ -127,3 +143,25 @@ def test_overload_at_five_times_capacity_answers_only_200_or_503_and_admitted_re
             else:
                 assert (tokens, finish) == (120, "length")
         assert all(info.num_restarts == 0 and info.pid for info in running.services.values()), running.services
+
+
+def test_three_replicas_route_as_well_as_one_and_losing_one_fails_no_request(tiny_model: str, prefix_stack: Stack):
+    timed = {"time_scale": 1.0, "concurrency": 4}  # 32 requests over ~3.2 s
+    one = run_trace(prefix_stack, TRACE, "1 replica", salt=11, **timed)
+    env = {**ENV, "DEEPINFER_SCHEDULER_ROUTING_POLICY": "prefix"}
+    with Stack(model=tiny_model, device="cpu", port=0, num_prefill=2, num_decode=2, num_kvcache=0, num_schedulers=3,
+               env_overrides=env, start_timeout_s=240) as running:
+        with ThreadPoolExecutor(1) as pool:
+            replaying = pool.submit(run_trace, running, TRACE, "3 replicas", salt=11, **timed)
+            time.sleep(1.5)
+            running.kill("scheduler-1")  # SIGKILL mid-run; the supervisor restarts it, it catches up
+            three = replaying.result(timeout=120)
+        print(table([one, three]))
+        assert running.restart_count("scheduler-1") == 1
+        # the restarted replica caught up from the workers' snapshots: it indexes what a replica that saw every
+        # event does
+        running.wait_ready(60)
+        entries = wait_until(lambda: agreed_index_entries(running), 10, "scheduler-1's index to catch up")
+        assert entries >= 4 * 14, entries  # each session's last prompt is on a prefill worker and a decode worker
+    assert one.num_errors == three.num_errors == 0, (one.errors, three.errors)
+    assert three.hit_fraction >= 0.95 * one.hit_fraction, (one, three)

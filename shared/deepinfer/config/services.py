@@ -140,6 +140,10 @@ class SchedulerSettings(ServiceSettings):
         "of the prompt's blocks.",
     )
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Wait for one KV snapshot page before trying again.")
+    warm_up_s: float = Field(
+        1.2, ge=0, description="At start, listen to heartbeats and page KV snapshots this long (a worker heartbeat "
+        "round) before taking route requests, so a restarted replica never routes blind.",
+    )
     admission_queue_size: int = Field(
         1024, ge=0, description="Route requests that may wait for a decode worker with room (then overloaded)."
     )
