@@ -211,8 +211,8 @@ class SchedulerHandler:
             await asyncio.wait_for(self.kv_feed.wait_synced(), self.warm_up_s)
 
     async def drain(self, grace_s: float) -> None:
-        """Stop being ready. Each route is answered within its message callback, so nothing is left
-        in flight here; requests already delivered are answered by the bus drain that follows."""
+        """Stop being ready; requests waiting for room are answered overloaded (the others are answered within
+        their message callback; those already delivered by the bus drain that follows)."""
         self._draining = True
         for waiting in self.admission.clear():
             self._on_wait_expired(waiting)

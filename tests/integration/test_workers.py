@@ -278,3 +278,17 @@ async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(work
     for block_hash in expected:
         assert from_pages.holders("L", block_hash) == from_events.holders("L", block_hash) == {"prefill-t": "device"}
     assert from_pages.num_entries == from_events.num_entries == len(expected)
+
+
+async def test_load_is_exported_under_the_model_server_protocol_names(workers, bus):
+    from prometheus_client import generate_latest
+
+    prefill, decode = workers
+    await decode.runtime.heartbeat()
+    text = generate_latest(decode.ctx.registry).decode()
+    stats = decode.runtime.stats
+    usage = 1 - stats.num_free_blocks / stats.num_total_blocks
+    assert f"vllm:num_requests_running {float(stats.num_running)}" in text
+    assert f"vllm:num_requests_waiting {float(stats.num_waiting)}" in text
+    assert f"vllm:kv_cache_usage_perc {float(usage)}" in text
+    assert f"vllm:gpu_cache_usage_perc {float(usage)}" in text

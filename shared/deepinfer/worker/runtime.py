@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from opentelemetry.trace import Tracer
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
@@ -106,6 +106,17 @@ class WorkerRuntime:
                 ("total_blocks", "KV blocks in the pool (the padding block excluded)."),
             )
         }
+        #: The same load under the names the Kubernetes inference gateway's model-server protocol scrapes
+        #: (TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization as vLLM names them; both KV names).
+        self._model_server_gauges = {
+            name: Gauge(name, doc, registry=registry)
+            for name, doc in (
+                ("vllm:num_requests_waiting", "Requests waiting for admission (model-server protocol)."),
+                ("vllm:num_requests_running", "Requests in the running batch (model-server protocol)."),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (model-server protocol)."),
+                ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (its older name)."),
+            )
+        }
 
     async def load(self) -> None:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
@@ -157,11 +168,20 @@ class WorkerRuntime:
             ("total_blocks", self.stats.num_total_blocks),
         ):
             self._gauges[name].set(value)
+        self._set_model_server_gauges()
         load = self._worker_load()
         self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
         self._last_heartbeat_s = time.monotonic()
         await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), load)
         self._heartbeats_sent += 1
+
+    def _set_model_server_gauges(self) -> None:
+        stats, gauges = self.stats, self._model_server_gauges
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        gauges["vllm:num_requests_waiting"].set(stats.num_waiting)
+        gauges["vllm:num_requests_running"].set(stats.num_running)
+        gauges["vllm:kv_cache_usage_perc"].set(usage)
+        gauges["vllm:gpu_cache_usage_perc"].set(usage)
 
     async def drain(self) -> None:
         """Announce draining (the scheduler stops picking this worker)."""
