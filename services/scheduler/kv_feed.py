@@ -36,8 +36,10 @@ from services.scheduler.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 
-#: Pause before paging a snapshot again after a failed attempt.
+#: Pause before paging a snapshot again after a failed attempt, doubling up to SNAPSHOT_RETRY_MAX_S (a worker
+#: that never answers, e.g. one older than protocol 2.2, costs one request per 10 s).
 SNAPSHOT_RETRY_S = 0.5
+SNAPSHOT_RETRY_MAX_S = 10.0
 
 
 class KvIndexFeed:
@@ -141,12 +143,14 @@ class KvIndexFeed:
             del self._snapshot_tasks[worker_id]
 
     async def _sync(self, worker_id: str) -> None:
+        pause_s = SNAPSHOT_RETRY_S
         while self.membership.get(worker_id) is not None:
             if await self._page_snapshot(worker_id):
                 self.metrics.snapshots.labels(outcome="ok").inc()
                 return
             self.metrics.snapshots.labels(outcome="retried").inc()
-            await asyncio.sleep(SNAPSHOT_RETRY_S)
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, SNAPSHOT_RETRY_MAX_S)
 
     async def _page_snapshot(self, worker_id: str) -> bool:
         """One attempt: every page, then the held batches on top; False (entries dropped) on any failure."""
