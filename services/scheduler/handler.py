@@ -42,6 +42,7 @@ from services.scheduler.policy import (
     RoutingPolicy,
     overloaded,
     serves_model,
+    worker_load,
 )
 from services.scheduler.prefix_policy import CostWeights, PrefixPolicy
 
@@ -166,6 +167,7 @@ class SchedulerHandler:
         for member in self.membership.sweep():
             self.in_flight.forget_worker(member.worker_id)
             self.kv_feed.forget(member.worker_id)
+            self.metrics.forget_worker(member.worker_id)
             self.metrics.workers_expired.inc()
             log.warning(
                 "worker lost: %s (%s), no heartbeat for %.1f s",
@@ -178,6 +180,9 @@ class SchedulerHandler:
         self.kv_feed.sweep()
         self.metrics.set_members(self.membership.count_by_role())
         self.metrics.in_flight.set(self.in_flight.total())
+        counts = self.in_flight.counts()
+        for member in self.membership.members():
+            self.metrics.worker_load.labels(worker_id=member.worker_id).set(worker_load(member, counts))
 
     # -- lifecycle (deepinfer.service.Handler) --------------------------------------------------------------
 
@@ -273,6 +278,10 @@ class SchedulerMetrics:
         self.in_flight = gauge(
             registry, "scheduler_in_flight_decisions", "(worker, request) decisions not yet in heartbeats."
         )
+        self.worker_load = gauge(
+            registry, "scheduler_worker_load", "Requests running, waiting or in flight per worker, as routed on.",
+            ["worker_id"],
+        )
         self.workers_expired = counter(
             registry, "scheduler_workers_expired", "Workers dropped after their heartbeat lease ran out."
         )
@@ -284,6 +293,11 @@ class SchedulerMetrics:
         self.decisions.labels(status=decision.status.value).inc()
         self.expected_cached_tokens.inc(decision.expected_cached_tokens)
         self.route_latency.observe(latency_s)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker left: drop its series."""
+        with contextlib.suppress(KeyError):
+            self.worker_load.remove(worker_id)
 
     def set_members(self, counts: dict[WorkerRole, int]) -> None:
         """Publish live members per role."""

@@ -178,6 +178,7 @@ async def test_handler_pages_snapshots_follows_events_and_credits_the_prefix():
     assert (decision.prefill_worker_id, decision.expected_cached_tokens) == ("p2", 80)
     handler.sweep()
     assert handler.kv_feed.metrics.entries._value.get() == 8
+    assert handler.metrics.worker_load.labels(worker_id="p2")._value.get() == 1  # r1, in flight
     # p2 restarts: a new epoch in its heartbeat drops its blocks (its snapshot is now empty)
     await worker.publish(subjects.heartbeat("m", "p2"), heartbeat("p2", P, epoch="e2"))
     await broker.settle()
