@@ -24,6 +24,8 @@ from deepinfer.testing.traces import TraceRequest, multi_turn_trace
 from deepinfer.up import Stack
 from tests.e2e.conftest import wait_until
 
+pytestmark = pytest.mark.e2e
+
 BLOCK_SIZE = 16
 VOCAB = 300  # the tiny checkpoint has 384 ids
 TRACE = multi_turn_trace(8, 4, BLOCK_SIZE, first_blocks=2, blocks_per_turn=4, seed=2)
