@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from deepinfer import subjects
-from deepinfer.bus import BusError, MessageBus, NoResponders
+from deepinfer.bus import BusError, BusTimeout, MessageBus, NoResponders
 from deepinfer.config import GatewaySettings
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.membership import Membership
@@ -45,6 +45,10 @@ from services.gateway.recipe import GenerateRequest
 from services.gateway.streams import RequestStream, TokenStreams
 
 M = TypeVar("M", bound=Message)
+
+#: Route requests per request: a scheduler replica killed while holding one leaves it unanswered; the queue
+#: group gives the retry to a live replica (each attempt waits route_timeout_s at most).
+ROUTE_ATTEMPTS = 2
 
 
 class RequestPipeline:
@@ -107,15 +111,22 @@ class RequestPipeline:
             num_prompt_tokens=len(request.prompt_token_ids),
             model_fingerprint=fingerprint,
         )
-        timeout_s = self._hop_timeout_s(request, self.settings.route_timeout_s)
         retry_after_s = self.settings.retry_after_s
-        try:
-            decision = await self.bus.request(subjects.route(self.model), route_request, RouteDecision, timeout_s)
-        except NoResponders:
-            raise overloaded("no scheduler is available", retry_after_s) from None
-        except BusError as exc:
-            self._check_deadline(request)
-            raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+        for attempt in range(ROUTE_ATTEMPTS):
+            timeout_s = self._hop_timeout_s(request, self.settings.route_timeout_s)
+            try:
+                decision = await self.bus.request(subjects.route(self.model), route_request, RouteDecision, timeout_s)
+                break
+            except NoResponders:
+                raise overloaded("no scheduler is available", retry_after_s) from None
+            except BusTimeout as exc:  # the replica that got it may have died: another one answers the retry
+                if attempt + 1 < ROUTE_ATTEMPTS:
+                    continue
+                self._check_deadline(request)
+                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+            except BusError as exc:
+                self._check_deadline(request)
+                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
         if decision.status is RouteStatus.OVERLOADED:
             raise overloaded("the server is overloaded", decision.retry_after_s or retry_after_s)
         if decision.decode_worker_id is None:

@@ -101,3 +101,53 @@ class LeastLoadedPolicy:
         best = min(key for key, _ in keyed)
         tied = sorted((m for key, m in keyed if key == best), key=lambda m: m.worker_id)
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+
+def overloaded(request: RouteRequest, scheduler_id: str, retry_after_s: float) -> RouteDecision:
+    """The OVERLOADED answer: no decode worker can take the request now."""
+    return RouteDecision(
+        request_id=request.request_id,
+        status=RouteStatus.OVERLOADED,
+        retry_after_s=retry_after_s,
+        scheduler_id=scheduler_id,
+    )
+
+
+def usable_workers(request: RouteRequest, members: Sequence[Member]) -> list[Member]:
+    """Members a request may go to: not draining, not saturated, serving its model."""
+    return [m for m in members if not m.draining and not is_saturated(m) and serves_model(m, request)]
+
+
+@dataclass
+class RoundRobinPolicy:
+    """Decode workers in turn, then the prefill workers of its layout in turn (worker_id order); a baseline for
+    benchmarks. The usable set and OVERLOADED are as in LeastLoadedPolicy."""
+
+    scheduler_id: str
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    _turns: dict[str, int] = field(default_factory=dict)
+
+    def pick(
+        self, request: RouteRequest, members: Sequence[Member], in_flight: Mapping[str, int]
+    ) -> RouteDecision:
+        """The next decode worker and the next prefill worker of its layout."""
+        usable = usable_workers(request, members)
+        decode = self._next("decode", [m for m in usable if m.can_decode])
+        if decode is None:
+            return overloaded(request, self.scheduler_id, self.retry_after_s)
+        prefill = self._next("prefill", [m for m in usable if m.can_prefill and m.layout_id == decode.layout_id])
+        skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
+        return RouteDecision(
+            request_id=request.request_id,
+            status=RouteStatus.ACCEPTED,
+            prefill_worker_id=None if skip_prefill else prefill.worker_id,
+            decode_worker_id=decode.worker_id,
+            scheduler_id=self.scheduler_id,
+        )
+
+    def _next(self, side: str, candidates: Sequence[Member]) -> Member | None:
+        if not candidates:
+            return None
+        turn = self._turns.get(side, 0)
+        self._turns[side] = turn + 1
+        return candidates[turn % len(candidates)]  # members() comes sorted by worker_id

@@ -274,3 +274,16 @@ async def test_metrics_count_requests(harness: Harness):
     assert metrics.requests.labels("chat", "400")._value.get() == 1
     assert metrics.num_in_flight == 0
     assert metrics.output_tokens._value.get() == len(harness.fake.output_token_ids)
+
+
+@pytest.mark.parametrize("dropped", [1, 2])
+async def test_an_unanswered_route_is_asked_once_more_then_503(model_dir: Path, dropped: int):
+    h = await make_harness(model_dir, settings={"route_timeout_s": 0.1}, drop_routes=dropped)
+    response = await h.http().post("/v1/chat/completions", json=CHAT)
+    await h.fake.stop()
+    assert len(h.fake.route_requests) == 2
+    if dropped == 1:  # the retry reached a live replica
+        assert response.status_code == 200
+    else:
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert "did not answer" in response.json()["error"]["message"]

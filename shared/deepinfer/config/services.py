@@ -126,6 +126,37 @@ class SchedulerSettings(ServiceSettings):
         default_factory=partial(default_id, "scheduler"), description="This replica's id (a-z0-9_-)."
     )
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is dropped after this long without a heartbeat.")
+    routing_policy: Literal["prefix", "least_loaded", "round_robin"] = Field(
+        "prefix", description="prefix: cached-prefix credit against load; least_loaded; round_robin (a baseline)."
+    )
+    kv_index_max_entries: int = Field(
+        4_000_000, ge=1, description="Most (worker, block) entries in the KV index (~250 B each); past it the "
+        "worker with the most entries loses its least recently stored or credited block.",
+    )
+    host_hit_weight: float = Field(0.8, ge=0, le=1, description="Credit of a prefix block in a worker's host tier, "
+                                   "relative to one on its device.")
+    store_hit_weight: float = Field(0.5, ge=0, le=1, description="Credit of a prefix block in the kvcache store, "
+                                    "relative to one on the worker's device.")
+    load_weight: float = Field(0.5, ge=0, description="Cost of each request running, waiting or in flight on a "
+                               "worker, as a fraction of the routed prompt's tokens.")
+    kv_usage_weight: float = Field(1.0, ge=0, description="Cost of a worker's full KV pool (scaled by the fraction "
+                                   "in use), as a fraction of the routed prompt's tokens.")
+    direct_decode_min_fraction: float = Field(
+        0.9, ge=0, le=1, description="Skip the separate prefill when the decode worker already holds this fraction "
+        "of the prompt's blocks.",
+    )
+    snapshot_timeout_s: float = Field(2.0, gt=0, description="Wait for one KV snapshot page before trying again.")
+    warm_up_s: float = Field(
+        1.2, ge=0, description="At start, listen to heartbeats and page KV snapshots this long (a worker heartbeat "
+        "round) before taking route requests, so a restarted replica never routes blind.",
+    )
+    admission_queue_size: int = Field(
+        1024, ge=0, description="Route requests that may wait for a decode worker with room (then overloaded)."
+    )
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="Longest a route request waits for room before the answer is overloaded (503); "
+        "keep it below the gateway's route_timeout_s. 0 = never wait.",
+    )
 
     _scheduler_id = field_validator("scheduler_id")(_check_subject_id)
 

@@ -107,4 +107,5 @@ def engine_stats(core: EngineCore) -> EngineStats:
         num_held=scheduler.num_held,
         num_free_blocks=scheduler.block_pool.num_free_blocks,
         num_total_blocks=core.kv_plan.num_blocks - 1,
+        num_added=scheduler.num_added,
     )

@@ -42,6 +42,8 @@ class EngineStats:
     num_held: int
     num_free_blocks: int
     num_total_blocks: int
+    #: Requests admitted since start (a monotonic count).
+    num_added: int = 0
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrival_key: dict[str, tuple[float, int]] = {}
         self._add_order = itertools.count()
+        #: Requests admitted so far (add_request, add_prefilled_request): heartbeats carry it, so a router
+        #: knows how many of the requests it sent have arrived.
+        self.num_added = 0
         self._finished_request_ids: list[str] = []
         #: Finished requests whose blocks stay referenced until release_held (prefill leases).
         self._held: dict[str, list[KVCacheBlock]] = {}
@@ -101,6 +104,7 @@ class Scheduler:
         """Queue a new request; ValueError when it is empty, duplicate or longer than max_model_len."""
         self._register(request)
         self.waiting.append(request)
+        self.num_added += 1
 
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -237,6 +241,7 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_prefilled_tokens
         request.status = RequestStatus.RUNNING
+        self.num_added += 1
         bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
         self._num_sent_blocks.pop(request.request_id, None)  # the runner gets the whole table at the next step
         return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]
@@ -259,6 +264,7 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = request
+        self.num_added += 1
         return len(computed_blocks), [block.block_id for block in new]
 
     def finish_loading(self, request_id: str, loaded: bool) -> None:

@@ -3,9 +3,11 @@
     event loop                                   engine thread
     ----------                                   -------------
     await loop.call(fn)  ── command queue ──►    between steps: fn(core) → future result
-    on_outputs(outputs, kv_events) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
+    on_outputs(outputs, kv_events, seq) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
 
 Commands run between steps, in order, so scheduler state and KV tensors are only ever touched by this thread.
+KV events are numbered here too (`seq` +1 per non-empty batch), so a snapshot cut by `cut_kv_snapshot` on this
+thread names exactly the events it includes.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class EngineLoop:
         self,
         core: EngineCore,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent]], None],
+        on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent], int], None],
     ) -> None:
         self.core = core
         self._loop = loop
@@ -51,6 +53,8 @@ class EngineLoop:
         self.num_steps = 0
         #: time.monotonic() when the step now running began; None between steps (read by the health check).
         self.step_started_s: float | None = None
+        #: Seq of the last KV event batch handed to on_outputs (engine thread only).
+        self.kv_events_seq = 0
         self.error: BaseException | None = None
         #: Load numbers as of the last step or command, replaced (never mutated) by the engine thread, so
         #: heartbeats read them without waiting for a long step (a big prefill can take seconds on a CPU).
@@ -98,11 +102,24 @@ class EngineLoop:
                 self.num_steps += 1
                 self.stats = engine_stats(self.core)
                 if outputs or events:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs, events)
+                    self._dispatch(outputs, events)
         except BaseException as exc:  # a failed step leaves the engine unusable: report it, never hang callers
             log.exception("engine thread failed")
             self.error = exc
             self._fail_pending(exc)
+
+    def cut_kv_snapshot(self, core: EngineCore) -> tuple[int, list[bytes]]:
+        """(seq, every cached block hash) consistent with the event stream; run it on this thread via `call`.
+        Events not yet taken are dispatched first, so the snapshot includes exactly the batches up to seq."""
+        events = core.scheduler.take_kv_events()
+        if events:
+            self._dispatch([], events)
+        return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block)
+
+    def _dispatch(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+        if events:
+            self.kv_events_seq += 1
+        self._loop.call_soon_threadsafe(self._on_outputs, outputs, events, self.kv_events_seq)
 
     def _run_commands(self, block: bool) -> None:
         try:
