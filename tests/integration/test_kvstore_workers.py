@@ -228,7 +228,9 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         tokens, chunk = await generate(bus, model, "dec-a", "r1")
         assert tokens == reference
         assert chunk.cached_tokens_by_tier == {"device": 0, "store": 0}
-        await written_behind(first, 7)  # 21 prompt + 8 output tokens: 7 full blocks (the last token's KV is unknown)
+        # The prompt's 5 full blocks (21 tokens; the last one's KV is computed with the first output token); the
+        # blocks of generated tokens are not written behind (kv_store_write_generated is off by default).
+        await written_behind(first, 5)
 
         second = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-b",
                                     address)
@@ -265,7 +267,7 @@ async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-d", address)
         workers.append(first)
         await generate(bus, model, "dec-d", "r4")
-        await written_behind(first, 7)
+        await written_behind(first, 5)
 
         proxy.cut_on_get = True
         second = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-e",
@@ -298,7 +300,7 @@ async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_serve
         await worker.runtime.store.flush(10)
         dropped = metric(worker, "worker_store_write_dropped_blocks_total", reason="queue_full")
         assert dropped >= 3  # the prompt's 5 blocks were cached in one step: 2 queued, 3 dropped
-        assert metric(worker, "worker_store_written_blocks_total") + dropped == 7
+        assert metric(worker, "worker_store_written_blocks_total") + dropped == 5
     finally:
         if worker is not None:
             await worker.close()

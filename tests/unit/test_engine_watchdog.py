@@ -19,8 +19,8 @@ class HangingCore:
 
     def __init__(self, fail: bool = False) -> None:
         self.release, self.fail = threading.Event(), fail
-        self.scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_held=0, take_kv_events=list,
-                                         block_pool=SimpleNamespace(num_free_blocks=7))
+        self.scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_held=0, take_kv_events=list, loading={},
+                                         num_added=1, block_pool=SimpleNamespace(num_free_blocks=7))
         self.kv_plan = SimpleNamespace(num_blocks=8)
         self.steps = 0
 
