@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -125,8 +125,10 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         if len(body) > max_bytes:
             raise too_large(max_bytes)
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # pydantic's JSON parser: nesting deeper than 200 levels and lone surrogates (which no tokenizer can encode)
+        # are parse errors here, not a RecursionError or UnicodeEncodeError later on.
+        data = pydantic_core.from_json(bytes(body), allow_inf_nan=False)
+    except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
@@ -225,6 +227,7 @@ class Routes:
         data = await read_json(request, int(state.settings.max_request_bytes))
         body = presenter.parse(data)
         check_model(state.model, body.model)
+        presenter.check(state.model, body, state.settings)
         with state.hops.span("tokenize"):
             prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)

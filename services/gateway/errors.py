@@ -142,8 +142,10 @@ def internal(request_id: str) -> ApiError:
 
 
 def from_validation_error(exc: ValidationError) -> ApiError:
-    """400 for the first invalid field of a request body, `param` = its dotted path."""
-    first = exc.errors()[0]
+    """400 for the first invalid field of a request body, `param` = its dotted path. Of a union's errors, one saying
+    more than "wrong type" (the branches the value was never meant for) is preferred."""
+    errors = exc.errors()
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
     message = str(first["msg"])
     if param:
@@ -153,4 +155,6 @@ def from_validation_error(exc: ValidationError) -> ApiError:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the union member's type name ("str", "list[int]") in the loc of union errors.
-    return isinstance(part, str) and (part in {"str", "int", "list", "function-after"} or "[" in part)
+    return isinstance(part, str) and (
+        part in {"str", "int", "list", "function-after"} or "[" in part or part.startswith("constrained-")
+    )

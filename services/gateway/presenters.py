@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from deepinfer.config import GatewaySettings
 from services.gateway.errors import ApiError, from_validation_error
 from services.gateway.openai_models import (
     AssistantMessage,
@@ -31,7 +32,12 @@ from services.gateway.openai_models import (
     SamplingFields,
 )
 from services.gateway.output import ChoiceDelta, ChoiceOutput, chat_logprobs, completion_logprobs
-from services.gateway.recipe import ModelInfo, chat_prompt_token_ids, completion_prompt_token_ids
+from services.gateway.recipe import (
+    ModelInfo,
+    chat_prompt_token_ids,
+    check_request_template,
+    completion_prompt_token_ids,
+)
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
@@ -116,6 +122,10 @@ class Presenter(ABC):
         except ValidationError as exc:
             raise from_validation_error(exc) from None
 
+    def check(self, model: ModelInfo, body: Any, settings: GatewaySettings) -> None:
+        """400 for what this deployment refuses of a valid body (none by default)."""
+        return None
+
     @abstractmethod
     def prompt_token_ids(self, model: ModelInfo, body: Any) -> list[int]:
         """The prompt's token ids (chat template, tokenizer); CPU work, run off the event loop."""
@@ -156,6 +166,10 @@ class ChatPresenter(Presenter):
     id_prefix = "chatcmpl"
     body_type = ChatCompletionRequest
     response_type = ChatCompletionResponse
+
+    def check(self, model: ModelInfo, body: ChatCompletionRequest, settings: GatewaySettings) -> None:
+        """A template sent in the request runs only where the operator trusts request templates."""
+        check_request_template(model, body, settings.trust_request_chat_template)
 
     def prompt_token_ids(self, model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
         """The conversation through the model's chat template."""

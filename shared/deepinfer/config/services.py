@@ -92,6 +92,11 @@ class GatewaySettings(ServiceSettings):
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )
+    trust_request_chat_template: bool = Field(
+        False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
+        "chat_template`); off: such a request is a 400 (a template is code the gateway runs, as vLLM's "
+        "--trust-request-chat-template).",
+    )
     gateway_id: str = Field(
         default_factory=partial(default_id, "gateway"), description="This gateway's id in subjects (a-z0-9_-)."
     )

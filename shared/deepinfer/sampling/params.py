@@ -13,6 +13,16 @@ from typing import Any
 MAX_LOGPROBS = 20
 _INT64_MIN = -(2**63)
 _UINT64_END = 2**64
+#: Longest shown value in an error message (a hostile 1 MB stop string is not echoed back).
+_MAX_SHOWN = 80
+
+
+class SamplingParamError(ValueError):
+    """A sampling field with a bad value; `param` names the field (the gateway's 400 names it too)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -95,13 +105,29 @@ def _normalise_logit_bias(logit_bias: dict[Any, float]) -> dict[int, float]:
     try:
         # JSON object keys arrive as strings ({"50256": -100}).
         return {int(token_id): float(bias) for token_id, bias in logit_bias.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"logit_bias must map token ids to numbers, got {logit_bias!r}") from exc
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise SamplingParamError(
+            "logit_bias", f"logit_bias must map token ids to numbers, got {_shown(logit_bias)}"
+        ) from exc
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """SamplingParamError unless every token id the params name (logit_bias keys, stop_token_ids) is in
+    [0, vocab_size): the gateway and the engine run this same check, so a request fails before routing."""
+    for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise SamplingParamError(name, f"{name}: token id {_shown(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be {rule}, got {_shown(value)}")
 
 
 def _is_number(value: Any) -> bool:
