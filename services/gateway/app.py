@@ -10,7 +10,6 @@ Every error is OpenAI's error object with its status; /ready and /metrics live o
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -31,6 +30,7 @@ from deepinfer.config import GatewaySettings
 from deepinfer.protocol import ErrorCode
 from deepinfer.telemetry import request_context
 from deepinfer.telemetry.hops import Hops
+from services.gateway.auth import KeyRing, cache_salt
 from services.gateway.errors import (
     ApiError,
     bad_request,
@@ -46,7 +46,7 @@ from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
-from services.gateway.recipe import ModelInfo, cache_salt_for, check_model, sampling_params, split_choices
+from services.gateway.recipe import ModelInfo, check_model, sampling_params, split_choices
 
 logger = logging.getLogger(__name__)
 
@@ -91,26 +91,26 @@ class SseResponse(StreamingResponse):
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route when keys are configured; the key rides in scope state."""
+    """`Authorization: Bearer <key>` on every route but the probes when keys are configured; the key's tenant id
+    (its digest, never the key) rides in scope state."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
         self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """401 unless the bearer token is one of the keys (compared in constant time); probes pass freely."""
-        if scope["type"] != "http" or not self.api_keys or scope["path"] in _OPEN_PATHS:
+        """401 unless the bearer token is one of the keys (compared by digest, in constant time)."""
+        if scope["type"] != "http" or not self.keys or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
         token = token.strip()
-        ok = scheme.lower() == "bearer" and token != ""
-        ok = ok and any([hmac.compare_digest(token.encode(), key) for key in self.api_keys])
-        if not ok:
+        tenant = self.keys.tenant_of(token) if scheme.lower() == "bearer" and token else None
+        if tenant is None:
             message = "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer ...)"
             await unauthorized(message).response()(scope, receive, send)
             return
-        scope.setdefault("state", {})["api_key"] = token
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -232,7 +232,7 @@ class Routes:
             prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
-        salt = cache_salt_for(getattr(request.state, "api_key", None), body)
+        salt = cache_salt(getattr(request.state, "tenant", None), body.cache_salt)
         requests = split_choices(
             request_id, prompt_token_ids, sampling, salt, body.n, deadline_s, request.is_disconnected
         )
@@ -281,5 +281,5 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(ApiKeyMiddleware, api_keys=state.settings.api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(state.settings))
     return app

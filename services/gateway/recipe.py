@@ -6,7 +6,6 @@ field, so a bad request never reaches a worker.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -71,13 +70,6 @@ def check_model(model: ModelInfo, name: str) -> None:
     """404 model_not_found unless `name` is the served model."""
     if name != model.served_model_name:
         raise model_not_found(name)
-
-
-def cache_salt_for(api_key: str | None, body: SamplingFields) -> str:
-    """The tenant's salt: the body's cache_salt, else sha256(API key) hex, else "" without auth."""
-    if body.cache_salt is not None:
-        return body.cache_salt
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest() if api_key else ""
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -62,9 +62,22 @@ class GatewaySettings(ServiceSettings):
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Accepted API keys, comma-separated or a JSON list; empty = no auth.",
+        description="Accepted API keys, comma-separated or a JSON list; each a plain key or `sha256:<hex digest>`; "
+        "empty (and no api_keys_file) = no auth.",
         repr=False,
         json_schema_extra={"secret": True},
+    )
+    api_keys_file: Path | None = Field(
+        None, description="A file of accepted keys, one per line: `sha256:<hex digest of the key>` (so the file "
+        "holds no key) or a plain key; `#` comments. Read at start, added to api_keys.",
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests each API key may start per minute (429 + Retry-After past it); "
+        "unset = no limit.",
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Tokens (prompt + max_tokens) each API key may ask for per minute (429 past it); "
+        "unset = no limit.",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Longest a request may take end to end; then 504 (or a stream error event)."
