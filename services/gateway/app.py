@@ -13,17 +13,16 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
 from fastapi import FastAPI, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Send
 
 import deepinfer
 from deepinfer.config import GatewaySettings
@@ -38,10 +37,11 @@ from services.gateway.errors import (
     model_not_found,
     overloaded,
     too_large,
-    unauthorized,
 )
 from services.gateway.generation import Generation, collect, start_choices, stream_events
+from services.gateway.limits import RateLimits
 from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
@@ -51,8 +51,6 @@ from services.gateway.recipe import ModelInfo, check_model, sampling_params, spl
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: Routes answered without an API key: load balancers and benchmark tools probe them.
-_OPEN_PATHS = frozenset({"/health", "/version"})
 
 
 @dataclass
@@ -65,6 +63,12 @@ class ApiState:
     settings: GatewaySettings
     hops: Hops
     accepting: bool = True
+    #: Per-key requests and tokens per minute (from the settings unless given).
+    limits: RateLimits = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = RateLimits(self.settings.requests_per_minute, self.settings.tokens_per_minute)
 
     def not_ready_reason(self) -> str:
         """Why requests cannot be served now ("" when they can). A decode worker is enough: without a prefill
@@ -88,30 +92,6 @@ class SseResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes when keys are configured; the key's tenant id
-    (its digest, never the key) rides in scope state."""
-
-    def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
-        self.app = app
-        self.keys = keys
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """401 unless the bearer token is one of the keys (compared by digest, in constant time)."""
-        if scope["type"] != "http" or not self.keys or scope["path"] in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        token = token.strip()
-        tenant = self.keys.tenant_of(token) if scheme.lower() == "bearer" and token else None
-        if tenant is None:
-            message = "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer ...)"
-            await unauthorized(message).response()(scope, receive, send)
-            return
-        scope.setdefault("state", {})["tenant"] = tenant
-        await self.app(scope, receive, send)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -178,28 +158,31 @@ class Routes:
         """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
         request_id = f"{presenter.id_prefix}-{uuid.uuid4().hex}"
+        attributes = {"request_id": request_id, "route": presenter.route}
+        client_request_id = getattr(request.state, "client_request_id", None)
+        if client_request_id is not None:
+            attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
-        span = self.state.hops.tracer.start_span(
-            "gateway.request", kind=SpanKind.SERVER, attributes={"request_id": request_id, "route": presenter.route}
-        )
+        span = self.state.hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
         record = self.state.metrics.begin(presenter.route, span)
+        headers = {"x-request-id": request_id}  # the client's own replaces it (RequestIdMiddleware)
         with request_context(request_id), trace.use_span(span, end_on_exit=False):
             try:
-                stream, generation = await self._start(request, presenter, request_id, record, deadline_s)
+                stream, generation = await self._start(request, presenter, request_id, record, deadline_s, headers)
             except ApiError as exc:
                 record.end(exc.status_code)
-                return exc.response()
+                return _with_headers(exc.response(), headers)
             except Exception:
                 logger.exception("request failed before generation")
                 record.end(500)
-                return internal(request_id).response()
+                return _with_headers(internal(request_id).response(), headers)
             if stream:
                 return SseResponse(
                     stream_events(generation),
                     media_type="text/event-stream",
-                    headers=_SSE_HEADERS,
+                    headers={**_SSE_HEADERS, **headers},
                 )
-            return await self._collect(generation)
+            return _with_headers(await self._collect(generation), headers)
 
     async def _collect(self, generation: Generation) -> Response:
         try:
@@ -218,12 +201,17 @@ class Routes:
         return JSONResponse(body)
 
     async def _start(
-        self, request: Request, presenter: Presenter, request_id: str, record: RequestRecord, deadline_s: float
+        self, request: Request, presenter: Presenter, request_id: str, record: RequestRecord, deadline_s: float,
+        headers: dict[str, str],
     ) -> tuple[bool, Generation]:
-        """Validate → recipe → start every choice on the workers; the Generation streams the rest."""
+        """Validate → recipe → rate limits → start every choice on the workers; the Generation streams the rest.
+        `headers` gets the response's x-ratelimit-* headers."""
         state = self.state
         if not state.accepting:
             raise overloaded("the server is shutting down", state.settings.retry_after_s)
+        tenant = getattr(request.state, "tenant", None)
+        if state.limits:
+            state.limits.check_requests(tenant or "")  # before the body is read: a flood costs nothing more
         data = await read_json(request, int(state.settings.max_request_bytes))
         body = presenter.parse(data)
         check_model(state.model, body.model)
@@ -232,7 +220,9 @@ class Routes:
             prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
-        salt = cache_salt(getattr(request.state, "tenant", None), body.cache_salt)
+        if state.limits:
+            headers.update(state.limits.admit(tenant or "", len(prompt_token_ids) + (sampling.max_tokens or 0)))
+        salt = cache_salt(tenant, body.cache_salt)
         requests = split_choices(
             request_id, prompt_token_ids, sampling, salt, body.n, deadline_s, request.is_disconnected
         )
@@ -259,6 +249,14 @@ class Routes:
         return body.stream, generation
 
 
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    """`response` with `headers` added (those it set itself, e.g. a 429's x-ratelimit-*, win)."""
+    for name, value in headers.items():
+        if name not in response.headers:
+            response.headers[name] = value
+    return response
+
+
 def _http_error(_: Request, exc: Exception) -> Response:
     """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape, their status kept."""
     assert isinstance(exc, StarletteHTTPException)
@@ -282,4 +280,5 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(state.settings))
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries x-request-id too
     return app
