@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions, POST /v1/completions   stream (SSE) or not; one presenter per API shape
     GET  /v1/models, GET /v1/models/{model}
+    POST /tokenize, POST /detokenize                   vLLM's shapes
+    GET  /openapi.json                                 from the typed request models (services/gateway/openapi.py)
     GET  /health (200 when serving, else 503), GET /version: on the API port, no API key (as vLLM, SGLang)
 
 Every error is OpenAI's error object with its status; /ready and /metrics live on the internal port.
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +46,12 @@ from services.gateway.limits import RateLimits
 from services.gateway.metrics import GatewayMetrics, RequestRecord
 from services.gateway.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from services.gateway.openai_models import ModelCard, ModelList
+from services.gateway.openapi import openapi_document
 from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
 from services.gateway.recipe import ModelInfo, check_model, sampling_params, split_choices
+from services.gateway.tokenizer_routes import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +125,7 @@ class Routes:
 
     def __init__(self, state: ApiState) -> None:
         self.state = state
+        self._openapi: dict[str, Any] | None = None
 
     async def health(self) -> Response:
         """GET /health: 200 while requests can be served, else 503 saying why."""
@@ -145,6 +151,32 @@ class Routes:
     def _card(self) -> ModelCard:
         model = self.state.model
         return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len)
+
+    async def openapi(self, request: Request) -> Response:
+        """GET /openapi.json: built once, from the typed request and response models."""
+        if self._openapi is None:
+            self._openapi = openapi_document(request.app, self.state.model)
+        return JSONResponse(self._openapi)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's shape)."""
+        return await self._tokenizer_route(request, lambda data: tokenize(self.state.model, self.state.settings, data))
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's shape)."""
+        return await self._tokenizer_route(request, lambda data: detokenize(self.state.model, data))
+
+    async def _tokenizer_route(
+        self, request: Request, handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        try:
+            data = await read_json(request, int(self.state.settings.max_request_bytes))
+            return JSONResponse(await handle(data))
+        except ApiError as exc:
+            return exc.response()
+        except Exception:
+            logger.exception("tokenizer route failed")
+            return internal(uuid.uuid4().hex).response()
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -264,7 +296,7 @@ def _http_error(_: Request, exc: Exception) -> Response:
         return ApiError(ErrorCode.NOT_FOUND, "Unknown route").response()
     error = bad_request(str(exc.detail))
     error.status_code = exc.status_code
-    return error.response()
+    return _with_headers(error.response(), dict(exc.headers or {}))  # a 405's Allow
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -278,6 +310,9 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    app.add_api_route("/openapi.json", routes.openapi, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(state.settings))
     app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries x-request-id too

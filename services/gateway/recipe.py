@@ -22,6 +22,7 @@ from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_length, from_validation_error, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.vllm_models import TokenizeChatRequest
 
 # config.json keys that give a model's context length, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -72,14 +73,18 @@ def check_model(model: ModelInfo, name: str) -> None:
         raise model_not_found(name)
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+#: A body with a conversation for the chat template: a chat completion or a /tokenize of messages.
+ChatBody = ChatCompletionRequest | TokenizeChatRequest
+
+
+def _template_kwargs(body: ChatBody) -> dict[str, Any]:
     kwargs = dict(body.chat_template_kwargs or {})
     if body.chat_template is not None:
         kwargs["chat_template"] = body.chat_template
     return kwargs
 
 
-def check_request_template(model: ModelInfo, body: ChatCompletionRequest, trusted: bool) -> None:
+def check_request_template(model: ModelInfo, body: ChatBody, trusted: bool) -> None:
     """400 for a chat template sent in the request (its source is code the gateway would run) unless the operator
     trusts request templates, as vLLM's --trust-request-chat-template; naming one of the model's own is fine."""
     template = _template_kwargs(body).get("chat_template")
@@ -94,10 +99,10 @@ def check_request_template(model: ModelInfo, body: ChatCompletionRequest, truste
         )
 
 
-def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it (template errors are 400)."""
+def chat_text(model: ModelInfo, body: ChatBody) -> str:
+    """The conversation rendered by the model's chat template (template errors are 400)."""
     try:
-        token_ids = model.tokenizer.encode_chat(
+        return model.tokenizer.apply_chat_template(
             [message.template_dict() for message in body.messages],
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             tools=body.tools,
@@ -106,6 +111,11 @@ def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list
         )
     except (ChatTemplateError, TypeError) as exc:  # TypeError: chat_template_kwargs clashing with our keywords
         raise bad_request(f"chat template: {exc}", param="messages") from exc
+
+
+def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+    """The rendered conversation's token ids (like transformers, the template alone places BOS)."""
+    token_ids = model.tokenizer.encode(chat_text(model, body), add_special_tokens=False)
     _check_prompt_length(model, token_ids, "messages")
     return token_ids
 

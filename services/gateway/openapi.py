@@ -1,0 +1,154 @@
+"""`GET /openapi.json`: the API described from the typed request and response models the routes validate with.
+
+The routes read their bodies themselves (size limit while reading, strict JSON, OpenAI's 400 for any invalid field
+instead of FastAPI's 422), so FastAPI cannot see their body types: this module puts them in. The served model fixes
+a few bounds the models cannot: `model` is the served name, token ids are below the vocabulary size and
+`max_tokens` is below the context length. Every operation documents the statuses the error table can produce,
+with OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+import deepinfer
+from services.gateway.errors import HTTP_ERRORS
+from services.gateway.openai_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from services.gateway.recipe import ModelInfo
+from services.gateway.vllm_models import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+
+_REF = "#/components/schemas/{model}"
+
+
+class ErrorObject(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error response: `{"error": {...}}`."""
+
+    error: ErrorObject
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What the document says of one route: its body types, and whether it may answer an SSE stream."""
+
+    request: tuple[type[BaseModel], ...] = ()
+    response: type[BaseModel] | None = None
+    streams: bool = False
+    #: Answered without an API key.
+    open: bool = False
+
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("/v1/chat/completions", "post"): Operation((ChatCompletionRequest,), ChatCompletionResponse, streams=True),
+    ("/v1/completions", "post"): Operation((CompletionRequest,), CompletionResponse, streams=True),
+    ("/v1/models", "get"): Operation(response=ModelList),
+    ("/v1/models/{model_id}", "get"): Operation(response=ModelCard),
+    ("/tokenize", "post"): Operation((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
+    ("/detokenize", "post"): Operation((DetokenizeRequest,), DetokenizeResponse),
+    ("/health", "get"): Operation(open=True),
+    ("/version", "get"): Operation(open=True),
+}
+#: Fields whose integers are token ids, and those bounded by the context length.
+_TOKEN_ID_FIELDS = ("prompt", "stop_token_ids", "tokens")
+_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+
+def openapi_document(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `app`'s routes, with the body schemas filled in for `model`."""
+    doc = get_openapi(title="DeepInfer gateway", version=deepinfer.__version__, routes=app.routes)
+    models = {m for op in OPERATIONS.values() for m in (*op.request, op.response) if m is not None}
+    _, schemas = models_json_schema(
+        [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)] + [(ErrorResponse, "serialization")],
+        ref_template=_REF,
+    )
+    components = schemas.get("$defs", {})
+    _bind_to_model(components, model)
+    doc.setdefault("components", {})["schemas"] = components
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for (path, method), operation in OPERATIONS.items():
+        spec = doc["paths"].get(path, {}).get(method)
+        if spec is not None:
+            _describe(spec, operation)
+    return doc
+
+
+def _describe(spec: dict[str, Any], op: Operation) -> None:
+    spec["security"] = [] if op.open else [{"bearer": []}]
+    if op.request:
+        refs = [{"$ref": _REF.format(model=m.__name__)} for m in op.request]
+        schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+        spec["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    ok = spec.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
+    if op.response is not None:
+        ok["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=op.response.__name__)}}}
+        if op.streams:
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
+    statuses = sorted({http.status_code for http in HTTP_ERRORS.values()} | {405})
+    for status in statuses:
+        if status != 401 or not op.open:
+            spec["responses"][str(status)] = {"description": "OpenAI's error object", "content": error}
+    spec["responses"].pop("422", None)  # validation errors are OpenAI's 400, never FastAPI's 422
+
+
+def _bind_to_model(components: dict[str, Any], model: ModelInfo) -> None:
+    """The bounds only the served model knows, on every request schema's fields."""
+    for schema in components.values():
+        properties = schema.get("properties", {})
+        if "model" in properties:
+            _replace_strings(properties["model"], {"type": "string", "enum": [model.served_model_name]})
+        for name in _TOKEN_ID_FIELDS:
+            if name in properties:
+                _bound_integers(properties[name], model.vocab_size - 1, minimum=0)
+        if model.max_model_len is not None:
+            for name in _LENGTH_FIELDS:
+                if name in properties:
+                    _bound_integers(properties[name], model.max_model_len - 1)
+
+
+def _bound_integers(node: Any, maximum: int, minimum: int | None = None) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = min(maximum, node.get("maximum", maximum))
+            if minimum is not None:
+                node["minimum"] = max(minimum, node.get("minimum", minimum))
+        for value in node.values():
+            _bound_integers(value, maximum, minimum)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_integers(value, maximum, minimum)
+
+
+def _replace_strings(node: dict[str, Any], replacement: dict[str, Any]) -> None:
+    if node.get("type") == "string":
+        node.clear()
+        node.update(replacement)
+    for branch in node.get("anyOf", []):
+        _replace_strings(branch, replacement)
