@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 import deepinfer
 from services.gateway.errors import HTTP_ERRORS
 from services.gateway.openai_models import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -60,14 +61,15 @@ class Operation:
 
     request: tuple[type[BaseModel], ...] = ()
     response: type[BaseModel] | None = None
-    streams: bool = False
+    #: The event object of an SSE answer (stream: true), if the route streams.
+    chunk: type[BaseModel] | None = None
     #: Answered without an API key.
     open: bool = False
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("/v1/chat/completions", "post"): Operation((ChatCompletionRequest,), ChatCompletionResponse, streams=True),
-    ("/v1/completions", "post"): Operation((CompletionRequest,), CompletionResponse, streams=True),
+    ("/v1/chat/completions", "post"): Operation((ChatCompletionRequest,), ChatCompletionResponse, ChatCompletionChunk),
+    ("/v1/completions", "post"): Operation((CompletionRequest,), CompletionResponse, CompletionResponse),
     ("/v1/models", "get"): Operation(response=ModelList),
     ("/v1/models/{model_id}", "get"): Operation(response=ModelCard),
     ("/tokenize", "post"): Operation((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
@@ -83,7 +85,7 @@ _LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 def openapi_document(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
     """The OpenAPI 3.1 document of `app`'s routes, with the body schemas filled in for `model`."""
     doc = get_openapi(title="DeepInfer gateway", version=deepinfer.__version__, routes=app.routes)
-    models = {m for op in OPERATIONS.values() for m in (*op.request, op.response) if m is not None}
+    models = {m for op in OPERATIONS.values() for m in (*op.request, op.response, op.chunk) if m is not None}
     _, schemas = models_json_schema(
         [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)] + [(ErrorResponse, "serialization")],
         ref_template=_REF,
@@ -108,14 +110,24 @@ def _describe(spec: dict[str, Any], op: Operation) -> None:
     ok = spec.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
     if op.response is not None:
         ok["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=op.response.__name__)}}}
-        if op.streams:
-            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        if op.chunk is not None:
+            ok["content"]["text/event-stream"] = {"schema": _sse_event(op.chunk)}
     error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
     statuses = sorted({http.status_code for http in HTTP_ERRORS.values()} | {405})
     for status in statuses:
         if status != 401 or not op.open:
             spec["responses"][str(status)] = {"description": "OpenAI's error object", "content": error}
     spec["responses"].pop("422", None)  # validation errors are OpenAI's 400, never FastAPI's 422
+
+
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream: a chunk or an error object as JSON, or the closing `[DONE]`."""
+    payload = {"anyOf": [{"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model="ErrorResponse")}]}
+    data = {"anyOf": [
+        {"type": "string", "const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+    ]}
+    return {"type": "object", "required": ["data"], "properties": {"data": data}}
 
 
 def _bind_to_model(components: dict[str, Any], model: ModelInfo) -> None:
