@@ -5,7 +5,7 @@ Requests are validated here, before anything reaches a worker: a bad field is a 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,10 +32,17 @@ class _Body(BaseModel):
 
 
 class TextPart(_Body):
-    """One `{"type": "text", "text": ...}` part of a message's content."""
+    """One `{"type": "text", "text": ...}` part of a message's content (a text model reads no other part)."""
 
     type: str
     text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, part_type: str) -> str:
+        if part_type != "text":
+            raise ValueError(f"content parts of type {part_type[:40]!r} are not supported: this model reads text")
+        return part_type
 
 
 class ChatMessage(BaseModel):
@@ -115,6 +122,11 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    #: OpenAI fields this server cannot honour: a 400 naming the field, never a silent drop.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "audio", "prediction", "web_search_options", "functions", "function_call",
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -125,6 +137,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     #: A template of the request's own (vLLM's field): refused unless trust_request_chat_template is set.
     chat_template: str | None = None
+    #: Output modalities: text only ("audio" is a 400).
+    modalities: list[Literal["text"]] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from deepinfer.config import GatewaySettings
-from services.gateway.errors import ApiError, from_validation_error
+from services.gateway.errors import ApiError, bad_request, from_validation_error
 from services.gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -116,7 +116,10 @@ class Presenter(ABC):
     response_type: type[BaseModel]
 
     def parse(self, data: dict[str, Any]) -> Any:
-        """The validated body; 400 naming the first bad field."""
+        """The validated body; 400 naming the first bad field, or a field this server does not support."""
+        for name in getattr(self.body_type, "UNSUPPORTED", ()):
+            if data.get(name) is not None:
+                raise bad_request(f"{name} is not supported by this server", param=name)
         try:
             return self.body_type.model_validate(data)
         except ValidationError as exc:

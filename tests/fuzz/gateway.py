@@ -81,7 +81,13 @@ def served_gateway(model_dir: Path) -> Iterator[tuple[str, StatusCounter]]:
         for worker_id, role in (("prefill-0", WorkerRole.PREFILL), ("decode-0", WorkerRole.DECODE)):
             harness.workers.observe(worker_load(worker_id, role, MODEL))
         counter = StatusCounter(harness.app)
-        return harness, counter, await serve_internal(counter, "127.0.0.1", 0)
+        for attempt in range(3):  # a port the kernel picked can still be taken at listen() (seen on busy hosts)
+            try:
+                return harness, counter, await serve_internal(counter, "127.0.0.1", 0)
+            except OSError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     harness, counter, server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
     try:

@@ -81,6 +81,12 @@ HOSTILE: dict[str, tuple[str, Any, int, str | None]] = {
     "max_tokens true": ("/v1/completions", {**PROMPT, "max_tokens": True}, 400, "max_tokens"),
     "n true": ("/v1/chat/completions", {**CHAT, "n": True}, 400, "n"),
     'temperature "0.5"': ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}, 400, "temperature"),
+    "image content part": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        400, "messages.0.content"),
+    "audio output": ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    "audio modality": ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    "legacy functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     "prompt token ids as strings": ("/v1/completions", {"model": MODEL, "prompt": ["1", 2]}, 400, "prompt"),
 }
 
