@@ -61,6 +61,7 @@ HOSTILE: dict[str, tuple[str, Any, int, str | None]] = {
     "1e999": ("/v1/chat/completions", _raw(CHAT, repetition_penalty="1e999"), 400, "repetition_penalty"),
     "seed 2**70": ("/v1/chat/completions", {**CHAT, "seed": 2**70}, 400, "seed"),
     "seed -2**70": ("/v1/completions", {**PROMPT, "seed": -(2**70)}, 400, "seed"),
+    "top_k 2**70": ("/v1/chat/completions", {**CHAT, "top_k": 2**70}, 400, "top_k"),
     "stop_token_ids 2**70": ("/v1/chat/completions", {**CHAT, "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
     "logit_bias key 2**70": ("/v1/chat/completions", {**CHAT, "logit_bias": {str(2**70): 1}}, 400, "logit_bias"),
     "logit_bias key 5000 digits": ("/v1/chat/completions", {**CHAT, "logit_bias": {"9" * 5000: 1}}, 400,

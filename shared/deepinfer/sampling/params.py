@@ -12,6 +12,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 _INT64_MIN = -(2**63)
+_INT64_END = 2**63
 _UINT64_END = 2**64
 #: Longest shown value in an error message (a hostile 1 MB stop string is not echoed back).
 _MAX_SHOWN = 80
@@ -142,7 +143,7 @@ def _validate(p: SamplingParams) -> None:
     _check(_is_int(p.n) and p.n >= 1, "n", "an integer >= 1", p.n)
     _check(_is_number(p.temperature) and p.temperature >= 0, "temperature", "a finite number >= 0", p.temperature)
     _check(_is_number(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
-    _check(_is_int(p.top_k) and p.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", p.top_k)
+    _check(_is_int(p.top_k) and -1 <= p.top_k < _INT64_END, "top_k", "an int64 >= -1 (0 or -1: off)", p.top_k)
     _check(_is_number(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
@@ -152,8 +153,9 @@ def _validate(p: SamplingParams) -> None:
         "repetition_penalty", "a finite number > 0", p.repetition_penalty,
     )
     if p.max_tokens is not None:
-        _check(_is_int(p.max_tokens) and p.max_tokens >= 1, "max_tokens", "an integer >= 1 or None", p.max_tokens)
-    _check(_is_int(p.min_tokens) and p.min_tokens >= 0, "min_tokens", "an integer >= 0", p.min_tokens)
+        _check(_is_int(p.max_tokens) and 1 <= p.max_tokens < _INT64_END, "max_tokens", "an int64 >= 1 or None",
+               p.max_tokens)
+    _check(_is_int(p.min_tokens) and 0 <= p.min_tokens < _INT64_END, "min_tokens", "an int64 >= 0", p.min_tokens)
     if p.max_tokens is not None:
         _check(p.min_tokens <= p.max_tokens, "min_tokens", f"<= max_tokens ({p.max_tokens})", p.min_tokens)
     if p.logprobs is not None:
