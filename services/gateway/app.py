@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   stream (SSE) or not; one presenter per API shape
     GET  /v1/models, GET /v1/models/{model}
+    POST /v1/messages                                  Anthropic's Messages API (x-api-key), the same pipeline
     POST /tokenize, POST /detokenize                   vLLM's shapes
     GET  /openapi.json                                 from the typed request models (services/gateway/openapi.py)
     GET  /health (200 when serving, else 503), GET /version: on the API port, no API key (as vLLM, SGLang)
@@ -32,6 +33,7 @@ from deepinfer.config import GatewaySettings
 from deepinfer.protocol import ErrorCode
 from deepinfer.telemetry import request_context
 from deepinfer.telemetry.hops import Hops
+from services.gateway.anthropic import MESSAGES, anthropic_error_response
 from services.gateway.auth import KeyRing, cache_salt
 from services.gateway.errors import (
     ApiError,
@@ -44,7 +46,7 @@ from services.gateway.errors import (
 from services.gateway.generation import Generation, collect, start_choices, stream_events
 from services.gateway.limits import RateLimits
 from services.gateway.metrics import GatewayMetrics, RequestRecord
-from services.gateway.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from services.gateway.middleware import ApiKeyMiddleware, RequestIdMiddleware, is_anthropic_path
 from services.gateway.openai_models import ModelCard, ModelList
 from services.gateway.openapi import openapi_document
 from services.gateway.output import ChoiceOutput
@@ -186,6 +188,10 @@ class Routes:
         """POST /v1/completions."""
         return await self._serve(request, COMPLETIONS)
 
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic's Messages API)."""
+        return await self._serve(request, MESSAGES)
+
     async def _serve(self, request: Request, presenter: Presenter) -> Response:
         """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
@@ -203,29 +209,29 @@ class Routes:
                 stream, generation = await self._start(request, presenter, request_id, record, deadline_s, headers)
             except ApiError as exc:
                 record.end(exc.status_code)
-                return _with_headers(exc.response(), headers)
+                return _with_headers(presenter.error_response(exc), headers)
             except Exception:
                 logger.exception("request failed before generation")
                 record.end(500)
-                return _with_headers(internal(request_id).response(), headers)
+                return _with_headers(presenter.error_response(internal(request_id)), headers)
             if stream:
                 return SseResponse(
                     stream_events(generation),
                     media_type="text/event-stream",
                     headers={**_SSE_HEADERS, **headers},
                 )
-            return _with_headers(await self._collect(generation), headers)
+            return _with_headers(await self._collect(generation, presenter), headers)
 
-    async def _collect(self, generation: Generation) -> Response:
+    async def _collect(self, generation: Generation, presenter: Presenter) -> Response:
         try:
             body = await collect(generation)
         except ApiError as exc:
             generation.end(exc.status_code)
-            return exc.response()
+            return presenter.error_response(exc)
         except Exception:
             logger.exception("request failed during generation")
             generation.end(500)
-            return internal(generation.response_id).response()
+            return presenter.error_response(internal(generation.response_id))
         if body is None:
             generation.end(499)  # client closed the connection; the workers got a Cancel
             return Response(status_code=499)
@@ -289,14 +295,16 @@ def _with_headers(response: Response, headers: dict[str, str]) -> Response:
     return response
 
 
-def _http_error(_: Request, exc: Exception) -> Response:
-    """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape, their status kept."""
+def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (unknown route, wrong method) in the route's API shape, their status kept."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
-        return ApiError(ErrorCode.NOT_FOUND, "Unknown route").response()
-    error = bad_request(str(exc.detail))
-    error.status_code = exc.status_code
-    return _with_headers(error.response(), dict(exc.headers or {}))  # a 405's Allow
+        error = ApiError(ErrorCode.NOT_FOUND, "Unknown route")
+    else:
+        error = bad_request(str(exc.detail))
+        error.status_code = exc.status_code
+    response = anthropic_error_response(error) if is_anthropic_path(request.url.path) else error.response()
+    return _with_headers(response, dict(exc.headers or {}))  # a 405's Allow
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -310,6 +318,7 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
     app.add_api_route("/openapi.json", routes.openapi, methods=["GET"], include_in_schema=False)

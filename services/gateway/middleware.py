@@ -11,6 +11,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.anthropic import anthropic_error_response
 from services.gateway.auth import KeyRing
 from services.gateway.errors import unauthorized
 
@@ -21,8 +22,8 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes when keys are configured; the key's tenant id
-    (its digest, never the key) rides in scope state."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every route but the probes when keys are
+    configured; the key's tenant id (its digest, never the key) rides in scope state."""
 
     def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
         self.app = app
@@ -33,12 +34,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        token = token.strip()
-        tenant = self.keys.tenant_of(token) if scheme.lower() == "bearer" and token else None
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = token or headers.get("x-api-key", "").strip()  # Anthropic's SDKs send the key here
+        tenant = self.keys.tenant_of(token) if token else None
         if tenant is None:
             message = "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer ...)"
-            await unauthorized(message).response()(scope, receive, send)
+            error = unauthorized(message)
+            response = anthropic_error_response(error) if is_anthropic_path(scope["path"]) else error.response()
+            await response(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
@@ -69,6 +74,11 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether a path belongs to Anthropic's API (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def client_request_id(value: str | None) -> str | None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import deepinfer
+from services.gateway.anthropic_models import AnthropicError, MessagesRequest, MessagesResponse
 from services.gateway.errors import HTTP_ERRORS
 from services.gateway.openai_models import (
     ChatCompletionChunk,
@@ -65,6 +66,8 @@ class Operation:
     chunk: type[BaseModel] | None = None
     #: Answered without an API key.
     open: bool = False
+    #: Anthropic's API: its error object, its key header, its stream events.
+    anthropic: bool = False
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -72,6 +75,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/completions", "post"): Operation((CompletionRequest,), CompletionResponse, CompletionResponse),
     ("/v1/models", "get"): Operation(response=ModelList),
     ("/v1/models/{model_id}", "get"): Operation(response=ModelCard),
+    ("/v1/messages", "post"): Operation((MessagesRequest,), MessagesResponse, anthropic=True),
     ("/tokenize", "post"): Operation((TokenizeCompletionRequest, TokenizeChatRequest), TokenizeResponse),
     ("/detokenize", "post"): Operation((DetokenizeRequest,), DetokenizeResponse),
     ("/health", "get"): Operation(open=True),
@@ -87,13 +91,17 @@ def openapi_document(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
     doc = get_openapi(title="DeepInfer gateway", version=deepinfer.__version__, routes=app.routes)
     models = {m for op in OPERATIONS.values() for m in (*op.request, op.response, op.chunk) if m is not None}
     _, schemas = models_json_schema(
-        [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)] + [(ErrorResponse, "serialization")],
+        [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
+        + [(ErrorResponse, "serialization"), (AnthropicError, "serialization")],
         ref_template=_REF,
     )
     components = schemas.get("$defs", {})
     _bind_to_model(components, model)
     doc.setdefault("components", {})["schemas"] = components
-    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["components"]["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "anthropic": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+    }
     for (path, method), operation in OPERATIONS.items():
         spec = doc["paths"].get(path, {}).get(method)
         if spec is not None:
@@ -102,7 +110,7 @@ def openapi_document(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
 
 
 def _describe(spec: dict[str, Any], op: Operation) -> None:
-    spec["security"] = [] if op.open else [{"bearer": []}]
+    spec["security"] = [] if op.open else [{"anthropic": []} if op.anthropic else {"bearer": []}]
     if op.request:
         refs = [{"$ref": _REF.format(model=m.__name__)} for m in op.request]
         schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
@@ -112,12 +120,27 @@ def _describe(spec: dict[str, Any], op: Operation) -> None:
         ok["content"] = {"application/json": {"schema": {"$ref": _REF.format(model=op.response.__name__)}}}
         if op.chunk is not None:
             ok["content"]["text/event-stream"] = {"schema": _sse_event(op.chunk)}
-    error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
-    statuses = sorted({http.status_code for http in HTTP_ERRORS.values()} | {405})
+        if op.anthropic:
+            ok["content"]["text/event-stream"] = {"schema": _ANTHROPIC_EVENT}
+    error_model = "AnthropicError" if op.anthropic else "ErrorResponse"
+    error = {"application/json": {"schema": {"$ref": _REF.format(model=error_model)}}}
+    statuses = sorted({http.status_code for http in HTTP_ERRORS.values()} | {405} | ({529} if op.anthropic else set()))
     for status in statuses:
         if status != 401 or not op.open:
             spec["responses"][str(status)] = {"description": "OpenAI's error object", "content": error}
     spec["responses"].pop("422", None)  # validation errors are OpenAI's 400, never FastAPI's 422
+
+
+#: One event of a Messages stream: `event: <type>` and a JSON object of that type.
+_ANTHROPIC_EVENT = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"enum": ["message_start", "content_block_start", "ping", "content_block_delta",
+                           "content_block_stop", "message_delta", "message_stop", "error"]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"type": "object", "required": ["type"]}},
+    },
+}
 
 
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
 
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import ApiError, bad_request, from_validation_error
@@ -124,6 +125,10 @@ class Presenter(ABC):
             return self.body_type.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+
+    def error_response(self, exc: ApiError) -> Response:
+        """An error in this API's shape (OpenAI's error object)."""
+        return exc.response()
 
     def check(self, model: ModelInfo, body: Any, settings: GatewaySettings) -> None:
         """400 for what this deployment refuses of a valid body (none by default)."""

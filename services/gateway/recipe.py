@@ -113,7 +113,7 @@ def chat_text(model: ModelInfo, body: ChatBody) -> str:
         raise bad_request(f"chat template: {exc}", param="messages") from exc
 
 
-def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_token_ids(model: ModelInfo, body: ChatBody) -> list[int]:
     """The rendered conversation's token ids (like transformers, the template alone places BOS)."""
     token_ids = model.tokenizer.encode(chat_text(model, body), add_special_tokens=False)
     _check_prompt_length(model, token_ids, "messages")

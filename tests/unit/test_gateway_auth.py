@@ -74,15 +74,21 @@ async def test_every_api_route_needs_a_key(model_dir: Path):
     assert {path for _, path in routes} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
     async with h.http() as http:
         for method, path in routes:
-            for headers in ({}, {"Authorization": "Bearer sk-bad"}, {"Authorization": "Basic sk-good"}):
+            for headers in ({}, {"Authorization": "Bearer sk-bad"}, {"Authorization": "Basic sk-good"},
+                            {"x-api-key": "sk-bad"}):
                 response = await http.request(method, path, json=CHAT, headers=headers)
                 if path in OPEN_ROUTES:
                     assert response.status_code != 401, (method, path)
+                    continue
+                assert response.status_code == 401, (method, path, headers)
+                error = response.json()["error"]
+                if path == "/v1/messages":  # Anthropic's error shape
+                    assert error["type"] == "authentication_error"
                 else:
-                    assert response.status_code == 401, (method, path, headers)
-                    assert response.json()["error"]["code"] == "invalid_api_key"
-            good = await http.request(method, path, json=CHAT, headers={"Authorization": "Bearer sk-good"})
-            assert good.status_code != 401, (method, path)
+                    assert error["code"] == "invalid_api_key"
+            for good in ({"Authorization": "Bearer sk-good"}, {"x-api-key": "sk-good"}):
+                response = await http.request(method, path, json=CHAT, headers=good)
+                assert response.status_code != 401, (method, path)
     await h.fake.stop()
 
 
