@@ -83,7 +83,7 @@ class MessagesPresenter(Presenter):
     """Anthropic messages: `message` bodies and the Messages streaming events."""
 
     route = "messages"
-    id_prefix = "msg"
+    id_prefix = "msg_"
     body_type = MessagesRequest
     response_type = MessagesResponse
 

@@ -195,7 +195,7 @@ class Routes:
     async def _serve(self, request: Request, presenter: Presenter) -> Response:
         """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
-        request_id = f"{presenter.id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{presenter.id_prefix}{uuid.uuid4().hex}"
         attributes = {"request_id": request_id, "route": presenter.route}
         client_request_id = getattr(request.state, "client_request_id", None)
         if client_request_id is not None:

@@ -34,13 +34,12 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        token = token or headers.get("x-api-key", "").strip()  # Anthropic's SDKs send the key here
-        tenant = self.keys.tenant_of(token) if token else None
+        tokens = presented_keys(Headers(scope=scope))
+        tenants = {self.keys.tenant_of(token) for token in tokens}
+        # every key presented must be right, and name one tenant: a wrong key is never outvoted by a right one
+        tenant = tenants.pop() if len(tenants) == 1 else None
         if tenant is None:
-            message = "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer ...)"
+            message = "Incorrect API key provided" if tokens else "Missing API key (Authorization: Bearer ...)"
             error = unauthorized(message)
             response = anthropic_error_response(error) if is_anthropic_path(scope["path"]) else error.response()
             await response(scope, receive, send)
@@ -74,6 +73,17 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def presented_keys(headers: Headers) -> list[str]:
+    """The keys a request presents: `Authorization: Bearer <key>` and Anthropic's `x-api-key: <key>`."""
+    keys = []
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if "authorization" in headers:
+        keys.append(token.strip() if scheme.lower() == "bearer" else "")  # another scheme: a wrong key
+    if "x-api-key" in headers:
+        keys.append(headers["x-api-key"].strip())
+    return keys
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -150,7 +150,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions (one prompt: a string or a list of token ids)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    #: One prompt: a string, token ids, or a list holding one of those (batches are refused).
+    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[list[int]], Field(min_length=1, max_length=1)
+    ]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False

@@ -110,7 +110,9 @@ def openapi_document(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
 
 
 def _describe(spec: dict[str, Any], op: Operation) -> None:
-    spec["security"] = [] if op.open else [{"anthropic": []} if op.anthropic else {"bearer": []}]
+    # either key header serves any route; each API's own is listed first
+    keys = [{"anthropic": []}, {"bearer": []}] if op.anthropic else [{"bearer": []}, {"anthropic": []}]
+    spec["security"] = [] if op.open else keys
     if op.request:
         refs = [{"$ref": _REF.format(model=m.__name__)} for m in op.request]
         schema = refs[0] if len(refs) == 1 else {"anyOf": refs}

@@ -110,7 +110,7 @@ class Presenter(ABC):
 
     #: Metrics label of the route.
     route: str
-    #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-).
+    #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-; Anthropic: msg_).
     id_prefix: str
     body_type: type[SamplingFields]
     #: The non-streamed response object.
@@ -171,7 +171,7 @@ class ChatPresenter(Presenter):
     """OpenAI chat completions: `chat.completion` bodies and `chat.completion.chunk` events."""
 
     route = "chat"
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     body_type = ChatCompletionRequest
     response_type = ChatCompletionResponse
 
@@ -238,7 +238,7 @@ class CompletionsPresenter(Presenter):
     """OpenAI (legacy) completions: `text_completion` bodies and events."""
 
     route = "completions"
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     body_type = CompletionRequest
     response_type = CompletionResponse
 

@@ -29,6 +29,8 @@ from deepinfer.testing.fake_workers import worker_load
 from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
 
 API_KEY = "sk-fuzz"
+#: The served context length (max_tokens is bounded by it in the document: the scripted answer is short anyway).
+FUZZ_MAX_MODEL_LEN = 2048
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 #: The schemathesis CLI, run by this interpreter (no console script needed on PATH).
 SCHEMATHESIS = [sys.executable, "-c", "import sys; sys.setrecursionlimit(20000); from schemathesis.cli import schemathesis; schemathesis()"]
@@ -102,6 +104,11 @@ def served_gateway(model_dir: Path) -> Iterator[tuple[str, StatusCounter]]:
         thread.join(timeout=10)
 
 
+def fuzz_model_dir(path: Path) -> Path:
+    """The harness tokenizer with a context long enough that generated prompts mostly fit."""
+    return write_tokenizer_dir(path, max_model_len=FUZZ_MAX_MODEL_LEN)
+
+
 def still_serves(base_url: str) -> bool:
     """A normal chat completion through the official SDK gets the scripted answer."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
@@ -118,6 +125,8 @@ def fuzz(
         "-H", f"Authorization: Bearer {API_KEY}", "--checks", "all", "--mode", "all",
         "--max-examples", str(max_examples), "--workers", str(workers), "--no-color",
         "--generation-database", "none", "--request-timeout", "30",
+        # the key rides in -H; random key headers would make most requests 401s (ignored_auth still tries them)
+        "--generation-with-security-parameters", "false",
     ]
     if seed is not None:
         command += ["--seed", str(seed)]
@@ -135,7 +144,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, served_gateway(write_tokenizer_dir(Path(tmp))) as (url, counter):
+    with tempfile.TemporaryDirectory() as tmp, served_gateway(fuzz_model_dir(Path(tmp))) as (url, counter):
         result = fuzz(url, counter, args.max_examples, args.seed, args.workers)
     print(result.output)
     print(f"exit {result.returncode} in {result.seconds:.1f} s; responses by status: {result.statuses}; "

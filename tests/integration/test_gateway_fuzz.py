@@ -7,18 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.gateway import fuzz, served_gateway
-from tests.gateway_harness import write_tokenizer_dir
+from tests.fuzz.gateway import fuzz, fuzz_model_dir, served_gateway
 
 pytestmark = pytest.mark.integration
 MAX_EXAMPLES = 50
 
 
 def test_schemathesis_finds_nothing_and_the_gateway_still_serves(tmp_path: Path):
-    with served_gateway(write_tokenizer_dir(tmp_path)) as (base_url, counter):
+    with served_gateway(fuzz_model_dir(tmp_path)) as (base_url, counter):
         result = fuzz(base_url, counter, MAX_EXAMPLES, seed=14)
     assert result.returncode == 0, result.output[-6000:]
-    assert "No issues found" in result.output
+    assert "Failures:" not in result.summary and "Errors:" not in result.summary, result.summary
     assert result.served_after
     assert not any(status >= 500 for status in result.statuses), result.statuses
     assert sum(n for status, n in result.statuses.items() if status == 200) >= 50, result.statuses

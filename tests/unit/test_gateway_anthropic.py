@@ -41,7 +41,7 @@ async def test_a_message_with_a_system_prompt(harness: Harness):
         model=MODEL, max_tokens=40, system="Be brief.", messages=MESSAGES,
         extra_body={"temperature": 0.5, "top_k": 5},  # older API versions' fields (this SDK no longer names them)
     )
-    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg")
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert [block.type for block in message.content] == ["text"] and message.content[0].text == ANSWER
     assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
     prompt_ids = harness.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *MESSAGES])

@@ -114,3 +114,18 @@ async def test_a_body_cache_salt_cannot_hit_another_keys_cached_prompt(model_dir
         (route,) = h.fake.route_requests[-1:]
         assert route.block_hashes and not {bytes(x) for x in route.block_hashes} & cached_by_a, salt
     await h.fake.stop()
+
+
+async def test_a_wrong_key_is_never_outvoted_by_a_right_one(model_dir: Path):
+    h = await make_harness(model_dir, settings={"api_keys": ["sk-a", "sk-b"]})
+    async with h.http() as http:
+        for headers, status in (
+            ({"Authorization": "Bearer sk-a", "x-api-key": "sk-a"}, 200),
+            ({"Authorization": "Bearer sk-a", "x-api-key": "sk-wrong"}, 401),
+            ({"Authorization": "Bearer sk-wrong", "x-api-key": "sk-a"}, 401),
+            ({"Authorization": "Bearer sk-a", "x-api-key": "sk-b"}, 401),  # two tenants: which one?
+            ({"Authorization": "Basic sk-a", "x-api-key": "sk-a"}, 401),
+        ):
+            response = await http.get("/v1/models", headers=headers)
+            assert response.status_code == status, headers
+    await h.fake.stop()

@@ -83,6 +83,6 @@ async def test_openapi_documents_every_api_route_with_its_typed_body(harness: Ha
     assert schema["properties"]["model"] == {"type": "string", "enum": [MODEL]}
     assert set(chat["responses"]) >= {"200", "400", "401", "404", "413", "429", "503"} and "422" not in chat["responses"]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert doc["paths"]["/health"]["get"]["security"] == [] and chat["security"] == [{"bearer": []}]
+    assert doc["paths"]["/health"]["get"]["security"] == [] and chat["security"] == [{"bearer": []}, {"anthropic": []}]
     # what the document calls invalid is OpenAI's 400 naming the field
     assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "messages"
