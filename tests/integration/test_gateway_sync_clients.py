@@ -4,7 +4,6 @@ and Anthropic messages, whole and streamed, and /tokenize, all with the one API 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
