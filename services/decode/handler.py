@@ -38,10 +38,10 @@ from deepinfer.protocol import (
     ErrorDetail,
     KvHandle,
     Release,
-    TokenBatch,
-    TokenChunk,
     TokenLogprobs,
     WorkerRole,
+    encode_token_batch,
+    token_chunk_fields,
 )
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
@@ -191,13 +191,15 @@ class DecodeHandler:
         export = handle.device_transfer
         args = (request.request_id, request.prompt_token_ids, request.output_token_ids, params)
         try:
-            admitted = await engine.call(lambda core: admit_from_device(
+            admission = await engine.call(lambda core: admit_from_device(
                 core, *args, self._peers.get(export), handle.block_ids, request.cache_salt))
-        except RuntimeError as exc:  # mapping refused, GPU not visible, a CUDA error in the copy
+        except RuntimeError as exc:  # mapping refused, GPU not visible
             log.warning("device pull from %s failed (%s): using the data plane", handle.owner_worker_id, exc)
             return None
+        # Off the engine thread: it steps on meanwhile. A CUDA error here is sticky (the engine fails with it).
+        await asyncio.to_thread(admission.wait_copied)
         self._release(handle)  # the copy has completed: the owner may reuse its blocks
-        if admitted:
+        if admission.admitted:
             return "device"
         return await self._admit(request, params, None)
 
@@ -229,18 +231,19 @@ class DecodeHandler:
 
     # -- engine outputs → token batches ------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
-        """One TokenBatch per gateway per step, carrying only the new tokens of its requests."""
+        """One TokenBatch per gateway per step, carrying only the new tokens of its requests. Runs on the event
+        loop once per step, beside the engine thread: the chunks are built as wire fields, not models."""
         self._step += 1
         started_s = time.monotonic()
-        batches: dict[str, list[TokenChunk]] = {}
-        traced: dict[str, list[tuple[Context, TokenChunk]]] = {}
+        batches: dict[str, list[dict]] = {}
+        traced: dict[str, list[tuple[Context, int]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            chunk = TokenChunk(
-                request_id=output.request_id,
-                token_ids=output.new_token_ids,
+            chunk = token_chunk_fields(
+                output.request_id,
+                output.new_token_ids,
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
                 finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
@@ -248,24 +251,27 @@ class DecodeHandler:
             stream.sent_first = True
             batches.setdefault(stream.gateway_id, []).append(chunk)
             if stream.trace_context is not None:
-                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, chunk))
+                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(output.new_token_ids)))
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
+        worker_id, step = self.runtime.worker_id, self._step
         for gateway_id, chunks in batches.items():
-            batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step, chunks=chunks)
-            self._tasks.spawn(self._publish(gateway_id, batch, started_s, traced.get(gateway_id, [])))
+            payload = encode_token_batch(worker_id, step, chunks)
+            self._tasks.spawn(self._publish(gateway_id, payload, step, len(chunks), started_s,
+                                            traced.get(gateway_id, [])))
 
     async def _publish(
-        self, gateway_id: str, batch: TokenBatch, started_s: float, traced: list[tuple[Context, TokenChunk]]
+        self, gateway_id: str, payload: bytes, step: int, num_chunks: int, started_s: float,
+        traced: list[tuple[Context, int]],
     ) -> None:
-        """Publish one step's tokens to one gateway; a traced request gets a `decode.token_batch` span (outputs
-        received → published)."""
-        await self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch)
+        """Publish one step's tokens (a TokenBatch's bytes) to one gateway; a traced request gets a
+        `decode.token_batch` span (outputs received → published)."""
+        await self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), payload)
         if traced:
             published_s = time.monotonic()
-            for context, chunk in traced:
-                self.runtime.hops.record("token_batch", started_s, published_s, context, step=batch.step,
-                                         num_tokens=len(chunk.token_ids), num_chunks=len(batch.chunks))
+            for context, num_tokens in traced:
+                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
+                                         num_tokens=num_tokens, num_chunks=num_chunks)
 
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:

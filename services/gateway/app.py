@@ -258,6 +258,12 @@ class Routes:
             prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
+        rules = None
+        if any(getattr(body, name, None) is not None for name in ("response_format", "tools", "tool_choice")):
+            with state.hops.span("grammar"):
+                rules = await asyncio.to_thread(presenter.output_rules, state.model, body)
+        if rules is not None:
+            sampling = rules.apply(sampling)
         if state.limits:
             headers.update(state.limits.admit(tenant or "", len(prompt_token_ids) + (sampling.max_tokens or 0)))
         salt = cache_salt(tenant, body.cache_salt)
@@ -276,13 +282,16 @@ class Routes:
             tokenizer=tokenizer,
             runs=runs,
             outputs=[
-                ChoiceOutput(i, tokenizer, r.request.prompt_token_ids, r.request.sampling) for i, r in enumerate(runs)
+                ChoiceOutput(i, tokenizer, r.request.prompt_token_ids, r.request.sampling,
+                             None if rules is None else rules.checker(state.model))
+                for i, r in enumerate(runs)
             ],
             logprobs=logprobs is not None,
             top_logprobs=bool(logprobs),
             include_usage=body.include_usage,
             record=record,
             hops=state.hops,
+            rules=rules,
         )
         return body.stream, generation
 

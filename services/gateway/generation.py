@@ -27,6 +27,7 @@ from services.gateway.output import ChoiceDelta, ChoiceOutput
 from services.gateway.pipeline import RequestPipeline, RunningRequest
 from services.gateway.presenters import Presenter
 from services.gateway.recipe import GenerateRequest
+from services.gateway.structured import OutputRules
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Generation:
     include_usage: bool
     record: RequestRecord
     hops: Hops
+    #: Structured output: the grammar and tool parsing the request asked for (None: free text).
+    rules: OutputRules | None = None
 
     def usage(self) -> Usage:
         """Token counts; the prompt counts once however many choices ran."""

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 #: Most choices one request may ask for (each runs as its own request on the workers).
 MAX_N = 16
 #: Most alternatives per position (OpenAI's limit for chat).
 MAX_TOP_LOGPROBS = 20
+#: Most tools one request may offer.
+MAX_TOOLS = 128
 #: Most stop strings, and the longest one (every generated token is checked against them).
 MAX_STOP = 64
 MAX_STOP_CHARS = 1024
@@ -66,6 +68,57 @@ class StreamOptions(_Body):
     """`stream_options`: only include_usage is honoured."""
 
     include_usage: bool = False
+
+
+class JsonSchemaSpec(_Body):
+    """`response_format.json_schema`: a named schema; strict asks that the output follow it exactly."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: text (free), json_object (any JSON object) or json_schema (enforced while decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check_schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionDefinition(_Body):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """One entry of `tools` (only function tools exist)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    """`tool_choice.function`."""
+
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(_Body):
@@ -131,7 +184,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -146,6 +202,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template sees them."""
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions (one prompt: a string or a list of token ids)."""
@@ -158,6 +219,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    #: vLLM's extension: structured output on completions too.
+    response_format: ResponseFormat | None = None
     best_of: int | None = Field(None, ge=1)
 
 
@@ -208,11 +271,34 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    """A called function: its name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One entry of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The message of a non-streamed chat choice."""
+    """The message of a non-streamed chat choice (content None when it only calls tools)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)  # absent, as OpenAI answers a message that calls nothing
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -235,11 +321,21 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    """One tool call in a streamed delta: id, type and name on its first delta, arguments as they come."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
 class DeltaMessage(BaseModel):
     """`delta` of a streamed chat chunk: role on the first chunk, content after."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

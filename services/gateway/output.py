@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.protocol import SamplingParams, TokenChunk, TokenLogprobs
+from deepinfer.structured import GrammarMatcher
 from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from services.gateway.errors import worker_lost
 from services.gateway.openai_models import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
@@ -24,8 +26,13 @@ class ChoiceDelta:
 class ChoiceOutput:
     """The output state of one choice; `add` each chunk in order."""
 
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling: SamplingParams):
+    def __init__(
+        self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling: SamplingParams,
+        checker: GrammarMatcher | None = None,
+    ):
         self.index = index
+        #: Structured output: the request's grammar, fed every token (a worker that ignored it is caught here).
+        self.checker = checker
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens)
         self.stop_checker = StopChecker(sampling.stop, sampling.include_stop_str_in_output)
         self.text = ""
@@ -41,6 +48,8 @@ class ChoiceOutput:
         if chunk.num_cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = chunk.num_cached_tokens
         self.num_output_tokens += len(chunk.token_ids)
+        if self.checker is not None:
+            self._check_grammar(chunk)
         new_logprobs = list(chunk.logprobs or [])
         self.logprobs.extend(new_logprobs)
         text = self.detokenizer.step(chunk.token_ids)
@@ -56,6 +65,16 @@ class ChoiceOutput:
         self.text += delta.text
         self.finish_reason = delta.finish_reason
         return delta
+
+    def _check_grammar(self, chunk: TokenChunk) -> None:
+        """502 when a token breaks the grammar, or the output ends by a stop before the grammar is complete."""
+        checker = self.checker
+        assert checker is not None
+        for token_id in chunk.token_ids:
+            if not checker.accept(token_id):
+                raise worker_lost(f"the output broke the requested format at token {token_id}: {checker.error}")
+        if chunk.finish_reason == "stop" and not checker.is_accepting:
+            raise worker_lost("the output stopped before completing the requested format")
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

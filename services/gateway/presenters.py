@@ -31,6 +31,7 @@ from services.gateway.openai_models import (
     CompletionResponse,
     DeltaMessage,
     SamplingFields,
+    ToolCallDelta,
 )
 from services.gateway.output import ChoiceDelta, ChoiceOutput, chat_logprobs, completion_logprobs
 from services.gateway.recipe import (
@@ -39,6 +40,8 @@ from services.gateway.recipe import (
     check_request_template,
     completion_prompt_token_ids,
 )
+from services.gateway.structured import OutputRules, output_rules
+from services.gateway.tool_calls import ToolCallBuffer
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
@@ -146,6 +149,10 @@ class Presenter(ABC):
     def logprobs(self, body: Any) -> int | None:
         """None = no logprobs; k = the sampled token's and the top k alternatives."""
 
+    def output_rules(self, model: ModelInfo, body: Any) -> OutputRules | None:
+        """The grammar and tool parsing the body asks for (None: free text); CPU work, run off the event loop."""
+        return None
+
     def response(self, generation: Generation) -> dict[str, Any]:
         """The non-streamed response body of a finished generation: one choice per output, and usage."""
         g = generation
@@ -191,17 +198,30 @@ class ChatPresenter(Presenter):
         """top_logprobs alternatives when logprobs is on."""
         return (body.top_logprobs or 0) if body.logprobs else None
 
+    def output_rules(self, model: ModelInfo, body: ChatCompletionRequest) -> OutputRules | None:
+        """response_format and tools / tool_choice."""
+        return output_rules(model, body)
+
     def choice(self, generation: Generation, output: ChoiceOutput) -> ChatChoice:
-        """The assistant message of one choice."""
+        """The assistant message of one choice (its tool calls parsed out when the request has tools)."""
+        message, finish_reason = AssistantMessage(content=output.text), output.finish_reason
+        fmt = generation.rules.tools if generation.rules is not None else None
+        if fmt is not None:
+            content, calls = fmt.parse(output.text)
+            if calls:
+                message = AssistantMessage(content=content, tool_calls=calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return ChatChoice(
             index=output.index,
-            message=AssistantMessage(content=output.text),
+            message=message,
             logprobs=chat_logprobs(generation.tokenizer, output.logprobs) if generation.logprobs else None,
-            finish_reason=output.finish_reason,
+            finish_reason=finish_reason,
         )
 
     def stream(self, generation: Generation) -> StreamFormatter:
         """chat.completion.chunk events."""
+        if generation.rules is not None and generation.rules.tools is not None:
+            return _ToolChatStream(generation)
         return _ChatStream(generation)
 
 
@@ -231,6 +251,37 @@ class _ChatStream(StreamFormatter):
         return sse(data)
 
 
+class _ToolChatStream(_ChatStream):
+    """Chat chunks of a request with tools: content streams until a call may begin; the calls go out at the end
+    as tool_calls deltas (id, name, arguments), with finish_reason tool_calls."""
+
+    def __init__(self, generation: Generation) -> None:
+        super().__init__(generation)
+        fmt = generation.rules.tools if generation.rules is not None else None
+        assert fmt is not None
+        self.buffers = [ToolCallBuffer(fmt) for _ in generation.outputs]
+
+    def delta(self, delta: ChoiceDelta) -> list[str]:
+        buffer = self.buffers[delta.index]
+        text = buffer.feed(delta.text)
+        logprobs = chat_logprobs(self.generation.tokenizer, delta.logprobs) if self.generation.logprobs else None
+        if delta.finish_reason is None:
+            if not text and not logprobs:
+                return []
+            return [self._chunk(delta.index, DeltaMessage(content=text), logprobs=logprobs)]
+        rest, calls = buffer.finish()
+        events = []
+        if text + rest or logprobs:
+            events.append(self._chunk(delta.index, DeltaMessage(content=text + rest), logprobs=logprobs))
+        for i, call in enumerate(calls):
+            function = {"name": call.function.name, "arguments": call.function.arguments}
+            tool_delta = ToolCallDelta(index=i, id=call.id, type="function", function=function)
+            events.append(self._chunk(delta.index, DeltaMessage(tool_calls=[tool_delta])))
+        finish = "tool_calls" if calls and delta.finish_reason == "stop" else delta.finish_reason
+        events.append(self._chunk(delta.index, DeltaMessage(), finish_reason=finish))
+        return events
+
+
 # ------------------------------------------------------------------------------------------------ completions
 
 
@@ -253,6 +304,10 @@ class CompletionsPresenter(Presenter):
     def logprobs(self, body: CompletionRequest) -> int | None:
         """The legacy integer logprobs."""
         return body.logprobs
+
+    def output_rules(self, model: ModelInfo, body: CompletionRequest) -> OutputRules | None:
+        """response_format (vLLM's extension)."""
+        return output_rules(model, body)
 
     def choice(self, generation: Generation, output: ChoiceOutput) -> CompletionChoice:
         """The text of one choice."""

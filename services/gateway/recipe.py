@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from deepinfer.protocol import SamplingParams
 from deepinfer.sampling.params import SamplingParamError, check_vocab
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
+from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_length, from_validation_error, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.tool_calls import template_messages
 from services.gateway.vllm_models import TokenizeChatRequest
 
 # config.json keys that give a model's context length, most specific first.
@@ -51,6 +54,11 @@ class ModelInfo:
         if not isinstance(vocab_size, int):
             vocab_size = tokenizer.vocab_size
         return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size)
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Structured output: grammars compiled and checked against this tokenizer."""
+        return Grammars(self.tokenizer)
 
 
 @dataclass
@@ -102,10 +110,14 @@ def check_request_template(model: ModelInfo, body: ChatBody, trusted: bool) -> N
 def chat_text(model: ModelInfo, body: ChatBody) -> str:
     """The conversation rendered by the model's chat template (template errors are 400)."""
     try:
+        messages, tools = template_messages(
+            model.tokenizer, [message.template_dict() for message in body.messages],
+            body.tool_dicts if body.tool_choice != "none" else None,
+        )
         return model.tokenizer.apply_chat_template(
-            [message.template_dict() for message in body.messages],
+            messages,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            tools=body.tools,
+            tools=tools,
             continue_final_message=body.continue_final_message,
             **_template_kwargs(body),
         )

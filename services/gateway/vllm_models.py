@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.openai_models import ChatMessage
+from services.gateway.openai_models import MAX_TOOLS, ChatMessage, ToolDefinition
 
 #: Most token ids one /detokenize may send (decoding is CPU work on the gateway).
 MAX_DETOKENIZE_TOKENS = 262_144
@@ -39,10 +39,17 @@ class TokenizeChatRequest(_Body):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     #: A template of the request's own: refused unless trust_request_chat_template is set.
     chat_template: str | None = None
+    #: Tools are rendered as a chat completion with tool_choice "auto" renders them.
+    tool_choice: ClassVar[None] = None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template sees them."""
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
 
 class TokenizeResponse(BaseModel):

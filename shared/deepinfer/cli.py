@@ -91,6 +91,24 @@ def _serve_run(args: argparse.Namespace) -> int:
     return module.main()
 
 
+def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # settings only: DEEPINFER_MODEL and DEEPINFER_MODEL_CACHE_DIR
+
+
+def _prepare_run(args: argparse.Namespace) -> int:
+    from deepinfer.config import CommonSettings, load_settings
+    from deepinfer.model_store import resolve_model
+
+    common = load_settings(CommonSettings)  # exits 2 with one line on a bad env value
+    try:
+        model_dir = resolve_model(common.model, common.model_cache_dir, progress=False)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deepinfer: {exc}", file=sys.stderr)
+        return 2
+    print(model_dir)
+    return 0
+
+
 def _up_arguments(parser: argparse.ArgumentParser) -> None:
     from deepinfer.up.cli import add_arguments
 
@@ -118,6 +136,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
             help="generate text offline with the engine in this process (no services)",
             add_arguments=_generate_arguments,
             run=_generate_run,
+        ),
+        Subcommand(
+            name="prepare",
+            help="prepare DEEPINFER_MODEL into DEEPINFER_MODEL_CACHE_DIR once (an init step) and print its directory",
+            add_arguments=_prepare_arguments,
+            run=_prepare_run,
         ),
         Subcommand(
             name="serve",

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -305,4 +306,5 @@ async def run_service(settings: S, build: Build[S], **options: Any) -> int:
 def service_main(settings_cls: type[S], build: Build[S], **options: Any) -> int:
     """A service's sync entry point: settings from the environment (exit 2 on a bad value), then run."""
     settings = load_settings(settings_cls)
+    sys.setswitchinterval(settings.gil_switch_interval_s)
     return asyncio.run(run_service(settings, build, **options))

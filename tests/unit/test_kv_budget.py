@@ -26,12 +26,18 @@ def engine(utilization: float) -> EngineCore:
     return core
 
 
+def allocator(monkeypatch, allocated: int, cached: int = 0) -> None:
+    """torch's caching allocator: `allocated` bytes in live tensors, `cached` more reserved but unused."""
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: allocated + cached)
+
+
 @pytest.mark.parametrize("other_gib", [0, 45])
 def test_a_second_worker_on_the_gpu_gets_its_own_share(monkeypatch, other_gib: int):
     total, own = 140 * GiB, 16 * GiB  # this worker: weights and graphs in torch's allocator
     free = total - own - CUDA_CONTEXT_BYTES - other_gib * GiB  # the other worker already took its share
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: own)
+    allocator(monkeypatch, allocated=own)
     core = engine(0.45)
     budget = core._device_kv_budget()
     share = int(total * 0.45) - own - CUDA_CONTEXT_BYTES
@@ -43,8 +49,19 @@ def test_never_more_than_is_free(monkeypatch):
     total, own = 140 * GiB, 16 * GiB
     free = 10 * GiB  # someone else holds most of the device
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: own)
+    allocator(monkeypatch, allocated=own)
     assert engine(0.9)._device_kv_budget() < free
+
+
+def test_memory_an_earlier_engine_freed_is_available(monkeypatch):
+    # An offline engine closed in this process leaves 60 GiB cached in torch's allocator, used by no tensor.
+    total, own, cached = 140 * GiB, 16 * GiB, 60 * GiB
+    free = total - own - cached - CUDA_CONTEXT_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    allocator(monkeypatch, allocated=own, cached=cached)
+    budget = engine(0.45)._device_kv_budget()
+    share = int(total * 0.45) - own - CUDA_CONTEXT_BYTES
+    assert 0 < budget <= share and share - budget < 2 * GiB
 
 
 def test_model_config_has_what_the_budget_reads():

@@ -169,7 +169,9 @@ def test_admit_from_owner_caches_equals_the_data_plane_path(tiny_dir):
     assert admit_prefilled(by_bytes, "r", PROMPT, first, params, export_held(prefill, "r", block_ids))
     by_copy.add_request("warm", PROMPT[:9], params.clone(max_tokens=1))
     run(by_copy)
-    assert admit_from_device(by_copy, "r", PROMPT, first, params, prefill.runner.kv_caches, block_ids)
+    admission = admit_from_device(by_copy, "r", PROMPT, first, params, prefill.runner.kv_caches, block_ids)
+    assert admission.admitted
+    admission.wait_copied()
     dst_ids = by_copy.scheduler.kv_manager.get_block_ids(by_copy.scheduler.requests["r"])
     for src, dst in zip(prefill.runner.kv_caches, by_copy.runner.kv_caches, strict=True):
         assert torch.equal(dst[:, dst_ids[2:5]], src[:, block_ids[2:5]])

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("deepinfer.kvcache", "deepinfer.subjects", "deepinfer.process", "deepinfer.protocol", "deepinfer.defaults",
      "deepinfer.tasks"),
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
-     "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership"),
+     "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership", "deepinfer.structured"),
     ("deepinfer.kvcache.store",),  # the store's storage engine: a BlockProvider with metrics, above its parent
     ("deepinfer.kernels",),
     ("deepinfer.distributed",),  # tensor-parallel primitives: process group, parallel layers, shard arithmetic

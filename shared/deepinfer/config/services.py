@@ -45,6 +45,12 @@ class ServiceSettings(BaseSettings):
         default_factory=CommonSettings, description="Shared settings (DEEPINFER_*), built from the environment."
     )
     internal_port: AnyPort = Field(0, description="Port of /health, /ready and /metrics (0 = any free port).")
+    gil_switch_interval_s: float = Field(
+        0.0005, gt=0, le=0.1,
+        description="Python's thread switch interval (sys.setswitchinterval): the longest a thread holding the GIL "
+        "(the engine thread, a tokenizer thread) makes the event loop wait; Python's default 0.005 costs a worker "
+        "7-14% of its tokens/s (docs/serving-path.md).",
+    )
 
 
 class GatewaySettings(ServiceSettings):
@@ -184,6 +190,9 @@ class WorkerSettings(ServiceSettings):
     )
     batch_invariant: bool = Field(
         False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)

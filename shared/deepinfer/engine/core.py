@@ -24,6 +24,7 @@ from deepinfer.loader.hf import load_generation_config, load_model, load_model_c
 from deepinfer.model_store import default_cache_dir, resolve_model
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
+from deepinfer.structured import GrammarMatcher, Grammars
 from deepinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class EngineCore:
             eos = self.generation_config.get("eos_token_id")
             eos_ids = (eos if isinstance(eos, list) else [eos]) if eos is not None else []
             self.eos_token_ids = {int(t) for t in eos_ids} | set(self.model_config.eos_token_ids)
+        #: Structured output: grammars compiled against this tokenizer (llguidance's view is built on first use).
+        self.grammars = Grammars(self.tokenizer) if self.tokenizer is not None else None
         self.fingerprint = model_fingerprint(self.model_dir, args.model_revision)
         scheduler_class = AsyncScheduler if args.async_scheduling else Scheduler
         self.scheduler = scheduler_class(
@@ -143,8 +146,20 @@ class EngineCore:
             sampling_params = sampling_params.clone(seed=draw_seed())
         request = Request(request_id, prompt_token_ids, sampling_params, self.eos_token_ids, cache_salt=cache_salt)
         request.append_output_token_ids(output_token_ids)
+        if sampling_params.grammar is not None:
+            request.grammar = self._grammar_matcher(sampling_params.grammar, output_token_ids)
         request.hold_blocks = hold_blocks
         return request
+
+    def _grammar_matcher(self, grammar: str, output_token_ids: Sequence[int]) -> GrammarMatcher:
+        """A matcher for a request's grammar (GrammarError, a ValueError, when it does not compile); tokens
+        generated elsewhere (the prefill worker's first) must be ones the grammar allows."""
+        if self.grammars is None:
+            raise ValueError("grammar: this engine has no tokenizer to build token masks from")
+        matcher = self.grammars.matcher(grammar)
+        if not matcher.accept_all(list(output_token_ids)):
+            raise ValueError(f"output_token_ids: not allowed by the request's grammar ({matcher.error})")
+        return matcher
 
     def check_prompt(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
         """Validate a prompt against this engine's limits without queueing it."""
@@ -258,9 +273,13 @@ class EngineCore:
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
             activations += num_seqs * cfg.activation_bytes_per_token(elem)
             activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
-        own = torch.cuda.memory_reserved(self.device) + CUDA_CONTEXT_BYTES
+        # Live tensors are ours; memory the caching allocator holds but no tensor uses (an earlier engine of this
+        # process, freed) is free to the KV cache, which the allocator carves from it or returns to CUDA for.
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated
         headroom = activations + logits + (256 << 20)
-        return min(int(total * self.args.gpu_memory_utilization) - own - headroom, free - headroom)
+        return min(int(total * self.args.gpu_memory_utilization) - allocated - CUDA_CONTEXT_BYTES - headroom,
+                   free + cached - headroom)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config

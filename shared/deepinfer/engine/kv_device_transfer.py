@@ -9,8 +9,9 @@ layers, `index_select`s into one staging tensor on the owner's GPU, one peer cop
 data plane.
 
 Ordering: the owner's KV writes are complete before the handle leaves it (the prefill step syncs on the
-sampled token), and the receiver synchronises its copy before it sends Release, after which the owner may
-reuse the blocks.
+sampled token). The receiver queues its copy on the engine's stream without waiting (the engine thread goes
+straight back to stepping; later steps are ordered after the copy on that stream), and sends Release, after
+which the owner may reuse the blocks, only once the copy's event has completed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import socket
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -244,18 +246,37 @@ def admit_from_device(
     src_caches: Sequence[torch.Tensor],
     src_block_ids: Sequence[int],
     cache_salt: str = "",
-) -> bool:
-    """`handoff.admit_prefilled` with the KV copied from mapped owner caches; False when no blocks are free.
+) -> DeviceAdmission:
+    """`handoff.admit_prefilled` with the KV copied from mapped owner caches (`admitted` False: no free blocks).
 
-    Runs on the engine thread. Returns after the copy has completed, so the caller may Release the lease.
+    Runs on the engine thread and does not wait for the copy: it is queued on the engine's stream, so the
+    steps after it see the KV; the owner's blocks may be reused only once `copied` has completed (None: nothing
+    left to wait for).
     """
     dst_caches = core.runner.kv_caches
+    copied: list[torch.cuda.Event] = []
 
     def fill(block_ids: list[int]) -> None:
         copy_blocks(src_caches, src_block_ids[len(src_block_ids) - len(block_ids) :], dst_caches, block_ids)
         if dst_caches[0].device.type == "cuda":
-            torch.cuda.synchronize(dst_caches[0].device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dst_caches[0].device))
+            copied.append(event)
 
-    return admit_filled(
+    admitted = admit_filled(
         core, request_id, prompt_token_ids, output_token_ids, sampling_params, len(src_block_ids), fill, cache_salt
     )
+    return DeviceAdmission(admitted, copied[0] if copied else None)
+
+
+@dataclass(frozen=True)
+class DeviceAdmission:
+    """What `admit_from_device` did: whether the request joined, and the event its copy completes at."""
+
+    admitted: bool
+    copied: torch.cuda.Event | None = None
+
+    def wait_copied(self) -> None:
+        """Block until the owner's blocks have been read (call off the engine thread; releases the GIL)."""
+        if self.copied is not None:
+            self.copied.synchronize()

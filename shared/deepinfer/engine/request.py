@@ -73,6 +73,8 @@ class Request:
         self._hash_root: bytes = b""
         self._block_hashes: list[bytes] = []
         self._stop_rule: _StopRule | None = None
+        #: Structured output: the request's GrammarMatcher (deepinfer.structured), advanced by every output token.
+        self.grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -104,11 +106,15 @@ class Request:
         token_ids = list(token_ids)
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+        if self.grammar is not None:
+            self.grammar.accept_all(token_ids)
 
     def append_output_token_id(self, token_id: int) -> None:
         """Append one sampled token (the decode step's case, without building a sequence)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     @property
     def stop_rule(self) -> _StopRule:
@@ -175,8 +181,9 @@ class _StopRule:
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish the request if its last token ends it; True when it did.
 
-    Order: eos (unless ignore_eos), stop_token_ids — both only once min_tokens are out — then max_tokens and
-    max_model_len ("length"). An eos id also listed in stop_token_ids reports no stop_reason, as before.
+    Order: eos (unless ignore_eos), stop_token_ids — both only once min_tokens are out — then a grammar that
+    allows nothing more ("stop"), then max_tokens and max_model_len ("length"). An eos id also listed in
+    stop_token_ids reports no stop_reason, as before.
     """
     rule = request.stop_rule
     output_token_ids = request.output_token_ids
@@ -187,6 +194,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
             request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
         else:
             request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP, stop_reason=last_token_id)
+        return True
+    if request.grammar is not None and request.grammar.is_stopped:  # complete (or broken: the gateway checks)
+        request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
         return True
     max_tokens = rule.max_tokens
     if (max_tokens is not None and num_output_tokens >= max_tokens) or len(request.all_token_ids) >= max_model_len:

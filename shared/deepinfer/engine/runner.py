@@ -133,7 +133,7 @@ class ModelRunner:
     def _forward_and_sample(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[SamplerOutput, list[Request], list[ScheduledRequest], bool] | None:
-        """(sampler output, sampled requests, their ScheduledRequests, penalties used); None when none samples."""
+        """(sampler output, sampled requests, their ScheduledRequests, host sync needed); None when none samples."""
         if self.batch_invariant:
             hidden, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
         else:
@@ -155,8 +155,11 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
             eos_token_ids=self.eos_token_ids,
+            grammar_bitmasks=[None if r.grammar is None else r.grammar.bitmask() for r in chosen],
         )
-        return self.sampler(logits, meta), chosen, sampled, meta.need_penalties
+        # Penalties and grammars read the previous token on the host: async scheduling updates before the next step.
+        needs_sync = meta.need_penalties or meta.allowed is not None
+        return self.sampler(logits, meta), chosen, sampled, needs_sync
 
     def prepare_batch(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request] | None = None

@@ -24,7 +24,14 @@ from deepinfer.protocol.requests import (
 from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
 from deepinfer.protocol.sampling import SamplingParams
 from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
-from deepinfer.protocol.tokens import FinishReason, TokenBatch, TokenChunk, TokenLogprobs
+from deepinfer.protocol.tokens import (
+    FinishReason,
+    TokenBatch,
+    TokenChunk,
+    TokenLogprobs,
+    encode_token_batch,
+    token_chunk_fields,
+)
 from deepinfer.protocol.types import BLOCK_HASH_BYTES, BlockHash
 from deepinfer.protocol.workers import WorkerLoad, WorkerRole
 
@@ -65,6 +72,8 @@ __all__ = [
     "TokenBatch",
     "TokenChunk",
     "TokenLogprobs",
+    "encode_token_batch",
+    "token_chunk_fields",
     "WorkerLoad",
     "WorkerRole",
 ]

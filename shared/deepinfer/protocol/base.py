@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 PROTOCOL_MAJOR = 2
 #: Minor version: additive changes (new optional fields, new messages) that older readers can ignore.
 #: 2.1: KvStoreHeartbeat (the kvcache store's shards announce themselves).
-PROTOCOL_MINOR = 1
+#: 2.3: SamplingParams.grammar (structured output; a reader without it ignores it, so the gateway checks outputs).
+PROTOCOL_MINOR = 3
 
 
 class ProtocolError(ValueError):

@@ -34,3 +34,5 @@ class SamplingParams(Message):
     logprobs: int | None = Field(None, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: llguidance grammar text (deepinfer.structured) every output token must follow; None = free text. (2.3)
+    grammar: str | None = Field(None, min_length=1)

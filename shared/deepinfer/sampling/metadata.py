@@ -34,6 +34,7 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None  # [B, V] float32, only if a row has a bias or is below min_tokens
     prompt_mask: torch.Tensor | None  # [B, V] bool, token seen in the prompt; only if need_penalties
     output_counts: torch.Tensor | None  # [B, V] int32, times generated so far; only if need_penalties
+    allowed: torch.Tensor | None  # [B, V] bool, tokens a row's grammar allows next; only if a row has one
     vocab_size: int
     all_greedy: bool
     any_greedy: bool
@@ -58,10 +59,12 @@ class SamplingMetadata:
         device: torch.device | str,
         *,
         eos_token_ids: Sequence[int] = (),
+        grammar_bitmasks: Sequence[bytes | None] = (),
     ) -> SamplingMetadata:
         """Build one step's metadata on the host. `seeds[i]` is `params.seed` when set, else the seed the engine
         drew at admission (`deepinfer.sampling.seeds.draw_seed`); uint64 seeds are accepted. `eos_token_ids` and
         `stop_token_ids` are banned (bias -inf) while a row has fewer than `min_tokens` output tokens.
+        `grammar_bitmasks[i]`: row i's allowed next tokens from its grammar matcher (None: no grammar).
         """
         num_rows = len(params_list)
         for name, seq in (("positions", positions), ("seeds", seeds), ("prompt_token_ids", prompt_token_ids),
@@ -97,7 +100,8 @@ class SamplingMetadata:
             presence_penalty=presence, frequency_penalty=frequency, seeds=seeds_t, positions=positions_t,
             is_greedy=greedy_t.bool(),
             logit_bias=_logit_bias(params_list, output_token_ids, eos_token_ids, vocab_size, device),
-            prompt_mask=prompt_mask, output_counts=output_counts, vocab_size=vocab_size,
+            prompt_mask=prompt_mask, output_counts=output_counts,
+            allowed=_allowed_tokens(grammar_bitmasks, num_rows, vocab_size, device), vocab_size=vocab_size,
             all_greedy=all(greedy), any_greedy=any(greedy), any_random=not all(greedy),
             need_top_k=bool(enabled_k), need_top_p=any(p < 1 for p in top_p), need_min_p=any(p > 0 for p in min_p),
             need_penalties=need_penalties, max_top_k=max(enabled_k, default=0),
@@ -179,3 +183,25 @@ def _logit_bias(
     # index_add_: a token both biased and banned sums to -inf, whichever order the adds land in.
     dense.index_add_(0, _to_device(index, device), _to_device(values, device))
     return dense.view(len(params_list), vocab_size)
+
+
+def _allowed_tokens(
+    bitmasks: Sequence[bytes | None], num_rows: int, vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[B, V] bool from grammar bitmasks (bit t of int32 word t // 32, little-endian); rows without one allow
+    everything, and a grammar row allows no id past its bitmask (a model vocabulary wider than the tokenizer's)."""
+    if not any(mask is not None for mask in bitmasks):
+        return None
+    num_words = max(len(mask) for mask in bitmasks if mask is not None) // 4
+    words = torch.full((num_rows, num_words), -1, dtype=torch.int32)
+    for row, mask in enumerate(bitmasks):
+        if mask is not None:
+            row_words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
+            words[row].zero_()
+            words[row, : row_words.numel()] = row_words
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, num_words * 32)
+    if bits.shape[1] < vocab_size:
+        free_rows = torch.tensor([mask is None for mask in bitmasks]).unsqueeze(1)
+        bits = torch.cat([bits, free_rows.expand(num_rows, vocab_size - bits.shape[1])], dim=1)
+    return _to_device(bits[:, :vocab_size].contiguous(), device)

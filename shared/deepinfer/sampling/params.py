@@ -52,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: the sampled token's only; k: plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: llguidance grammar text (`deepinfer.structured`): only tokens it allows are sampled; None = free text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -169,6 +171,8 @@ def _validate(p: SamplingParams) -> None:
             "seed", "None or an integer in the int64 or uint64 range", p.seed,
         )
     _check(all(isinstance(s, str) and s for s in p.stop), "stop", "a string or a list of non-empty strings", p.stop)
+    _check(p.grammar is None or (isinstance(p.grammar, str) and p.grammar != ""), "grammar",
+           "None or a non-empty grammar string", p.grammar)
     _check(all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "non-negative token ids", p.stop_token_ids)
     if p.logit_bias is not None:
         _check(all(t >= 0 for t in p.logit_bias), "logit_bias", "keyed by non-negative token ids", p.logit_bias)

@@ -29,13 +29,15 @@ class Sampler(torch.nn.Module):
     """Samples one token per row of a [B, V] float32 logits tensor; see `forward` for the order of stages."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Raw logprobs → logit bias → penalties → greedy argmax / (temperature → top-k → top-p → min-p →
+        """Raw logprobs → logit bias → penalties → grammar mask → greedy argmax / (temperature → top-k → top-p → min-p →
         softmax → exponential race with counter-based noise)."""
         logits = logits.float()
         # Raw logprobs, row by row: softmax kernels reduce each row on its own whatever the batch size, where a
         # generic reduction (logsumexp) may split differently per shape and break batch invariance by an ulp.
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
         processed = apply_penalties(logits, meta)
+        if meta.allowed is not None:  # structured output: only what each row's grammar allows next
+            processed = processed.masked_fill(~meta.allowed, float("-inf"))
         if meta.any_random:
             probs = apply_sampling_filters(processed, meta)
             noise = exponential_noise(meta.seeds, meta.positions, logits.shape[-1])

@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=DEVICE_CHOICES, default="auto", help="workers' device (default: auto)"
     )
     parser.add_argument("--port", type=_port, default=8000, help="gateway API port (default: 8000)")
-    parser.add_argument("--prefill", type=_count, default=1, metavar="N", help="prefill workers (default: 1)")
+    parser.add_argument(
+        "--prefill", type=_count, default=None, metavar="N",
+        help="prefill workers (default: 1; 0 on a single GPU, where the decode worker computes prompts itself)",
+    )
     parser.add_argument("--decode", type=_count, default=1, metavar="M", help="decode workers (default: 1)")
     parser.add_argument(
         "--schedulers", type=_count_positive, default=1, metavar="K", help="scheduler replicas (default: 1)"

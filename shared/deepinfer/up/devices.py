@@ -56,3 +56,14 @@ def plan_devices(device: str, num_workers: int, num_gpus: int) -> list[WorkerDev
         WorkerDevice(name, round(default / sharing[name], 3) if sharing[name] > 1 else None)
         for name in assigned
     ]
+
+
+def default_num_prefill(device: str, num_gpus: int) -> int:
+    """Prefill workers `deepinfer up` starts unless told: none when every worker would share one GPU, else one.
+
+    Two processes on one GPU (no MPS) run by time slices: measured on one H200 (docs/serving-path.md), a
+    separate prefill worker made the decode worker's prompts wait for the other process's slices, and a decode
+    worker computing prompts itself gave more tokens/s and half the TTFT. On the CPU the split stays (it is the
+    disaggregated path the tests and the demo exercise); with two GPUs or more, prefill gets its own.
+    """
+    return 0 if device != "cpu" and num_gpus == 1 else 1

@@ -36,7 +36,7 @@ from deepinfer.config import (
     env_name,
 )
 from deepinfer.nats_server import NatsServer, find_nats_server, free_port
-from deepinfer.up.devices import WorkerDevice, count_nvidia_gpus, plan_devices
+from deepinfer.up.devices import WorkerDevice, count_nvidia_gpus, default_num_prefill, plan_devices
 from deepinfer.up.probes import HttpReadyProbe, Probe, TcpGreetingProbe
 from deepinfer.up.supervisor import ChildSpec, RestartPolicy, Supervisor, SupervisorError
 
@@ -87,6 +87,7 @@ class Stack:
     As a context manager, entering does start() and wait_ready(start_timeout_s); leaving does stop().
     `port=0` picks a free API port. `log_dir=None` logs to a temporary directory removed by `stop()`.
     `base_env` is the environment the children inherit (None: this process's); `env_overrides` go last.
+    `num_prefill=None`: `devices.default_num_prefill` (none on a single GPU, else one).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class Stack:
         model: str = DEFAULT_MODEL,
         device: str = "auto",
         port: int = 8000,
-        num_prefill: int = 1,
+        num_prefill: int | None = None,
         num_decode: int = 1,
         num_schedulers: int = 1,
         num_gateways: int | None = None,
@@ -107,6 +108,8 @@ class Stack:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         num_gpus: int | None = None,
     ) -> None:
+        if num_prefill is None:
+            num_prefill = default_num_prefill(device, self._count_gpus(device, num_gpus))
         if min(num_prefill, num_decode) < 0 or num_schedulers < 1:
             raise ValueError("need num_prefill >= 0, num_decode >= 0 and num_schedulers >= 1")
         self.model = _absolute_if_path(model)
@@ -130,6 +133,12 @@ class Stack:
         self.kinds: dict[str, str] = {NATS_NAME: NATS_NAME}
         self.devices: dict[str, WorkerDevice] = {}
         self._started = False
+
+    @staticmethod
+    def _count_gpus(device: str, num_gpus: int | None) -> int:
+        if num_gpus is not None:
+            return num_gpus
+        return count_nvidia_gpus() if device in ("auto", "cuda") else 0
 
     @property
     def base_url(self) -> str:

@@ -26,6 +26,8 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
         load_format=settings.load_format,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
         enable_kv_events=True,
         model_revision=common.model_revision,
         cache_dir=common.model_cache_dir,

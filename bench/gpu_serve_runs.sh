@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The serving runs of one device session, as run on the GPU machine (see bench/device_wheels.sh for the
+# wheels it installs first). Each variant: bench/serve.py under a time limit, its JSON and log under $OUT.
+#
+#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated | *-gil | split8b | aggregated8b
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-stack/*.whl
+export PYTHONPATH=/tmp/site:$PWD/shared:$PWD PATH=/tmp/site/bin:$PATH
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+run() {  # NAME LIMIT_S ARGS...
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    timeout "$limit" python3 bench/serve.py --device cuda --max-tokens 256 --out "$OUT/$name.json" "$@" \
+        > "$OUT/$name.log" 2>&1
+    echo "$name: rc $? in $((SECONDS - started)) s"
+    grep -A6 "^service vs offline" "$OUT/$name.log" || tail -5 "$OUT/$name.log"
+}
+for variant in "$@"; do
+    case $variant in
+        default) run default 300 --random-model llama-1b --sweep 1,64,256 ;;
+        default-async) run default-async 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
+            --env DEEPINFER_DECODE_ASYNC_SCHEDULING=true ;;
+        default8b) run default8b 300 --random-model llama-8b --sweep 1,64 ;;
+        split) run split 330 --random-model llama-1b --sweep 1,64,256 ;;
+        aggregated) run aggregated 230 --random-model llama-1b --sweep 1,64,256 --prefill 0 ;;
+        aggregated-gil) run aggregated-gil 200 --random-model llama-1b --sweep 1,64,256 --prefill 0 --no-offline \
+            --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 ;;
+        split-gil) run split-gil 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
+            --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 --env DEEPINFER_PREFILL_GIL_SWITCH_INTERVAL_S=0.0005 ;;
+        split8b) run split8b 300 --random-model llama-8b --sweep 1,64 ;;
+        aggregated8b) run aggregated8b 200 --random-model llama-8b --sweep 1,64 --prefill 0 --no-offline ;;
+        *) echo "unknown variant $variant" >&2 ;;
+    esac
+done
