@@ -7,7 +7,8 @@
     GET  /openapi.json                                 from the typed request models (services/gateway/openapi.py)
     GET  /health (200 when serving, else 503), GET /version: on the API port, no API key (as vLLM, SGLang)
 
-Every error is OpenAI's error object with its status; /ready and /metrics live on the internal port.
+Every error is OpenAI's error object with its status (Anthropic's on /v1/messages); /ready and /metrics live on
+the internal port.
 """
 
 from __future__ import annotations
@@ -70,12 +71,11 @@ class ApiState:
     settings: GatewaySettings
     hops: Hops
     accepting: bool = True
-    #: Per-key requests and tokens per minute (from the settings unless given).
-    limits: RateLimits = field(default=None)  # type: ignore[assignment]
+    #: Per-key requests and tokens per minute (from the settings).
+    limits: RateLimits = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.limits is None:
-            self.limits = RateLimits(self.settings.requests_per_minute, self.settings.tokens_per_minute)
+        self.limits = RateLimits(self.settings.requests_per_minute, self.settings.tokens_per_minute)
 
     def not_ready_reason(self) -> str:
         """Why requests cannot be served now ("" when they can). A decode worker is enough: without a prefill
