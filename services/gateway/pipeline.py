@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from deepinfer import subjects
-from deepinfer.bus import BusError, BusTimeout, MessageBus, NoResponders
+from deepinfer.bus import BusError, BusTimeout, MessageBus, NoResponders, PayloadTooLarge
 from deepinfer.config import GatewaySettings
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.membership import Membership
@@ -29,6 +29,7 @@ from deepinfer.protocol import (
     DecodeAccepted,
     DecodeRequest,
     DecodeStatus,
+    ErrorCode,
     FinishReason,
     Message,
     PrefillRequest,
@@ -117,6 +118,8 @@ class RequestPipeline:
             try:
                 decision = await self.bus.request(subjects.route(self.model), route_request, RouteDecision, timeout_s)
                 break
+            except PayloadTooLarge as exc:
+                raise _too_large_to_forward(exc) from None
             except NoResponders:
                 raise overloaded("no scheduler is available", retry_after_s) from None
             except BusTimeout as exc:  # the replica that got it may have died: another one answers the retry
@@ -205,6 +208,8 @@ class RequestPipeline:
                     raise client_gone()  # the caller's Cancel reaches the worker: a long prefill stops
                 if self.membership.is_alive(worker_id) is False:
                     raise overloaded(f"worker {worker_id} stopped answering", retry_after_s)
+        except PayloadTooLarge as exc:
+            raise _too_large_to_forward(exc) from None
         except NoResponders:
             raise overloaded(f"worker {worker_id} is gone", retry_after_s) from None
         except BusError as exc:
@@ -313,6 +318,14 @@ class RunningRequest:
         if not self.finished:
             self.finished = True
             self.pipeline.cancel_soon(self.request_id, reason)
+
+
+def _too_large_to_forward(exc: PayloadTooLarge) -> ApiError:
+    """413 for a request whose message to the workers would not fit the bus (no subject named: internal)."""
+    return ApiError(
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        f"the request is too large to forward to the workers ({exc.size_bytes} bytes, over {exc.max_bytes})",
+    )
 
 
 def _first_chunk(prefill: PrefillResult) -> TokenChunk:

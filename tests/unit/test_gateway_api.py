@@ -140,11 +140,12 @@ async def test_block_hashes_and_cache_salt_from_heartbeats_and_key(model_dir: Pa
     assert h.fake.route_requests[0].block_hashes == expected
     assert h.fake.route_requests[0].model_fingerprint == fingerprint
     assert h.fake.prefill_requests[0].cache_salt == salt
-    # a body cache_salt overrides the key's
+    # a body cache_salt narrows the key's: both hashed together
     await h.openai("sk-one").chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": long_text}], extra_body={"cache_salt": "tenant-b"}
     )
-    assert h.fake.route_requests[1].block_hashes == hash_blocks(prompt_ids, 16, fingerprint, "tenant-b")
+    narrowed = hashlib.sha256(f"{salt}\0tenant-b".encode()).hexdigest()
+    assert h.fake.route_requests[1].block_hashes == hash_blocks(prompt_ids, 16, fingerprint, narrowed)
     await h.fake.stop()
 
 

@@ -68,9 +68,22 @@ class GatewaySettings(ServiceSettings):
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Accepted API keys, comma-separated or a JSON list; empty = no auth.",
+        description="Accepted API keys, comma-separated or a JSON list; each a plain key or `sha256:<hex digest>`; "
+        "empty (and no api_keys_file) = no auth.",
         repr=False,
         json_schema_extra={"secret": True},
+    )
+    api_keys_file: Path | None = Field(
+        None, description="A file of accepted keys, one per line: `sha256:<hex digest of the key>` (so the file "
+        "holds no key) or a plain key; `#` comments. Read at start, added to api_keys.",
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests each API key may start per minute (429 + Retry-After past it); "
+        "unset = no limit.",
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Tokens (prompt + max_tokens) each API key may ask for per minute (429 past it); "
+        "unset = no limit.",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Longest a request may take end to end; then 504 (or a stream error event)."
@@ -97,6 +110,11 @@ class GatewaySettings(ServiceSettings):
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is considered dead after this long without a heartbeat.")
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
+    )
+    trust_request_chat_template: bool = Field(
+        False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
+        "chat_template`); off: such a request is a 400 (a template is code the gateway runs, as vLLM's "
+        "--trust-request-chat-template).",
     )
     gateway_id: str = Field(
         default_factory=partial(default_id, "gateway"), description="This gateway's id in subjects (a-z0-9_-)."
