@@ -92,9 +92,9 @@ async def test_errors_take_anthropics_shape(harness: Harness):
         await client.messages.create(model=MODEL, max_tokens=0, messages=MESSAGES)
     assert bad.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                                                          "message": "max_tokens: Input should be greater than or equal to 1"}}
-    with pytest.raises(anthropic.BadRequestError, match="tools is not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="thinking is not supported"):
         await client.messages.create(model=MODEL, max_tokens=8, messages=MESSAGES,
-                                     tools=[{"name": "f", "input_schema": {"type": "object"}}])
+                                     thinking={"type": "enabled", "budget_tokens": 1024})
     with pytest.raises(anthropic.BadRequestError, match="image"):
         await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
