@@ -71,27 +71,14 @@ class LeastLoadedPolicy:
         self, request: RouteRequest, members: Sequence[Member], in_flight: Mapping[str, int]
     ) -> RouteDecision:
         """The least-loaded pair for `request`, or OVERLOADED when no decode worker can take it."""
-        usable = [m for m in members if not m.draining and not is_saturated(m) and serves_model(m, request)]
+        usable = usable_workers(request, members)
         decode = self.least_loaded([m for m in usable if m.can_decode], in_flight)
         if decode is None:
-            return RouteDecision(
-                request_id=request.request_id,
-                status=RouteStatus.OVERLOADED,
-                retry_after_s=self.retry_after_s,
-                scheduler_id=self.scheduler_id,
-            )
+            return overloaded(request, self.scheduler_id, self.retry_after_s)
         prefill = self.least_loaded(
             [m for m in usable if m.can_prefill and m.layout_id == decode.layout_id], in_flight
         )
-        skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
-        return RouteDecision(
-            request_id=request.request_id,
-            status=RouteStatus.ACCEPTED,
-            prefill_worker_id=None if skip_prefill else prefill.worker_id,
-            decode_worker_id=decode.worker_id,
-            expected_cached_tokens=0,
-            scheduler_id=self.scheduler_id,
-        )
+        return accepted(request, self.scheduler_id, decode, prefill)
 
     def least_loaded(self, candidates: Sequence[Member], in_flight: Mapping[str, int]) -> Member | None:
         """The candidate with the least load, then the fewest running, then a random one; None if empty."""
@@ -109,6 +96,21 @@ def overloaded(request: RouteRequest, scheduler_id: str, retry_after_s: float) -
         request_id=request.request_id,
         status=RouteStatus.OVERLOADED,
         retry_after_s=retry_after_s,
+        scheduler_id=scheduler_id,
+    )
+
+
+def accepted(
+    request: RouteRequest, scheduler_id: str, decode: Member, prefill: Member | None, expected_cached_tokens: int = 0
+) -> RouteDecision:
+    """The ACCEPTED answer; no separate prefill when there is none or it is the decode worker itself."""
+    skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
+    return RouteDecision(
+        request_id=request.request_id,
+        status=RouteStatus.ACCEPTED,
+        prefill_worker_id=None if skip_prefill else prefill.worker_id,
+        decode_worker_id=decode.worker_id,
+        expected_cached_tokens=expected_cached_tokens,
         scheduler_id=scheduler_id,
     )
 
@@ -136,14 +138,7 @@ class RoundRobinPolicy:
         if decode is None:
             return overloaded(request, self.scheduler_id, self.retry_after_s)
         prefill = self._next("prefill", [m for m in usable if m.can_prefill and m.layout_id == decode.layout_id])
-        skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
-        return RouteDecision(
-            request_id=request.request_id,
-            status=RouteStatus.ACCEPTED,
-            prefill_worker_id=None if skip_prefill else prefill.worker_id,
-            decode_worker_id=decode.worker_id,
-            scheduler_id=self.scheduler_id,
-        )
+        return accepted(request, self.scheduler_id, decode, prefill)
 
     def _next(self, side: str, candidates: Sequence[Member]) -> Member | None:
         if not candidates:

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.membership import Member
-from deepinfer.protocol import RouteDecision, RouteRequest, RouteStatus
+from deepinfer.protocol import RouteDecision, RouteRequest
 from services.scheduler.kv_index import KvIndex, PrefixMatch
-from services.scheduler.policy import DEFAULT_RETRY_AFTER_S, overloaded, usable_workers, worker_load
+from services.scheduler.policy import DEFAULT_RETRY_AFTER_S, accepted, overloaded, usable_workers, worker_load
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,8 @@ class PrefixPolicy:
         computing = decode if prefill is None else prefill
         block_size = computing.member.block_size
         self.index.touch(computing.member.worker_id, request.block_hashes[: computing.match.num_blocks])
-        return RouteDecision(
-            request_id=request.request_id,
-            status=RouteStatus.ACCEPTED,
-            prefill_worker_id=None if prefill is None else prefill.member.worker_id,
-            decode_worker_id=decode.member.worker_id,
-            expected_cached_tokens=min(computing.match.num_blocks * block_size, request.num_prompt_tokens),
-            scheduler_id=self.scheduler_id,
-        )
+        return accepted(request, self.scheduler_id, decode.member, None if prefill is None else prefill.member,
+                        min(computing.match.num_blocks * block_size, request.num_prompt_tokens))
 
     def score(
         self, request: RouteRequest, candidates: Sequence[Member], in_flight: Mapping[str, int]
