@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint lint-deploy unit demo bench-offline clean
+.PHONY: venv test lint lint-deploy unit demo bench-offline fuzz clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,11 @@ demo: venv
 
 bench-offline: venv
 	$(PY) bench/offline.py
+
+# schemathesis against the gateway's /openapi.json, longer than CI's 50 examples per operation.
+FUZZ_EXAMPLES ?= 1000
+fuzz: venv
+	$(PY) -m tests.fuzz.gateway --max-examples $(FUZZ_EXAMPLES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -52,6 +52,7 @@ from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
+from deepinfer.worker.store_tier import cached_tokens_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,10 @@ class DecodeHandler:
     def not_ready_reason(self) -> str:
         """Why not ready."""
         return self.runtime.not_ready_reason()
+
+    def unhealthy_reason(self) -> str:
+        """Why /health fails ("" when healthy): the engine failed or a step is stuck."""
+        return self.runtime.unhealthy_reason()
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests; finish the running batch and publish its last tokens, within grace_s. Past it,
@@ -209,9 +214,8 @@ class DecodeHandler:
             if admitted:
                 return "pulled"
         # No handle, a failed pull, or no free blocks right now: compute the prompt here (it waits its turn).
-        await engine.call(lambda core: core.add_request(
-            request.request_id, request.prompt_token_ids, params, request.cache_salt,
-            output_token_ids=request.output_token_ids))
+        await self.runtime.add_request(request.request_id, request.prompt_token_ids, params, request.cache_salt,
+                                       request.output_token_ids)
         return "recomputed" if request.kv_handle is not None else "local"
 
     async def _admit_on_device(self, request: DecodeRequest, params: SamplingParams) -> str | None:
@@ -277,6 +281,7 @@ class DecodeHandler:
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
                 finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
+                cached_tokens_by_tier=None if stream.sent_first else cached_tokens_by_tier(output),
                 num_previous_tokens=stream.num_tokens,
             )
             stream.sent_first = True

@@ -2,35 +2,40 @@
 
     POST /v1/chat/completions, POST /v1/completions   stream (SSE) or not; one presenter per API shape
     GET  /v1/models, GET /v1/models/{model}
+    POST /v1/messages                                  Anthropic's Messages API (x-api-key), the same pipeline
+    POST /tokenize, POST /detokenize                   vLLM's shapes
+    GET  /openapi.json                                 from the typed request models (services/gateway/openapi.py)
     GET  /health (200 when serving, else 503), GET /version: on the API port, no API key (as vLLM, SGLang)
 
-Every error is OpenAI's error object with its status; /ready and /metrics live on the internal port.
+Every error is OpenAI's error object with its status (Anthropic's on /v1/messages); /ready and /metrics live on
+the internal port.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Send
 
 import deepinfer
 from deepinfer.config import GatewaySettings
 from deepinfer.protocol import ErrorCode
 from deepinfer.telemetry import request_context
 from deepinfer.telemetry.hops import Hops
+from services.gateway.anthropic import MESSAGES, anthropic_error_response
+from services.gateway.auth import KeyRing, cache_salt
 from services.gateway.errors import (
     ApiError,
     bad_request,
@@ -38,21 +43,22 @@ from services.gateway.errors import (
     model_not_found,
     overloaded,
     too_large,
-    unauthorized,
 )
 from services.gateway.generation import Generation, collect, start_choices, stream_events
+from services.gateway.limits import RateLimits
 from services.gateway.metrics import GatewayMetrics, RequestRecord
+from services.gateway.middleware import ApiKeyMiddleware, RequestIdMiddleware, is_anthropic_path
 from services.gateway.openai_models import ModelCard, ModelList
+from services.gateway.openapi import openapi_document
 from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
-from services.gateway.recipe import ModelInfo, cache_salt_for, check_model, sampling_params, split_choices
+from services.gateway.recipe import ModelInfo, check_model, sampling_params, split_choices
+from services.gateway.tokenizer_routes import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: Routes answered without an API key: load balancers and benchmark tools probe them.
-_OPEN_PATHS = frozenset({"/health", "/version"})
 
 
 @dataclass
@@ -65,6 +71,11 @@ class ApiState:
     settings: GatewaySettings
     hops: Hops
     accepting: bool = True
+    #: Per-key requests and tokens per minute (from the settings).
+    limits: RateLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limits = RateLimits(self.settings.requests_per_minute, self.settings.tokens_per_minute)
 
     def not_ready_reason(self) -> str:
         """Why requests cannot be served now ("" when they can). A decode worker is enough: without a prefill
@@ -90,30 +101,6 @@ class SseResponse(StreamingResponse):
                 await aclose()
 
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route when keys are configured; the key rides in scope state."""
-
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
-        self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """401 unless the bearer token is one of the keys (compared in constant time); probes pass freely."""
-        if scope["type"] != "http" or not self.api_keys or scope["path"] in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        token = token.strip()
-        ok = scheme.lower() == "bearer" and token != ""
-        ok = ok and any([hmac.compare_digest(token.encode(), key) for key in self.api_keys])
-        if not ok:
-            message = "Incorrect API key provided" if token else "Missing API key (Authorization: Bearer ...)"
-            await unauthorized(message).response()(scope, receive, send)
-            return
-        scope.setdefault("state", {})["api_key"] = token
-        await self.app(scope, receive, send)
-
-
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object: 413 over `max_bytes` (checked while reading), 400 if not JSON."""
     declared = request.headers.get("content-length")
@@ -125,8 +112,10 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         if len(body) > max_bytes:
             raise too_large(max_bytes)
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # pydantic's JSON parser: nesting deeper than 200 levels and lone surrogates (which no tokenizer can encode)
+        # are parse errors here, not a RecursionError or UnicodeEncodeError later on.
+        data = pydantic_core.from_json(bytes(body), allow_inf_nan=False)
+    except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
@@ -138,6 +127,7 @@ class Routes:
 
     def __init__(self, state: ApiState) -> None:
         self.state = state
+        self._openapi: dict[str, Any] | None = None
 
     async def health(self) -> Response:
         """GET /health: 200 while requests can be served, else 503 saying why."""
@@ -164,6 +154,32 @@ class Routes:
         model = self.state.model
         return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len)
 
+    async def openapi(self, request: Request) -> Response:
+        """GET /openapi.json: built once, from the typed request and response models."""
+        if self._openapi is None:
+            self._openapi = openapi_document(request.app, self.state.model)
+        return JSONResponse(self._openapi)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's shape)."""
+        return await self._tokenizer_route(request, lambda data: tokenize(self.state.model, self.state.settings, data))
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's shape)."""
+        return await self._tokenizer_route(request, lambda data: detokenize(self.state.model, data))
+
+    async def _tokenizer_route(
+        self, request: Request, handle: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        try:
+            data = await read_json(request, int(self.state.settings.max_request_bytes))
+            return JSONResponse(await handle(data))
+        except ApiError as exc:
+            return exc.response()
+        except Exception:
+            logger.exception("tokenizer route failed")
+            return internal(uuid.uuid4().hex).response()
+
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         return await self._serve(request, CHAT)
@@ -172,43 +188,50 @@ class Routes:
         """POST /v1/completions."""
         return await self._serve(request, COMPLETIONS)
 
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic's Messages API)."""
+        return await self._serve(request, MESSAGES)
+
     async def _serve(self, request: Request, presenter: Presenter) -> Response:
         """receive → start every choice on the workers → stream or collect, in the presenter's shape."""
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
-        request_id = f"{presenter.id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{presenter.id_prefix}{uuid.uuid4().hex}"
+        attributes = {"request_id": request_id, "route": presenter.route}
+        client_request_id = getattr(request.state, "client_request_id", None)
+        if client_request_id is not None:
+            attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
-        span = self.state.hops.tracer.start_span(
-            "gateway.request", kind=SpanKind.SERVER, attributes={"request_id": request_id, "route": presenter.route}
-        )
+        span = self.state.hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
         record = self.state.metrics.begin(presenter.route, span)
+        headers = {"x-request-id": request_id}  # the client's own replaces it (RequestIdMiddleware)
         with request_context(request_id), trace.use_span(span, end_on_exit=False):
             try:
-                stream, generation = await self._start(request, presenter, request_id, record, deadline_s)
+                stream, generation = await self._start(request, presenter, request_id, record, deadline_s, headers)
             except ApiError as exc:
                 record.end(exc.status_code)
-                return exc.response()
+                return _with_headers(presenter.error_response(exc), headers)
             except Exception:
                 logger.exception("request failed before generation")
                 record.end(500)
-                return internal(request_id).response()
+                return _with_headers(presenter.error_response(internal(request_id)), headers)
             if stream:
                 return SseResponse(
                     stream_events(generation),
                     media_type="text/event-stream",
-                    headers=_SSE_HEADERS,
+                    headers={**_SSE_HEADERS, **headers},
                 )
-            return await self._collect(generation)
+            return _with_headers(await self._collect(generation, presenter), headers)
 
-    async def _collect(self, generation: Generation) -> Response:
+    async def _collect(self, generation: Generation, presenter: Presenter) -> Response:
         try:
             body = await collect(generation)
         except ApiError as exc:
             generation.end(exc.status_code)
-            return exc.response()
+            return presenter.error_response(exc)
         except Exception:
             logger.exception("request failed during generation")
             generation.end(500)
-            return internal(generation.response_id).response()
+            return presenter.error_response(internal(generation.response_id))
         if body is None:
             generation.end(499)  # client closed the connection; the workers got a Cancel
             return Response(status_code=499)
@@ -216,15 +239,21 @@ class Routes:
         return JSONResponse(body)
 
     async def _start(
-        self, request: Request, presenter: Presenter, request_id: str, record: RequestRecord, deadline_s: float
+        self, request: Request, presenter: Presenter, request_id: str, record: RequestRecord, deadline_s: float,
+        headers: dict[str, str],
     ) -> tuple[bool, Generation]:
-        """Validate → recipe → start every choice on the workers; the Generation streams the rest."""
+        """Validate → recipe → rate limits → start every choice on the workers; the Generation streams the rest.
+        `headers` gets the response's x-ratelimit-* headers."""
         state = self.state
         if not state.accepting:
             raise overloaded("the server is shutting down", state.settings.retry_after_s)
+        tenant = getattr(request.state, "tenant", None)
+        if state.limits:
+            state.limits.check_requests(tenant or "")  # before the body is read: a flood costs nothing more
         data = await read_json(request, int(state.settings.max_request_bytes))
         body = presenter.parse(data)
         check_model(state.model, body.model)
+        presenter.check(state.model, body, state.settings)
         with state.hops.span("tokenize"):
             prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
         logprobs = presenter.logprobs(body)
@@ -235,7 +264,9 @@ class Routes:
                 rules = await asyncio.to_thread(presenter.output_rules, state.model, body)
         if rules is not None:
             sampling = rules.apply(sampling)
-        salt = cache_salt_for(getattr(request.state, "api_key", None), body)
+        if state.limits:
+            headers.update(state.limits.admit(tenant or "", len(prompt_token_ids) + (sampling.max_tokens or 0)))
+        salt = cache_salt(tenant, body.cache_salt)
         requests = split_choices(
             request_id, prompt_token_ids, sampling, salt, body.n, deadline_s, request.is_disconnected
         )
@@ -265,14 +296,24 @@ class Routes:
         return body.stream, generation
 
 
-def _http_error(_: Request, exc: Exception) -> Response:
-    """Starlette's own HTTP errors (unknown route, wrong method) in OpenAI's shape, their status kept."""
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    """`response` with `headers` added (those it set itself, e.g. a 429's x-ratelimit-*, win)."""
+    for name, value in headers.items():
+        if name not in response.headers:
+            response.headers[name] = value
+    return response
+
+
+def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (unknown route, wrong method) in the route's API shape, their status kept."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
-        return ApiError(ErrorCode.NOT_FOUND, "Unknown route").response()
-    error = bad_request(str(exc.detail))
-    error.status_code = exc.status_code
-    return error.response()
+        error = ApiError(ErrorCode.NOT_FOUND, "Unknown route")
+    else:
+        error = bad_request(str(exc.detail))
+        error.status_code = exc.status_code
+    response = anthropic_error_response(error) if is_anthropic_path(request.url.path) else error.response()
+    return _with_headers(response, dict(exc.headers or {}))  # a 405's Allow
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -286,6 +327,11 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"])
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    app.add_api_route("/openapi.json", routes.openapi, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(ApiKeyMiddleware, api_keys=state.settings.api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(state.settings))
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries x-request-id too
     return app

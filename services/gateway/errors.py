@@ -28,13 +28,15 @@ class HttpError:
     retryable: bool = False
 
 
-#: The one table from error codes to what the client sees (503s carry Retry-After; OpenAI's SDKs retry them).
+#: The one table from error codes to what the client sees (429s and 503s carry Retry-After; OpenAI's SDKs retry
+#: them).
 HTTP_ERRORS: dict[ErrorCode, HttpError] = {
     ErrorCode.BAD_REQUEST: HttpError(400, "invalid_request_error", None),
     ErrorCode.CONTEXT_LENGTH: HttpError(400, "invalid_request_error", "context_length_exceeded"),
     ErrorCode.UNAUTHORIZED: HttpError(401, "invalid_request_error", "invalid_api_key"),
     ErrorCode.NOT_FOUND: HttpError(404, "invalid_request_error", "not_found"),
     ErrorCode.PAYLOAD_TOO_LARGE: HttpError(413, "invalid_request_error", "request_too_large"),
+    ErrorCode.RATE_LIMITED: HttpError(429, "requests", "rate_limit_exceeded", retryable=True),
     ErrorCode.CANCELLED: HttpError(499, "invalid_request_error", "cancelled"),
     ErrorCode.INTERNAL: HttpError(500, "server_error", "internal_error"),
     ErrorCode.WORKER_LOST: HttpError(502, "server_error", "upstream_error"),
@@ -54,7 +56,9 @@ class ApiError(Exception):
         param: str | None = None,
         *,
         code: str | None = None,
+        error_type: str | None = None,
         retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         http = HTTP_ERRORS[error_code]
@@ -62,20 +66,23 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.status_code = http.status_code
-        self.type = http.type
+        #: OpenAI's finer type where one code has several (a 429's "requests" or "tokens").
+        self.type = error_type or http.type
         #: OpenAI's finer code when the table's is too coarse (e.g. model_not_found for a NOT_FOUND).
         self.code = code or http.code
         self.retry_after_s = retry_after_s if http.retryable else None
+        #: More headers of the response (a 429's x-ratelimit-*).
+        self.extra_headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        """Retry-After (whole seconds, at least 1) on retryable errors."""
+        """Retry-After (whole seconds, at least 1) on retryable errors, and any extra headers."""
         if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+            return dict(self.extra_headers)
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def response(self) -> JSONResponse:
         """A JSONResponse carrying the error object, its status and headers."""
@@ -142,8 +149,10 @@ def internal(request_id: str) -> ApiError:
 
 
 def from_validation_error(exc: ValidationError) -> ApiError:
-    """400 for the first invalid field of a request body, `param` = its dotted path."""
-    first = exc.errors()[0]
+    """400 for the first invalid field of a request body, `param` = its dotted path. Of a union's errors, one saying
+    more than "wrong type" (the branches the value was never meant for) is preferred."""
+    errors = exc.errors()
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
     message = str(first["msg"])
     if param:
@@ -153,4 +162,6 @@ def from_validation_error(exc: ValidationError) -> ApiError:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the union member's type name ("str", "list[int]") in the loc of union errors.
-    return isinstance(part, str) and (part in {"str", "int", "list", "function-after"} or "[" in part)
+    return isinstance(part, str) and (
+        part in {"str", "int", "list", "function-after"} or "[" in part or part.startswith("constrained-")
+    )

@@ -61,7 +61,10 @@ class Generation:
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.outputs[0].num_cached_tokens or 0),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=self.outputs[0].num_cached_tokens or 0,
+                cached_tokens_by_tier=self.outputs[0].cached_tokens_by_tier or {},
+            ),
         )
 
     def end(self, status: int) -> None:

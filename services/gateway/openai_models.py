@@ -5,32 +5,52 @@ Requests are validated here, before anything reaches a worker: a bad field is a 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 #: Most choices one request may ask for (each runs as its own request on the workers).
 MAX_N = 16
 #: Most alternatives per position (OpenAI's limit for chat).
 MAX_TOP_LOGPROBS = 20
+#: Most tools one request may offer.
+MAX_TOOLS = 128
+#: Most stop strings, and the longest one (every generated token is checked against them).
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
+#: Most entries of logit_bias and of stop_token_ids.
+MAX_TOKEN_ID_ENTRIES = 1024
+#: Longest cache_salt (it is hashed into every block's identity; 1 KiB is ample for any tenant scheme).
+MAX_CACHE_SALT_CHARS = 1024
+_MAX_TOKEN_ID_DIGITS = 20
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI's API does for forward compatibility.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI's API does for forward compatibility; types are strict, as OpenAI's
+    # are ("stream": "yes" and "max_tokens": true are 400s, not coerced).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Body):
-    """One `{"type": "text", "text": ...}` part of a message's content."""
+    """One `{"type": "text", "text": ...}` part of a message's content (a text model reads no other part)."""
 
     type: str
     text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, part_type: str) -> str:
+        if part_type != "text":
+            raise ValueError(f"content parts of type {part_type[:40]!r} are not supported: this model reads text")
+        return part_type
 
 
 class ChatMessage(BaseModel):
     """A chat message; extra keys (tool_calls, tool_call_id, ...) pass through to the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
@@ -109,11 +129,11 @@ class SamplingFields(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -124,18 +144,20 @@ class SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
-    @model_validator(mode="after")
-    def _check_logit_bias(self) -> SamplingFields:
-        for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (logit_bias or {}).items():
+            # a token id is a short run of digits (a 5,000-digit key is not parsed as an int at all)
+            if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
-        return self
+        return logit_bias
 
     @property
     def stop_list(self) -> list[str]:
@@ -153,17 +175,26 @@ class SamplingFields(_Body):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    #: OpenAI fields this server cannot honour: a 400 naming the field, never a silent drop.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "audio", "prediction", "web_search_options", "functions", "function_call",
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: A template of the request's own (vLLM's field): refused unless trust_request_chat_template is set.
+    chat_template: str | None = None
+    #: Output modalities: text only ("audio" is a 400).
+    modalities: list[Literal["text"]] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -180,7 +211,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions (one prompt: a string or a list of token ids)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    #: One prompt: a string, token ids, or a list holding one of those (batches are refused).
+    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[list[int]], Field(min_length=1, max_length=1)
+    ]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -197,6 +231,8 @@ class PromptTokensDetails(BaseModel):
     """`usage.prompt_tokens_details`: how many prompt tokens came from the KV cache."""
 
     cached_tokens: int = 0
+    #: Ours (the SDKs ignore it): where cached_tokens came from, e.g. {"device": 16, "store": 512}.
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
 
 
 class Usage(BaseModel):

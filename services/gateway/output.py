@@ -39,6 +39,7 @@ class ChoiceOutput:
         self.logprobs: list[TokenLogprobs] = []
         self.num_output_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.cached_tokens_by_tier: dict[str, int] | None = None
         self.finish_reason: str | None = None
 
     def add(self, chunk: TokenChunk) -> ChoiceDelta:
@@ -47,6 +48,7 @@ class ChoiceOutput:
             return ChoiceDelta(self.index, "", finish_reason=self.finish_reason)
         if chunk.num_cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = chunk.num_cached_tokens
+            self.cached_tokens_by_tier = chunk.cached_tokens_by_tier
         self.num_output_tokens += len(chunk.token_ids)
         if self.checker is not None:
             self._check_grammar(chunk)

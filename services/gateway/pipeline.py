@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from deepinfer import subjects
-from deepinfer.bus import BusError, MessageBus, NoResponders
+from deepinfer.bus import BusError, BusTimeout, MessageBus, NoResponders, PayloadTooLarge
 from deepinfer.config import GatewaySettings
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.membership import Membership
@@ -32,6 +32,7 @@ from deepinfer.protocol import (
     DecodeAccepted,
     DecodeRequest,
     DecodeStatus,
+    ErrorCode,
     KvHandle,
     Message,
     PrefillRequest,
@@ -48,6 +49,10 @@ from services.gateway.running import REISSUE_CODES, RunningRequest, attempt_id
 from services.gateway.streams import RequestStream, TokenStreams
 
 M = TypeVar("M", bound=Message)
+
+#: Route requests per request: a scheduler replica killed while holding one leaves it unanswered; the queue
+#: group gives the retry to a live replica (each attempt waits route_timeout_s at most).
+ROUTE_ATTEMPTS = 2
 
 
 class RequestPipeline:
@@ -186,15 +191,24 @@ class RequestPipeline:
             model_fingerprint=fingerprint,
             exclude_worker_ids=exclude or [],
         )
-        timeout_s = self._hop_timeout_s(request, self.settings.route_timeout_s)
         retry_after_s = self.settings.retry_after_s
-        try:
-            decision = await self.bus.request(subjects.route(self.model), route_request, RouteDecision, timeout_s)
-        except NoResponders:
-            raise overloaded("no scheduler is available", retry_after_s) from None
-        except BusError as exc:
-            self._check_deadline(request)
-            raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+        for attempt in range(ROUTE_ATTEMPTS):
+            timeout_s = self._hop_timeout_s(request, self.settings.route_timeout_s)
+            try:
+                decision = await self.bus.request(subjects.route(self.model), route_request, RouteDecision, timeout_s)
+                break
+            except PayloadTooLarge as exc:
+                raise _too_large_to_forward(exc) from None
+            except NoResponders:
+                raise overloaded("no scheduler is available", retry_after_s) from None
+            except BusTimeout as exc:  # the replica that got it may have died: another one answers the retry
+                if attempt + 1 < ROUTE_ATTEMPTS:
+                    continue
+                self._check_deadline(request)
+                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+            except BusError as exc:
+                self._check_deadline(request)
+                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
         if decision.status is RouteStatus.OVERLOADED:
             raise overloaded("the server is overloaded", decision.retry_after_s or retry_after_s)
         if decision.decode_worker_id is None:
@@ -274,6 +288,8 @@ class RequestPipeline:
                     raise client_gone()  # the caller's Cancel reaches the worker: a long prefill stops
                 if self.membership.is_alive(worker_id) is False:
                     raise overloaded(f"worker {worker_id} stopped answering", retry_after_s)
+        except PayloadTooLarge as exc:
+            raise _too_large_to_forward(exc) from None
         except NoResponders:
             raise overloaded(f"worker {worker_id} is gone", retry_after_s) from None
         except BusError as exc:
@@ -296,3 +312,11 @@ class RequestPipeline:
         """Publish Cancel in the background (safe from a cancelled task or a closing generator)."""
         cancel = Cancel(request_id=request_id, reason=reason)
         self.tasks.spawn(self.bus.publish(subjects.cancel(self.model), cancel), name=f"cancel-{request_id}")
+
+
+def _too_large_to_forward(exc: PayloadTooLarge) -> ApiError:
+    """413 for a request whose message to the workers would not fit the bus (no subject named: internal)."""
+    return ApiError(
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        f"the request is too large to forward to the workers ({exc.size_bytes} bytes, over {exc.max_bytes})",
+    )

@@ -15,8 +15,10 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
 
-from services.gateway.errors import ApiError, from_validation_error
+from deepinfer.config import GatewaySettings
+from services.gateway.errors import ApiError, bad_request, from_validation_error
 from services.gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -32,7 +34,12 @@ from services.gateway.openai_models import (
     ToolCallDelta,
 )
 from services.gateway.output import ChoiceDelta, ChoiceOutput, chat_logprobs, completion_logprobs
-from services.gateway.recipe import ModelInfo, chat_prompt_token_ids, completion_prompt_token_ids
+from services.gateway.recipe import (
+    ModelInfo,
+    chat_prompt_token_ids,
+    check_request_template,
+    completion_prompt_token_ids,
+)
 from services.gateway.structured import OutputRules, output_rules
 from services.gateway.tool_calls import ToolCallBuffer
 
@@ -106,18 +113,29 @@ class Presenter(ABC):
 
     #: Metrics label of the route.
     route: str
-    #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-).
+    #: Prefix of response ids (OpenAI: chatcmpl-, cmpl-; Anthropic: msg_).
     id_prefix: str
     body_type: type[SamplingFields]
     #: The non-streamed response object.
     response_type: type[BaseModel]
 
     def parse(self, data: dict[str, Any]) -> Any:
-        """The validated body; 400 naming the first bad field."""
+        """The validated body; 400 naming the first bad field, or a field this server does not support."""
+        for name in getattr(self.body_type, "UNSUPPORTED", ()):
+            if data.get(name) is not None:
+                raise bad_request(f"{name} is not supported by this server", param=name)
         try:
             return self.body_type.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+
+    def error_response(self, exc: ApiError) -> Response:
+        """An error in this API's shape (OpenAI's error object)."""
+        return exc.response()
+
+    def check(self, model: ModelInfo, body: Any, settings: GatewaySettings) -> None:
+        """400 for what this deployment refuses of a valid body (none by default)."""
+        return None
 
     @abstractmethod
     def prompt_token_ids(self, model: ModelInfo, body: Any) -> list[int]:
@@ -160,9 +178,13 @@ class ChatPresenter(Presenter):
     """OpenAI chat completions: `chat.completion` bodies and `chat.completion.chunk` events."""
 
     route = "chat"
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
     body_type = ChatCompletionRequest
     response_type = ChatCompletionResponse
+
+    def check(self, model: ModelInfo, body: ChatCompletionRequest, settings: GatewaySettings) -> None:
+        """A template sent in the request runs only where the operator trusts request templates."""
+        check_request_template(model, body, settings.trust_request_chat_template)
 
     def prompt_token_ids(self, model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
         """The conversation through the model's chat template."""
@@ -267,7 +289,7 @@ class CompletionsPresenter(Presenter):
     """OpenAI (legacy) completions: `text_completion` bodies and events."""
 
     route = "completions"
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
     body_type = CompletionRequest
     response_type = CompletionResponse
 

@@ -6,21 +6,26 @@ field, so a bad request never reaches a worker.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from deepinfer.protocol import SamplingParams
+from deepinfer.sampling.params import SamplingParamError, check_vocab
+from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
-from services.gateway.errors import bad_request, context_length, model_not_found
+from services.gateway.errors import bad_request, context_length, from_validation_error, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.tool_calls import template_messages
+from services.gateway.vllm_models import TokenizeChatRequest
 
 # config.json keys that give a model's context length, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -34,16 +39,21 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int | None
     created: int
+    #: The model's vocabulary size (config.json, as the workers read it; else the tokenizer's).
+    vocab_size: int
 
     @classmethod
     def from_dir(cls, model_dir: Path, served_model_name: str, max_model_len: int | None = None) -> ModelInfo:
         """Load the tokenizer and context length from a Hugging Face model directory."""
         tokenizer = Tokenizer.from_dir(model_dir)
+        config_path = Path(model_dir) / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         if max_model_len is None:
-            config_path = Path(model_dir) / "config.json"
-            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
             max_model_len = next((int(config[k]) for k in _CONTEXT_KEYS if isinstance(config.get(k), int)), None)
-        return cls(served_model_name, tokenizer, max_model_len, int(time.time()))
+        vocab_size = config.get("vocab_size")
+        if not isinstance(vocab_size, int):
+            vocab_size = tokenizer.vocab_size
+        return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size)
 
     @cached_property
     def grammars(self) -> Grammars:
@@ -71,29 +81,53 @@ def check_model(model: ModelInfo, name: str) -> None:
         raise model_not_found(name)
 
 
-def cache_salt_for(api_key: str | None, body: SamplingFields) -> str:
-    """The tenant's salt: the body's cache_salt, else sha256(API key) hex, else "" without auth."""
-    if body.cache_salt is not None:
-        return body.cache_salt
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest() if api_key else ""
+#: A body with a conversation for the chat template: a chat completion or a /tokenize of messages.
+ChatBody = ChatCompletionRequest | TokenizeChatRequest
 
 
-def chat_prompt_token_ids(model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it (template errors are 400)."""
+def _template_kwargs(body: ChatBody) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.chat_template is not None:
+        kwargs["chat_template"] = body.chat_template
+    return kwargs
+
+
+def check_request_template(model: ModelInfo, body: ChatBody, trusted: bool) -> None:
+    """400 for a chat template sent in the request (its source is code the gateway would run) unless the operator
+    trusts request templates, as vLLM's --trust-request-chat-template; naming one of the model's own is fine."""
+    template = _template_kwargs(body).get("chat_template")
+    if template is None or trusted:
+        return
+    if not isinstance(template, str) or template not in model.tokenizer.chat_templates:
+        param = "chat_template" if body.chat_template is not None else "chat_template_kwargs.chat_template"
+        raise bad_request(
+            "chat templates in requests are refused (set DEEPINFER_GATEWAY_TRUST_REQUEST_CHAT_TEMPLATE to allow "
+            f"them); this model's named templates: {sorted(model.tokenizer.chat_templates)}",
+            param=param,
+        )
+
+
+def chat_text(model: ModelInfo, body: ChatBody) -> str:
+    """The conversation rendered by the model's chat template (template errors are 400)."""
     try:
         messages, tools = template_messages(
             model.tokenizer, [message.template_dict() for message in body.messages],
             body.tool_dicts if body.tool_choice != "none" else None,
         )
-        token_ids = model.tokenizer.encode_chat(
+        return model.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             tools=tools,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **_template_kwargs(body),
         )
     except (ChatTemplateError, TypeError) as exc:  # TypeError: chat_template_kwargs clashing with our keywords
         raise bad_request(f"chat template: {exc}", param="messages") from exc
+
+
+def chat_prompt_token_ids(model: ModelInfo, body: ChatBody) -> list[int]:
+    """The rendered conversation's token ids (like transformers, the template alone places BOS)."""
+    token_ids = model.tokenizer.encode(chat_text(model, body), add_special_tokens=False)
     _check_prompt_length(model, token_ids, "messages")
     return token_ids
 
@@ -107,7 +141,7 @@ def completion_prompt_token_ids(model: ModelInfo, body: CompletionRequest) -> li
         token_ids = model.tokenizer.encode(prompt)
     elif all(isinstance(t, int) for t in prompt):
         token_ids = list(prompt)  # type: ignore[arg-type]
-        vocab_size = model.tokenizer.vocab_size
+        vocab_size = model.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
@@ -165,7 +199,14 @@ def sampling_params(
         "skip_special_tokens": body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
     }
-    return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    fields = {k: v for k, v in fields.items() if v is not None}
+    try:  # the workers' own validation, so a bad value is a 400 here rather than a refusal after routing
+        check_vocab(EngineSamplingParams(**fields), model.vocab_size)
+        return SamplingParams(**fields)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
 
 
 def split_choices(

@@ -219,4 +219,5 @@ def _first_chunk(prefill: PrefillResult) -> TokenChunk:
         logprobs=None if prefill.first_logprobs is None else [prefill.first_logprobs],
         finish_reason=prefill.finish_reason,
         num_cached_tokens=prefill.num_cached_tokens,
+        cached_tokens_by_tier=prefill.cached_tokens_by_tier or None,
     )

@@ -78,6 +78,9 @@ def merge_chunks(first: TokenChunk, then: TokenChunk) -> TokenChunk:
         logprobs=logprobs,
         finish_reason=then.finish_reason,
         num_cached_tokens=first.num_cached_tokens if first.num_cached_tokens is not None else then.num_cached_tokens,
+        cached_tokens_by_tier=(
+            first.cached_tokens_by_tier if first.num_cached_tokens is not None else then.cached_tokens_by_tier
+        ),
         error=then.error,
         num_previous_tokens=first.num_previous_tokens,
     )

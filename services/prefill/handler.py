@@ -40,6 +40,7 @@ from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
+from deepinfer.worker.store_tier import cached_tokens_by_tier
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ class PrefillHandler:
         """Why not ready."""
         return "binding data plane" if self.data_plane is None else self.runtime.not_ready_reason()
 
+    def unhealthy_reason(self) -> str:
+        """Why /health fails ("" when healthy): the engine failed or a step is stuck."""
+        return self.runtime.unhealthy_reason()
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking prefills; finish running ones and let decode workers pull leased KV (their Releases
         still arrive), then flush background work, within grace_s."""
@@ -154,8 +159,8 @@ class PrefillHandler:
         self._pending[request_id] = pending
         added_s = time.monotonic()  # the engine thread takes the command between steps: waiting starts here
         try:
-            await engine.call(lambda core: core.add_request(
-                request_id, request.prompt_token_ids, first_params, request.cache_salt, hold_blocks=True))
+            await self.runtime.add_request(request_id, request.prompt_token_ids, first_params, request.cache_salt,
+                                           hold_blocks=True)
         except ValueError as exc:
             self._pending.pop(request_id, None)
             return PrefillResult(request_id=request_id, error=error_detail(exc, "invalid request"))
@@ -186,7 +191,7 @@ class PrefillHandler:
             first_token_id=first,
             first_logprobs=_logprobs(output) if params.logprobs is not None else None,
             num_cached_tokens=output.num_cached_tokens,
-            cached_tokens_by_tier={"device": output.num_cached_tokens},
+            cached_tokens_by_tier=cached_tokens_by_tier(output),
             finish_reason=finish,
         )
         if finish is not None:

@@ -2,8 +2,11 @@
 
 Every replica counts its own decisions and those its peers publish on `decisions(model)`, so replicas do not
 herd onto the same worker between two heartbeats (ARCHITECTURE §6). A count ends when it is `ttl_s` old, or
-when a heartbeat of that worker arrives at least `settle_s` after the decision (by then the request has most
-likely reached the worker and shows in num_running/num_waiting). Clock injected; pure bookkeeping.
+when a heartbeat shows the request arrived: a heartbeat whose `num_received` (requests the worker admitted
+since it started, protocol 2.2) grew by n ends the n oldest counts of that worker (a smaller value is a
+restart: all end); from a worker without it, a heartbeat ends the counts at least `settle_s` old (by then the
+request has most likely reached the worker and shows in num_running/num_waiting). Clock injected; pure
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class InFlight:
         self.settle_s = settle_s
         self._clock = clock
         self._by_worker: dict[str, dict[str, float]] = {}
+        self._received: dict[str, int] = {}
 
     def add(self, decision: RouteDecision) -> None:
         """Count an accepted decision against its prefill and decode workers (once per request_id)."""
@@ -42,13 +46,22 @@ class InFlight:
             if worker_id is not None:
                 self._by_worker.setdefault(worker_id, {}).setdefault(decision.request_id, now_s)
 
-    def on_heartbeat(self, worker_id: str) -> None:
-        """A heartbeat of `worker_id` arrived: drop its counts older than `settle_s`."""
+    def on_heartbeat(self, worker_id: str, num_received: int | None = None) -> None:
+        """A heartbeat of `worker_id` arrived: drop the counts of the requests it shows (module docstring)."""
+        previous = self._received.get(worker_id)
+        if num_received is not None:
+            self._received[worker_id] = num_received
         entries = self._by_worker.get(worker_id)
         if not entries:
             return
-        cutoff_s = self._clock() - self.settle_s
-        for request_id in [r for r, counted_s in entries.items() if counted_s <= cutoff_s]:
+        if num_received is None or previous is None:
+            cutoff_s = self._clock() - self.settle_s
+            ended = [r for r, counted_s in entries.items() if counted_s <= cutoff_s]
+        elif num_received < previous:
+            ended = list(entries)
+        else:
+            ended = list(entries)[: num_received - previous]  # insertion order: oldest first
+        for request_id in ended:
             del entries[request_id]
         if not entries:
             del self._by_worker[worker_id]
@@ -69,6 +82,7 @@ class InFlight:
     def forget_worker(self, worker_id: str) -> None:
         """Drop every count of a worker that left."""
         self._by_worker.pop(worker_id, None)
+        self._received.pop(worker_id, None)
 
     def counts(self) -> dict[str, int]:
         """worker_id -> number of in-flight decisions (workers with none are absent)."""

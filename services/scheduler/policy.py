@@ -73,29 +73,14 @@ class LeastLoadedPolicy:
         self, request: RouteRequest, members: Sequence[Member], in_flight: Mapping[str, int]
     ) -> RouteDecision:
         """The least-loaded pair for `request`, or OVERLOADED when no decode worker can take it."""
-        usable = [m for m in members if not m.draining and not is_saturated(m) and serves_model(m, request)]
-        preferred = [m for m in usable if m.worker_id not in request.exclude_worker_ids]
-        usable = preferred if any(m.can_decode for m in preferred) else usable
+        usable = usable_workers(request, members)
         decode = self.least_loaded([m for m in usable if m.can_decode], in_flight)
         if decode is None:
-            return RouteDecision(
-                request_id=request.request_id,
-                status=RouteStatus.OVERLOADED,
-                retry_after_s=self.retry_after_s,
-                scheduler_id=self.scheduler_id,
-            )
+            return overloaded(request, self.scheduler_id, self.retry_after_s)
         prefill = self.least_loaded(
             [m for m in usable if m.can_prefill and m.layout_id == decode.layout_id], in_flight
         )
-        skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
-        return RouteDecision(
-            request_id=request.request_id,
-            status=RouteStatus.ACCEPTED,
-            prefill_worker_id=None if skip_prefill else prefill.worker_id,
-            decode_worker_id=decode.worker_id,
-            expected_cached_tokens=0,
-            scheduler_id=self.scheduler_id,
-        )
+        return accepted(request, self.scheduler_id, decode, prefill)
 
     def least_loaded(self, candidates: Sequence[Member], in_flight: Mapping[str, int]) -> Member | None:
         """The candidate with the least load, then the fewest running, then a random one; None if empty."""
@@ -105,3 +90,64 @@ class LeastLoadedPolicy:
         best = min(key for key, _ in keyed)
         tied = sorted((m for key, m in keyed if key == best), key=lambda m: m.worker_id)
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+
+def overloaded(request: RouteRequest, scheduler_id: str, retry_after_s: float) -> RouteDecision:
+    """The OVERLOADED answer: no decode worker can take the request now."""
+    return RouteDecision(
+        request_id=request.request_id,
+        status=RouteStatus.OVERLOADED,
+        retry_after_s=retry_after_s,
+        scheduler_id=scheduler_id,
+    )
+
+
+def accepted(
+    request: RouteRequest, scheduler_id: str, decode: Member, prefill: Member | None, expected_cached_tokens: int = 0
+) -> RouteDecision:
+    """The ACCEPTED answer; no separate prefill when there is none or it is the decode worker itself."""
+    skip_prefill = prefill is None or prefill.worker_id == decode.worker_id
+    return RouteDecision(
+        request_id=request.request_id,
+        status=RouteStatus.ACCEPTED,
+        prefill_worker_id=None if skip_prefill else prefill.worker_id,
+        decode_worker_id=decode.worker_id,
+        expected_cached_tokens=expected_cached_tokens,
+        scheduler_id=scheduler_id,
+    )
+
+
+def usable_workers(request: RouteRequest, members: Sequence[Member]) -> list[Member]:
+    """Members a request may go to: not draining, not saturated, serving its model; not one of the request's
+    exclude_worker_ids (a re-issued request's lost workers) while another decode worker can take it."""
+    usable = [m for m in members if not m.draining and not is_saturated(m) and serves_model(m, request)]
+    preferred = [m for m in usable if m.worker_id not in request.exclude_worker_ids]
+    return preferred if any(m.can_decode for m in preferred) else usable
+
+
+@dataclass
+class RoundRobinPolicy:
+    """Decode workers in turn, then the prefill workers of its layout in turn (worker_id order); a baseline for
+    benchmarks. The usable set and OVERLOADED are as in LeastLoadedPolicy."""
+
+    scheduler_id: str
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    _turns: dict[str, int] = field(default_factory=dict)
+
+    def pick(
+        self, request: RouteRequest, members: Sequence[Member], in_flight: Mapping[str, int]
+    ) -> RouteDecision:
+        """The next decode worker and the next prefill worker of its layout."""
+        usable = usable_workers(request, members)
+        decode = self._next("decode", [m for m in usable if m.can_decode])
+        if decode is None:
+            return overloaded(request, self.scheduler_id, self.retry_after_s)
+        prefill = self._next("prefill", [m for m in usable if m.can_prefill and m.layout_id == decode.layout_id])
+        return accepted(request, self.scheduler_id, decode, prefill)
+
+    def _next(self, side: str, candidates: Sequence[Member]) -> Member | None:
+        if not candidates:
+            return None
+        turn = self._turns.get(side, 0)
+        self._turns[side] = turn + 1
+        return candidates[turn % len(candidates)]  # members() comes sorted by worker_id

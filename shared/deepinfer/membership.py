@@ -43,6 +43,10 @@ class Member:
     draining: bool
     #: Our monotonic clock when the latest heartbeat arrived (never the worker's clock).
     last_seen_s: float
+    #: The worker's boot id (protocol 2.2; "" from older workers).
+    epoch: str = ""
+    #: Requests the worker admitted since it started (protocol 2.2; None from older workers).
+    num_received: int | None = None
 
     @classmethod
     def from_load(cls, load: WorkerLoad, now_s: float) -> Member:

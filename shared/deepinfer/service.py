@@ -240,7 +240,8 @@ class Service(Generic[S]):
         ctx = ServiceContext(self.name, self.settings, bus, registry, tracer)
         self._handler = handler = await self._build(ctx)
         stack.push_async_callback(handler.close)
-        app = internal_app(registry, self.is_ready, self.name, self.not_ready_reason)
+        app = internal_app(registry, self.is_ready, self.name, self.not_ready_reason,
+                           getattr(handler, "unhealthy_reason", None))
         internal = await serve_internal(app, common.internal_host, self.settings.internal_port)
         stack.push_async_callback(internal.stop)
         self.internal_port = ctx.internal_port = internal.port

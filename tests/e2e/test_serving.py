@@ -100,7 +100,7 @@ def test_request_timeout_is_504_or_an_error_event_and_every_worker_drops_it(stac
 
 
 def test_a_value_the_workers_refuse_is_a_400_not_a_retryable_503(client, stack):
-    # Valid for the gateway and on the wire; the engine refuses min_tokens > max_tokens (a typed BAD_REQUEST).
+    # min_tokens > max_tokens: the gateway refuses it with the workers' own validation, before routing.
     with pytest.raises(openai.BadRequestError) as failure:
         client.chat.completions.create(
             model=stack.model_name, messages=QUESTION, max_tokens=2, extra_body={"min_tokens": 5}

@@ -236,3 +236,43 @@ async def test_the_scheduler_process_serves_and_exits_zero_on_sigterm(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_the_kv_index_follows_events_resyncs_after_a_gap_and_forgets_a_lost_worker(scheduler, bus: Bus):
+    from deepinfer.protocol import KvEvent, KvEventBatch, KvEventKind, SnapshotPage, SnapshotRequest
+
+    model, handler, registry = scheduler  # worker lease 1 s
+    held = [bytes([i]) * 16 for i in range(5)]
+    cut = {"seq": 0, "hashes": held[:3]}
+    asked: list[SnapshotRequest] = []
+
+    async def on_snapshot(request: SnapshotRequest, msg) -> None:
+        asked.append(request)
+        page = cut["hashes"][request.cursor : request.cursor + 2]
+        end = request.cursor + 2
+        await bus.reply(msg, SnapshotPage(worker_id="p1", seq=cut["seq"], block_hashes=page, epoch="boot-1",
+                                          next_cursor=end if end < len(cut["hashes"]) else None, cursor=request.cursor))
+
+    sub = await bus.subscribe(subjects.snapshot(model, "p1"), on_snapshot, message_type=SnapshotRequest)
+    await bus.publish(subjects.heartbeat(model, "p1"), heartbeat(model, "p1", WorkerRole.PREFILL, epoch="boot-1"))
+    index = handler.kv_feed.index
+    await wait_until(lambda: index.num_entries == 3)
+    assert [(r.cursor, r.seq) for r in asked] == [(0, None), (2, 0)]
+
+    def batch(seq: int, *hashes: bytes) -> KvEventBatch:
+        event = KvEvent(event_kind=KvEventKind.STORED, block_hashes=list(hashes))
+        return KvEventBatch(worker_id="p1", seq=seq, events=[event], ts=time.time(), epoch="boot-1")
+
+    await bus.publish(subjects.kv_events(model, "p1"), batch(1, held[3]))
+    await wait_until(lambda: index.num_entries == 4)
+    cut.update(seq=3, hashes=held)  # batches 2 and 3 are lost on their way: the next one shows the gap
+    await bus.publish(subjects.kv_events(model, "p1"), batch(4, held[4]))
+    await wait_until(lambda: len(asked) == 5 and index.num_entries == 5)
+    assert index.num_gaps == 1
+    assert index.holders("L", held[4]) == {"p1": "device"}
+    for _ in range(3):  # p1 keeps beating while the others stay silent
+        await bus.publish(subjects.heartbeat(model, "p1"), heartbeat(model, "p1", WorkerRole.PREFILL, epoch="boot-1"))
+        await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    await wait_until(lambda: index.num_entries == 0, timeout_s=3.0)  # lease 1 s: swept with its entries
+    assert index.sync_state("p1") is None

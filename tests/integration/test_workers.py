@@ -280,3 +280,63 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
     for worker in ("prefill-t", "decode-t"):
         seqs = [b.seq for b in batches if b.worker_id == worker]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(workers, bus, tiny_dir):
+    """A KvIndex fed only by the prefill worker's events and one fed only by its paged snapshot agree."""
+    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.protocol import KvEventBatch, SnapshotPage, SnapshotRequest
+    from services.scheduler.kv_index import KvIndex
+
+    prefill, _ = workers
+    token, epoch = MODEL_TOKEN["value"], prefill.runtime.epoch
+    from_events = KvIndex()
+    from_events.observe_worker("prefill-t", "L", epoch)
+    assert from_events.begin_snapshot("prefill-t")  # an empty snapshot at seq 0: the events start at 1
+    assert from_events.apply_page(SnapshotPage(worker_id="prefill-t", seq=0, epoch=epoch))
+    assert from_events.end_snapshot("prefill-t")
+    seen: list[KvEventBatch] = []
+
+    async def on_events(batch: KvEventBatch, msg) -> None:
+        if batch.worker_id == "prefill-t":
+            seen.append(batch)
+            assert from_events.apply_batch(batch) is False  # no gap, same epoch
+
+    sub = await bus.subscribe(subjects.kv_events(token, "prefill-t"), on_events, message_type=KvEventBatch)
+    accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-snapshot")
+    assert accepted.status is DecodeStatus.ACCEPTED
+    from_pages = KvIndex()
+    from_pages.observe_worker("prefill-t", "L", epoch)
+    from_pages.begin_snapshot("prefill-t")
+    request, pages = SnapshotRequest(page_size=2), []
+    while True:
+        page = await bus.request(subjects.snapshot(token, "prefill-t"), request, SnapshotPage, timeout_s=10)
+        assert from_pages.apply_page(page)
+        pages.append(page)
+        if page.next_cursor is None:
+            break
+        request = SnapshotRequest(cursor=page.next_cursor, seq=page.seq, page_size=2)
+    assert from_pages.end_snapshot("prefill-t")
+    await asyncio.sleep(0.3)
+    await sub.unsubscribe()
+    expected = hash_blocks(PROMPT, 4, prefill.runtime.core.fingerprint, "")
+    assert len(pages) == 3 and {p.seq for p in pages} == {seen[-1].seq} and {p.epoch for p in pages} == {epoch}
+    assert [p.cursor for p in pages] == [0, 2, 4]
+    assert sorted(b for p in pages for b in p.block_hashes) == sorted(expected)
+    for block_hash in expected:
+        assert from_pages.holders("L", block_hash) == from_events.holders("L", block_hash) == {"prefill-t": "device"}
+    assert from_pages.num_entries == from_events.num_entries == len(expected)
+
+
+async def test_load_is_exported_under_the_model_server_protocol_names(workers, bus):
+    from prometheus_client import generate_latest
+
+    prefill, decode = workers
+    await decode.runtime.heartbeat()
+    text = generate_latest(decode.ctx.registry).decode()
+    stats = decode.runtime.stats
+    usage = 1 - stats.num_free_blocks / stats.num_total_blocks
+    assert f"vllm:num_requests_running {float(stats.num_running)}" in text
+    assert f"vllm:num_requests_waiting {float(stats.num_waiting)}" in text
+    assert f"vllm:kv_cache_usage_perc {float(usage)}" in text
+    assert f"vllm:gpu_cache_usage_perc {float(usage)}" in text

@@ -140,11 +140,12 @@ async def test_block_hashes_and_cache_salt_from_heartbeats_and_key(model_dir: Pa
     assert h.fake.route_requests[0].block_hashes == expected
     assert h.fake.route_requests[0].model_fingerprint == fingerprint
     assert h.fake.prefill_requests[0].cache_salt == salt
-    # a body cache_salt overrides the key's
+    # a body cache_salt narrows the key's: both hashed together
     await h.openai("sk-one").chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": long_text}], extra_body={"cache_salt": "tenant-b"}
     )
-    assert h.fake.route_requests[1].block_hashes == hash_blocks(prompt_ids, 16, fingerprint, "tenant-b")
+    narrowed = hashlib.sha256(f"{salt}\0tenant-b".encode()).hexdigest()
+    assert h.fake.route_requests[1].block_hashes == hash_blocks(prompt_ids, 16, fingerprint, narrowed)
     await h.fake.stop()
 
 
@@ -289,3 +290,16 @@ async def test_metrics_count_requests(harness: Harness):
     assert metrics.requests.labels("chat", "400")._value.get() == 1
     assert metrics.num_in_flight == 0
     assert metrics.output_tokens._value.get() == len(harness.fake.output_token_ids)
+
+
+@pytest.mark.parametrize("dropped", [1, 2])
+async def test_an_unanswered_route_is_asked_once_more_then_503(model_dir: Path, dropped: int):
+    h = await make_harness(model_dir, settings={"route_timeout_s": 0.1}, drop_routes=dropped)
+    response = await h.http().post("/v1/chat/completions", json=CHAT)
+    await h.fake.stop()
+    assert len(h.fake.route_requests) == 2
+    if dropped == 1:  # the retry reached a live replica
+        assert response.status_code == 200
+    else:
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert "did not answer" in response.json()["error"]["message"]

@@ -17,6 +17,7 @@ EXPECTED_STATUS = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
     ErrorCode.WORKER_LOST: 502,
@@ -38,9 +39,9 @@ def test_a_wire_error_becomes_openais_error_object(code: ErrorCode):
     assert error.status_code == EXPECTED_STATUS[code]
     body = error.body()["error"]
     assert body["message"] == "decode worker d1: why" and body["code"] == HTTP_ERRORS[code].code
-    # Only capacity errors invite a retry.
-    assert ("Retry-After" in error.headers()) == (EXPECTED_STATUS[code] == 503)
-    if EXPECTED_STATUS[code] == 503:
+    # Only capacity and rate errors invite a retry.
+    assert ("Retry-After" in error.headers()) == (EXPECTED_STATUS[code] in (429, 503))
+    if EXPECTED_STATUS[code] in (429, 503):
         assert error.headers()["Retry-After"] == "3"
 
 

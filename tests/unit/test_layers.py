@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "deepinfer.tasks"),
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
      "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership", "deepinfer.structured"),
-    ("deepinfer.kvcache.store",),  # the store's storage engine: a BlockProvider with metrics, above its parent
+    ("deepinfer.kvcache.store",  # the store's storage engine: a BlockProvider with metrics, above its parent
+     "deepinfer.kvcache.client"),  # a worker's client of the store: heartbeats (bus) and the data plane
     ("deepinfer.kernels",),
     ("deepinfer.distributed",),  # tensor-parallel primitives: process group, parallel layers, shard arithmetic
     ("deepinfer.models",),
@@ -38,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 #: Subpackages that are units of their own, placed apart from their parent package: `deepinfer.kvcache` (block
 #: identity) is imported by everything, while its `store` serves the data plane and exports metrics.
-NESTED_UNITS = ("deepinfer.kvcache.store",)
+NESTED_UNITS = ("deepinfer.kvcache.store", "deepinfer.kvcache.client")
 
 Graph = Mapping[str, Iterable[str]]
 

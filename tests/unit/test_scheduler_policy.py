@@ -201,20 +201,18 @@ def test_in_flight_counts_end_by_ttl_or_by_a_later_heartbeat():
 
 
 def heartbeat(worker_id: str, role: WorkerRole, **fields) -> WorkerLoad:
-    return WorkerLoad(
-        worker_id=worker_id,
-        role=role,
-        model="m",
-        model_fingerprint=FP,
-        layout_id="L",
-        block_size=16,
-        max_num_seqs=256,
-        max_model_len=4096,
-        data_plane_address="127.0.0.1:1",
-        internal_address="127.0.0.1:2",
-        ts=0.0,
-        **fields,
-    )
+    values = {
+        "model": "m",
+        "model_fingerprint": FP,
+        "layout_id": "L",
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_model_len": 4096,
+        "data_plane_address": "127.0.0.1:1",
+        "internal_address": "127.0.0.1:2",
+        "ts": 0.0,
+    }
+    return WorkerLoad(worker_id=worker_id, role=role, **{**values, **fields})
 
 
 async def test_handler_route_loop_spreads_load_and_counts_peer_decisions():
@@ -259,3 +257,22 @@ def test_scheduler_modules_import_without_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_in_flight_counts_end_as_the_workers_admitted_count_grows():
+    clock = Clock()
+    in_flight = InFlight(ttl_s=5.0, settle_s=0.05, clock=clock)
+    in_flight.on_heartbeat("p1", num_received=7)
+    for i in range(3):
+        in_flight.add(accepted(f"r{i}", "p1", "d1"))
+    in_flight.on_heartbeat("p1", num_received=7)  # none arrived yet, however old the counts are
+    clock.now_s = 1.0
+    in_flight.on_heartbeat("p1", num_received=7)
+    assert in_flight.counts() == {"p1": 3, "d1": 3}
+    in_flight.on_heartbeat("p1", num_received=9)  # two arrived: the two oldest end
+    assert in_flight.counts() == {"p1": 1, "d1": 3}
+    in_flight.on_heartbeat("d1", num_received=0)  # first heartbeat with the count: the settle rule, this once
+    assert in_flight.counts() == {"p1": 1}
+    in_flight.add(accepted("r9", "p1", "d1"))
+    in_flight.on_heartbeat("p1", num_received=1)  # smaller: p1 restarted, its requests are gone
+    assert in_flight.counts() == {"d1": 1}

@@ -6,6 +6,11 @@ test_model_parity). TP=2 changes only the order of float32 sums, so logits agree
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -214,3 +219,21 @@ def test_llm_tp2_greedy_tokens_equal_tp1(tiny_dir, load_format):
     assert got == expected
     assert again == expected[:1]
     assert all(len(t) == 10 for t in got)
+
+
+def test_a_rank_that_dies_before_joining_fails_llm_within_seconds(tiny_dir, tmp_path):
+    # A spawned rank re-imports the main module by path; a script that is gone by then kills the rank before it
+    # joins the group. Rank 0 used to wait out the group's 600 s timeout; it must raise with the rank's exit.
+    script = tmp_path / "gone_main.py"
+    script.write_text(
+        "import os\n"
+        "os.remove(__file__)\n"
+        "from deepinfer import LLM\n"
+        f"LLM({str(tiny_dir)!r}, tensor_parallel_size=2, device='cpu', kv_cache_bytes=8 << 20, progress=False)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60
+    assert "tensor-parallel worker rank 1 exited with code 1 before joining the group" in result.stderr

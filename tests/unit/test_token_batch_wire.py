@@ -16,7 +16,8 @@ from deepinfer.protocol import (
 
 CASES = [
     {"request_id": "r0", "token_ids": [7]},
-    {"request_id": "r1", "token_ids": [1, 2, 3], "num_cached_tokens": 32, "num_previous_tokens": 5},
+    {"request_id": "r1", "token_ids": [1, 2, 3], "num_cached_tokens": 32,
+     "cached_tokens_by_tier": {"device": 16, "store": 16}, "num_previous_tokens": 5},
     {"request_id": "r2", "token_ids": [], "finish_reason": FinishReason.ABORT},
     {"request_id": "r3", "token_ids": [9], "finish_reason": FinishReason.STOP, "num_cached_tokens": 0},
     {"request_id": "r4", "token_ids": [4, 5], "finish_reason": FinishReason.LENGTH,
@@ -29,6 +30,7 @@ CASES = [
 def test_fast_encoding_equals_the_models(chunks):
     fields = [token_chunk_fields(c["request_id"], c["token_ids"], logprobs=c.get("logprobs"),
                                  finish_reason=c.get("finish_reason"), num_cached_tokens=c.get("num_cached_tokens"),
+                                 cached_tokens_by_tier=c.get("cached_tokens_by_tier"),
                                  num_previous_tokens=c.get("num_previous_tokens"))
               for c in chunks]
     models = TokenBatch(worker_id="decode-1", step=41, chunks=[TokenChunk(**c) for c in chunks])

@@ -72,9 +72,22 @@ class GatewaySettings(ServiceSettings):
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Accepted API keys, comma-separated or a JSON list; empty = no auth.",
+        description="Accepted API keys, comma-separated or a JSON list; each a plain key or `sha256:<hex digest>`; "
+        "empty (and no api_keys_file) = no auth.",
         repr=False,
         json_schema_extra={"secret": True},
+    )
+    api_keys_file: Path | None = Field(
+        None, description="A file of accepted keys, one per line: `sha256:<hex digest of the key>` (so the file "
+        "holds no key) or a plain key; `#` comments. Read at start, added to api_keys.",
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests each API key may start per minute (429 + Retry-After past it); "
+        "unset = no limit.",
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Tokens (prompt + max_tokens) each API key may ask for per minute (429 past it); "
+        "unset = no limit.",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Longest a request may take end to end; then 504 (or a stream error event)."
@@ -113,6 +126,11 @@ class GatewaySettings(ServiceSettings):
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )
+    trust_request_chat_template: bool = Field(
+        False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
+        "chat_template`); off: such a request is a 400 (a template is code the gateway runs, as vLLM's "
+        "--trust-request-chat-template).",
+    )
     gateway_id: str = Field(
         default_factory=partial(default_id, "gateway"), description="This gateway's id in subjects (a-z0-9_-)."
     )
@@ -141,6 +159,37 @@ class SchedulerSettings(ServiceSettings):
         default_factory=partial(default_id, "scheduler"), description="This replica's id (a-z0-9_-)."
     )
     worker_lease_s: float = Field(3.0, gt=0, description="A worker is dropped after this long without a heartbeat.")
+    routing_policy: Literal["prefix", "least_loaded", "round_robin"] = Field(
+        "prefix", description="prefix: cached-prefix credit against load; least_loaded; round_robin (a baseline)."
+    )
+    kv_index_max_entries: int = Field(
+        4_000_000, ge=1, description="Most (worker, block) entries in the KV index (~250 B each); past it the "
+        "worker with the most entries loses its least recently stored or credited block.",
+    )
+    host_hit_weight: float = Field(0.8, ge=0, le=1, description="Credit of a prefix block in a worker's host tier, "
+                                   "relative to one on its device.")
+    store_hit_weight: float = Field(0.5, ge=0, le=1, description="Credit of a prefix block in the kvcache store, "
+                                    "relative to one on the worker's device.")
+    load_weight: float = Field(0.5, ge=0, description="Cost of each request running, waiting or in flight on a "
+                               "worker, as a fraction of the routed prompt's tokens.")
+    kv_usage_weight: float = Field(1.0, ge=0, description="Cost of a worker's full KV pool (scaled by the fraction "
+                                   "in use), as a fraction of the routed prompt's tokens.")
+    direct_decode_min_fraction: float = Field(
+        0.9, ge=0, le=1, description="Skip the separate prefill when the decode worker already holds this fraction "
+        "of the prompt's blocks.",
+    )
+    snapshot_timeout_s: float = Field(2.0, gt=0, description="Wait for one KV snapshot page before trying again.")
+    warm_up_s: float = Field(
+        1.2, ge=0, description="At start, listen to heartbeats and page KV snapshots this long (a worker heartbeat "
+        "round) before taking route requests, so a restarted replica never routes blind.",
+    )
+    admission_queue_size: int = Field(
+        1024, ge=0, description="Route requests that may wait for a decode worker with room (then overloaded)."
+    )
+    admission_wait_s: float = Field(
+        1.0, ge=0, description="Longest a route request waits for room before the answer is overloaded (503); "
+        "keep it below the gateway's route_timeout_s. 0 = never wait.",
+    )
 
     _scheduler_id = field_validator("scheduler_id")(_check_subject_id)
 
@@ -180,6 +229,12 @@ class WorkerSettings(ServiceSettings):
     async_scheduling: bool = Field(
         False, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md)."
     )
+    engine_step_deadline_s: float = Field(
+        120.0, gt=0,
+        description="A single engine step running longer than this (a hung device or collective) makes /health "
+        "answer 503, so the supervisor or the kubelet restarts the worker; first steps compile kernels: keep it "
+        "well above them.",
+    )
     load_format: Literal["auto", "dummy"] = Field(
         "auto",
         description="auto: the checkpoint's weights; dummy: random weights from config.json alone (vLLM's name), "
@@ -190,6 +245,29 @@ class WorkerSettings(ServiceSettings):
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
+    )
+    kv_store: bool = Field(
+        True, description="Use the kvcache store (docs/kvstore.md, Workers): load stored prefixes instead of "
+        "recomputing them, write full blocks behind. Off, or with no live shard, the worker never touches it.",
+    )
+    kv_store_lookup_timeout_s: float = Field(
+        0.5, gt=0, description="Longest the store's has-lookup before admission may take (then: recompute)."
+    )
+    kv_store_load_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a load of stored blocks may take; the request then recomputes them."
+    )
+    kv_store_write_queue_blocks: int = Field(
+        4096, ge=1, description="Full blocks waiting to be written behind; past this new ones are dropped (counted)."
+    )
+    kv_store_write_batch_blocks: int = Field(
+        64, ge=1, description="Blocks exported and put to the store per write-behind round."
+    )
+    kv_store_write_generated: bool = Field(
+        False, description="Also write behind the blocks of generated tokens, not only prompt blocks (LMCache's "
+        "save_decode_cache): every 16 generated tokens then cost a device-to-host copy on the engine thread.",
+    )
+    kv_store_shard_lease_s: float = Field(
+        3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."
     )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)

@@ -124,7 +124,7 @@ class AsyncScheduler(Scheduler):
             updates.append(
                 RequestUpdate(
                     request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
-                    request.stop_reason, request.first_scheduled_time,
+                    request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
                 )
             )
         if finished:

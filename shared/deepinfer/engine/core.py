@@ -22,7 +22,7 @@ from deepinfer.kvcache.hashing import model_fingerprint
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import default_cache_dir, resolve_model
-from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
 from deepinfer.tokenizer import Tokenizer
@@ -174,10 +174,7 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
-        bias = sampling_params.logit_bias or {}
-        bad = next((t for t in bias if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        check_vocab(sampling_params, vocab_size)  # the gateway runs the same check before routing
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests now and drop every block reference they hold."""
@@ -300,6 +297,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             stop_reason=u.stop_reason,
             num_cached_tokens=u.num_cached_tokens,
             first_scheduled_time=u.first_scheduled_time,
+            num_store_cached_tokens=u.num_store_cached_tokens,
         )
         for u in updates
     ]

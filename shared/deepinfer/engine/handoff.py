@@ -103,8 +103,9 @@ def engine_stats(core: EngineCore) -> EngineStats:
     scheduler = core.scheduler
     return EngineStats(
         num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting,
+        num_waiting=scheduler.num_waiting + len(scheduler.loading),  # loading from the store: waiting too
         num_held=scheduler.num_held,
         num_free_blocks=scheduler.block_pool.num_free_blocks,
         num_total_blocks=core.kv_plan.num_blocks - 1,
+        num_added=scheduler.num_added,
     )

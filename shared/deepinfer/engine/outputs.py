@@ -29,6 +29,8 @@ class EngineOutput:
     num_cached_tokens: int
     #: time.monotonic() when the scheduler first gave the request a step (queue wait ends, compute begins).
     first_scheduled_time: float | None = None
+    #: Of num_cached_tokens, those loaded from the kvcache store.
+    num_store_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class EngineStats:
     num_held: int
     num_free_blocks: int
     num_total_blocks: int
+    #: Requests admitted since start (a monotonic count).
+    num_added: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ class RequestStatus(enum.Enum):
     """Where a request is in the scheduler."""
 
     WAITING = "waiting"
+    #: Holding blocks while their KV is loaded from the kvcache store (vLLM's WAITING_FOR_REMOTE_KVS): never
+    #: scheduled; Scheduler.finish_loading moves it to RUNNING (loaded) or WAITING (recompute).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -58,6 +61,8 @@ class Request:
         self.num_computed_tokens = 0
         #: Prompt tokens found in the prefix cache at first admission (not updated after a preemption).
         self.num_cached_tokens = 0
+        #: Of num_cached_tokens, those loaded from the kvcache store (the rest were in the device pool).
+        self.num_store_cached_tokens = 0
         self.num_preemptions = 0
         #: time.monotonic() when the scheduler first gave it a step (None while it waits): queue vs compute time.
         self.first_scheduled_time: float | None = None

@@ -14,6 +14,9 @@ cache, so resuming usually recomputes only what was evicted meanwhile.
 n > 1: add one Request per sequence with the same prompt. A sibling shares a block once the first request has
 computed it (blocks enter the prefix cache in update()); siblings admitted in the same step share nothing yet.
 
+Store loads: add_loading_request holds a request's blocks in WAITING_FOR_REMOTE_KVS (never scheduled; others run);
+finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count in max_num_seqs.
+
 The engine loop: `out = scheduler.schedule(); sampled = runner.execute(out); updates = scheduler.update(out, sampled)`.
 abort_requests() is called between steps, never between schedule() and the runner's execute().
 """
@@ -25,60 +28,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: which tokens to feed and where their KV goes."""
-
-    request_id: str
-    #: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
-    token_ids: list[int]
-    #: Tokens whose KV is already in the cache, before this step.
-    num_computed_tokens: int
-    num_new_tokens: int
-    #: is_new: the request's whole block table after this step's allocation; else only the block ids appended
-    #: since its last scheduled step (usually none), so a step costs O(new blocks), not O(context).
-    new_block_ids: list[int]
-    #: True when this step reaches the end of the known tokens, so a token is sampled (False: a prefill chunk).
-    sample: bool
-    #: The runner holds no state for this request (first step since admission, since resuming after preemption
-    #: or since a disaggregated handoff): it (re)builds the request's block-table row from new_block_ids.
-    is_new: bool
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes; the runner drops state of preempted and finished requests before running it."""
-
-    #: Decodes first, then prefill chunks of running requests, then newly admitted requests.
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    #: Requests finished (stopped, length or aborted) since the previous step.
-    finished_request_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """Result of a step for one request: tokens it gained and, when it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-    #: The stop token id that ended the request, if one did.
-    stop_reason: int | None = None
-    #: Request.first_scheduled_time (time.monotonic()), for the queue / compute split of a request's latency.
-    first_scheduled_time: float | None = None
 
 
 class _Step:
@@ -114,11 +71,16 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrival_key: dict[str, tuple[float, int]] = {}
         self._add_order = itertools.count()
+        #: Requests admitted so far (add_request, add_prefilled_request): heartbeats carry it, so a router
+        #: knows how many of the requests it sent have arrived.
+        self.num_added = 0
         self._finished_request_ids: list[str] = []
         #: Finished requests whose blocks stay referenced until release_held (prefill leases).
         self._held: dict[str, list[KVCacheBlock]] = {}
         #: Blocks of each request already sent to the runner; absent = the runner holds no row for it (is_new).
         self._num_sent_blocks: dict[str, int] = {}
+        #: Requests holding blocks while their KV loads from the store (never scheduled meanwhile).
+        self.loading: dict[str, Request] = {}
 
     @property
     def num_running(self) -> int:
@@ -130,13 +92,9 @@ class Scheduler:
         """Requests waiting for admission (new or preempted)."""
         return len(self.waiting)
 
-    def get_num_unfinished_requests(self) -> int:
-        """Running plus waiting requests."""
-        return len(self.running) + len(self.waiting)
-
     def has_unfinished_requests(self) -> bool:
-        """True while some request is running or waiting."""
-        return self.get_num_unfinished_requests() > 0
+        """True while some request is running or waiting (loading ones wait for finish_loading, not a step)."""
+        return bool(self.running or self.waiting)
 
     def has_finished_requests(self) -> bool:
         """True when finished request ids wait to be reported by the next schedule()."""
@@ -144,6 +102,11 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError when it is empty, duplicate or longer than max_model_len."""
+        self._register(request)
+        self.waiting.append(request)
+        self.num_added += 1
+
+    def _register(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} already exists")
         if request.status is not RequestStatus.WAITING:
@@ -158,7 +121,6 @@ class Scheduler:
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
         self.requests[request.request_id] = request
         self._arrival_key[request.request_id] = (request.arrival_time, next(self._add_order))
-        self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish requests as aborted and drop every block reference (cached blocks stay reusable)."""
@@ -169,6 +131,8 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.loading[request_id]
             else:
                 self.waiting.remove(request)
             request.finish(RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
@@ -230,7 +194,7 @@ class Scheduler:
             updates.append(
                 RequestUpdate(
                     request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
-                    request.stop_reason, request.first_scheduled_time,
+                    request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
                 )
             )
         if finished:
@@ -263,7 +227,7 @@ class Scheduler:
         The request's output may already hold tokens (the prefill worker's first token); they are computed
         by the next step like any decode. Call `commit_prefilled` once the blocks hold the KV.
         """
-        if not 0 < num_prefilled_tokens < request.num_tokens or len(self.running) >= self.config.max_num_seqs:
+        if not 0 < num_prefilled_tokens < request.num_tokens or self._num_seqs() >= self.config.max_num_seqs:
             return None
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
         computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
@@ -277,9 +241,55 @@ class Scheduler:
         request.num_cached_tokens = num_hit_tokens
         request.num_computed_tokens = num_prefilled_tokens
         request.status = RequestStatus.RUNNING
+        self.num_added += 1
         bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
         self._num_sent_blocks.pop(request.request_id, None)  # the runner gets the whole table at the next step
         return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]
+
+    def add_loading_request(self, request: Request, num_stored_blocks: int) -> tuple[int, list[int]] | None:
+        """Hold a new request whose first `num_stored_blocks` full blocks are in the store: device hits reused, blocks
+        allocated for the stored ones past them. (index of the first block to load, block ids to fill); None: nothing
+        to load or no room, nothing changed (queue it with add_request)."""
+        request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
+        computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
+        max_blocks = min(num_stored_blocks, (request.num_tokens - 1) // self.config.block_size)
+        num_load_blocks = max_blocks - len(computed_blocks)
+        if num_load_blocks <= 0 or self._num_seqs() >= self.config.max_num_seqs:
+            return None
+        self._register(request)
+        new = self.kv_manager.allocate_slots(request, num_load_blocks * self.config.block_size, computed_blocks)
+        if new is None:
+            del self.requests[request.request_id], self._arrival_key[request.request_id]
+            return None
+        request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = request
+        self.num_added += 1
+        return len(computed_blocks), [block.block_id for block in new]
+
+    def finish_loading(self, request_id: str, loaded: bool) -> None:
+        """`loaded`: the blocks hold the stored KV, cached now, and the request runs from its first token not loaded;
+        else the new blocks are dropped unused and it waits to be recomputed. Ignored for an aborted request."""
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return
+        if not loaded:
+            self.kv_manager.free(request)
+            request.status, request.num_cached_tokens = RequestStatus.WAITING, 0
+            key = self._arrival_key[request_id]
+            position = sum(1 for r in self.waiting if self._arrival_key[r.request_id] < key)
+            self.waiting.insert(position, request)
+            return
+        num_loaded = len(self.kv_manager.get_blocks(request)) * self.config.block_size
+        request.num_store_cached_tokens = num_loaded - request.num_cached_tokens
+        request.num_cached_tokens = request.num_computed_tokens = num_loaded
+        self.kv_manager.cache_blocks(request, num_loaded)
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = time.monotonic()
+        bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
+
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.loading)
 
     def commit_prefilled(self, request_id: str) -> None:
         """The pulled KV is in place: register the request's full prompt blocks in the prefix cache."""
@@ -336,7 +346,7 @@ class Scheduler:
         step.drop(request)
 
     def _admit_waiting(self, step: _Step) -> None:
-        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.token_budget > 0 and self._num_seqs() < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
             num_new_tokens = self._chunk_size(request, num_hit_tokens, step.token_budget)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -230,13 +231,49 @@ def _await_workers(processes: list, ready: mp.Queue, timeout_s: float) -> None:
         except queue.Empty:
             dead = [r for r in pending if not processes[r - 1].is_alive()]
             if dead:
-                raise RuntimeError(f"tensor-parallel worker rank {dead[0]} exited while loading") from None
+                raise RuntimeError(_died_message(dead[0], processes[dead[0] - 1], ready, "while loading")) from None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel workers {sorted(pending)} not ready after {timeout_s} s") from None
             continue
         if error is not None:
             raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {error}")
         pending.discard(rank)
+
+
+def _join_group_watching(spec: WorkerSpec, device: torch.device, processes: list, ready: mp.Queue):
+    """Rank 0 joins the group, which blocks until every rank has joined, while watching the spawned ranks: one
+    that dies first (it could not re-import the main module, a bad device) ends the wait within a second with
+    its exit code and error, instead of after the group's timeout. The abandoned join thread is a daemon."""
+    outcome: dict[str, object] = {}
+
+    def join() -> None:
+        try:
+            outcome["tp"] = init_tensor_parallel(
+                spec.tp_size, 0, spec.backend, spec.init_method, device=device, timeout_s=spec.timeout_s
+            )
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=join, name="deepinfer-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = [rank for rank, process in enumerate(processes, 1) if not process.is_alive()]
+        if dead and thread.is_alive():
+            raise RuntimeError(_died_message(dead[0], processes[dead[0] - 1], ready, "before joining the group"))
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["tp"]
+
+
+def _died_message(rank: int, process, ready: mp.Queue, when: str) -> str:
+    """Why rank `rank` is gone: the error it reported, else its exit code (its traceback is on stderr)."""
+    try:
+        _, error = ready.get(timeout=0.5)  # before every rank has joined, a message can only be an error
+    except queue.Empty:
+        error = None
+    detail = error or "no error reported: see its traceback above (e.g. the main module could not be re-imported)"
+    return f"tensor-parallel worker rank {rank} exited with code {process.exitcode} {when}: {detail}"
 
 
 def spawn_tensor_parallel(
@@ -254,9 +291,7 @@ def spawn_tensor_parallel(
     tp = None
     try:
         device = spec.device(0)
-        tp = init_tensor_parallel(
-            spec.tp_size, 0, spec.backend, spec.init_method, device=device, timeout_s=spec.timeout_s
-        )
+        tp = _join_group_watching(spec, device, processes, ready)
         model = load_model_shard(
             Path(spec.model_dir), spec.dtype, device, ops, tp,
             load_format=spec.load_format, dummy_seed=spec.dummy_seed, progress=progress,

@@ -24,6 +24,8 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     #: The request body is over the size limit (gateway only).
     PAYLOAD_TOO_LARGE = "payload_too_large"
+    #: Over the API key's requests or tokens per minute (gateway only): retry after the Retry-After.
+    RATE_LIMITED = "rate_limited"
     #: No capacity now (full, draining, no worker): retry later, possibly elsewhere.
     OVERLOADED = "overloaded"
     #: The KV handle's layout is not the receiver's (a routing mismatch): retry on another pair.

@@ -49,6 +49,8 @@ class KvEventBatch(Message):
     events: list[KvEvent] = Field(default_factory=list)
     #: Unix seconds on the worker's clock.
     ts: float
+    #: The worker's boot id (2.2): seq starts again at 1 in every epoch, so a restart is not a gap.
+    epoch: str = ""
 
 
 #: 32768 hashes of 16 bytes (18 with the msgpack bin header) ~ 590 KiB: keeps a page under 1 MiB.
@@ -61,6 +63,9 @@ class SnapshotRequest(Message):
     kind = "snapshot_request"
 
     cursor: NonNegativeInt = 0
+    #: With cursor > 0: the seq of the snapshot being paged (its first page's); a worker that no longer holds
+    #: that snapshot answers with a fresh one from cursor 0 (another seq), and the reader starts over.
+    seq: NonNegativeInt | None = None
     # Bounded so that a reply stays well under NATS' 1 MiB default payload limit.
     page_size: int = Field(8192, ge=1, le=MAX_SNAPSHOT_PAGE_SIZE)
 
@@ -76,3 +81,7 @@ class SnapshotPage(Message):
     block_hashes: list[BlockHash] = Field(default_factory=list)
     #: None = last page.
     next_cursor: NonNegativeInt | None = None
+    #: The worker's boot id (2.2), as in its KvEventBatch.
+    epoch: str = ""
+    #: Where cursor pointed in the snapshot (0 on a fresh one).
+    cursor: NonNegativeInt = 0

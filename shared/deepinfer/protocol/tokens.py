@@ -44,10 +44,12 @@ class TokenChunk(Message):
     finish_reason: FinishReason | None = None
     #: Set on the first chunk of a request so the gateway can report cached tokens in usage.
     num_cached_tokens: NonNegativeInt | None = None
+    #: With num_cached_tokens: where they came from, e.g. {"device": 512, "store": 1024} (added in 2.4).
+    cached_tokens_by_tier: dict[str, NonNegativeInt] | None = None
     #: Set with finish_reason ERROR: why the worker dropped the request.
     error: ErrorDetail | None = None
     #: The request's output tokens before this chunk's (those it came with included): a gateway sees a chunk lost
-    #: in transit (a NATS restart) as a gap. None: not counted.
+    #: in transit (a NATS restart) as a gap. None: not counted (added in 2.5).
     num_previous_tokens: NonNegativeInt | None = None
 
 
@@ -73,6 +75,7 @@ def token_chunk_fields(
     logprobs: list[TokenLogprobs] | None = None,
     finish_reason: FinishReason | None = None,
     num_cached_tokens: int | None = None,
+    cached_tokens_by_tier: dict[str, int] | None = None,
     num_previous_tokens: int | None = None,
 ) -> dict:
     """A TokenChunk as `model_dump` gives it, built without validation: the decode worker makes one per running
@@ -86,6 +89,7 @@ def token_chunk_fields(
         "logprobs": None if logprobs is None else [lp.model_dump(mode="python") for lp in logprobs],
         "finish_reason": finish_reason,
         "num_cached_tokens": num_cached_tokens,
+        "cached_tokens_by_tier": cached_tokens_by_tier,
         "error": None,
         "num_previous_tokens": num_previous_tokens,
     }

@@ -42,5 +42,10 @@ class WorkerLoad(Message):
     internal_address: str
     #: Stops taking new work, finishing what it has.
     draining: bool = False
+    #: Requests admitted since the worker started (2.2; None from older workers): a router ends its in-flight
+    #: counts as this grows, instead of guessing from arrival times.
+    num_received: NonNegativeInt | None = None
+    #: Boot id of this worker process (2.2): a new epoch is a restart, its KV index entries start over.
+    epoch: str = ""
     #: Unix seconds on the worker's clock.
     ts: float

@@ -12,7 +12,18 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 _INT64_MIN = -(2**63)
+_INT64_END = 2**63
 _UINT64_END = 2**64
+#: Longest shown value in an error message (a hostile 1 MB stop string is not echoed back).
+_MAX_SHOWN = 80
+
+
+class SamplingParamError(ValueError):
+    """A sampling field with a bad value; `param` names the field (the gateway's 400 names it too)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -97,13 +108,29 @@ def _normalise_logit_bias(logit_bias: dict[Any, float]) -> dict[int, float]:
     try:
         # JSON object keys arrive as strings ({"50256": -100}).
         return {int(token_id): float(bias) for token_id, bias in logit_bias.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"logit_bias must map token ids to numbers, got {logit_bias!r}") from exc
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise SamplingParamError(
+            "logit_bias", f"logit_bias must map token ids to numbers, got {_shown(logit_bias)}"
+        ) from exc
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """SamplingParamError unless every token id the params name (logit_bias keys, stop_token_ids) is in
+    [0, vocab_size): the gateway and the engine run this same check, so a request fails before routing."""
+    for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise SamplingParamError(name, f"{name}: token id {_shown(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be {rule}, got {_shown(value)}")
 
 
 def _is_number(value: Any) -> bool:
@@ -118,7 +145,7 @@ def _validate(p: SamplingParams) -> None:
     _check(_is_int(p.n) and p.n >= 1, "n", "an integer >= 1", p.n)
     _check(_is_number(p.temperature) and p.temperature >= 0, "temperature", "a finite number >= 0", p.temperature)
     _check(_is_number(p.top_p) and 0 < p.top_p <= 1, "top_p", "in (0, 1]", p.top_p)
-    _check(_is_int(p.top_k) and p.top_k >= -1, "top_k", "an integer >= -1 (0 or -1: off)", p.top_k)
+    _check(_is_int(p.top_k) and -1 <= p.top_k < _INT64_END, "top_k", "an int64 >= -1 (0 or -1: off)", p.top_k)
     _check(_is_number(p.min_p) and 0 <= p.min_p <= 1, "min_p", "in [0, 1]", p.min_p)
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
@@ -128,8 +155,9 @@ def _validate(p: SamplingParams) -> None:
         "repetition_penalty", "a finite number > 0", p.repetition_penalty,
     )
     if p.max_tokens is not None:
-        _check(_is_int(p.max_tokens) and p.max_tokens >= 1, "max_tokens", "an integer >= 1 or None", p.max_tokens)
-    _check(_is_int(p.min_tokens) and p.min_tokens >= 0, "min_tokens", "an integer >= 0", p.min_tokens)
+        _check(_is_int(p.max_tokens) and 1 <= p.max_tokens < _INT64_END, "max_tokens", "an int64 >= 1 or None",
+               p.max_tokens)
+    _check(_is_int(p.min_tokens) and 0 <= p.min_tokens < _INT64_END, "min_tokens", "an int64 >= 0", p.min_tokens)
     if p.max_tokens is not None:
         _check(p.min_tokens <= p.max_tokens, "min_tokens", f"<= max_tokens ({p.max_tokens})", p.min_tokens)
     if p.logprobs is not None:

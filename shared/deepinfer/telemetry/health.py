@@ -26,10 +26,15 @@ def internal_app(
     is_ready: Callable[[], bool],
     service_name: str,
     not_ready_reason: Callable[[], str] | None = None,
+    unhealthy_reason: Callable[[], str] | None = None,
 ) -> Starlette:
-    """/health: 200 while the process runs; /ready: 200 or 503 with a reason; /metrics: `registry` as text."""
+    """/health: 200 while the process can serve or recover (503 with the reason `unhealthy_reason` gives, e.g. a
+    failed or stuck engine: restart me); /ready: 200 or 503 with a reason; /metrics: `registry` as text."""
 
     async def health(_: Request) -> Response:
+        reason = unhealthy_reason() if unhealthy_reason is not None else ""
+        if reason:
+            return JSONResponse({"status": "unhealthy", "service": service_name, "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok", "service": service_name})
 
     async def ready(_: Request) -> Response:

@@ -81,6 +81,8 @@ class FakeWorkers:
     num_stalls: int | None = None
     #: The first decode request's chunk starting at this output position is never published (lost in transit).
     lose_chunk_at: int | None = None
+    #: Leave this many route requests unanswered (a scheduler replica that died holding them).
+    drop_routes: int = 0
     route_requests: list[RouteRequest] = field(default_factory=list)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
     decode_requests: list[DecodeRequest] = field(default_factory=list)
@@ -123,6 +125,8 @@ class FakeWorkers:
 
     async def _route(self, request: RouteRequest, msg: IncomingMsg) -> None:
         self.route_requests.append(request)
+        if len(self.route_requests) <= self.drop_routes:
+            return
         decision = RouteDecision(
             request_id=request.request_id,
             status=RouteStatus.OVERLOADED if self.overloaded else RouteStatus.ACCEPTED,

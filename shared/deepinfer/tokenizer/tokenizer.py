@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from deepinfer.tokenizer.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: Compiled chat templates kept per tokenizer (a model has a few; more are requests' own templates).
+MAX_COMPILED_TEMPLATES = 8
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -65,7 +69,9 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.chat_templates = chat_templates
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
-        self._compiled_templates: dict[str, Any] = {}
+        #: Compiled templates by source, least recently used first (bounded: a source may come from a request).
+        self._compiled_templates: OrderedDict[str, Any] = OrderedDict()
+        self._compiled_lock = threading.Lock()  # prompts are rendered on worker threads
         eos_ids = set(generation_eos_token_ids)
         if self.eos_token_id is not None:
             eos_ids.add(self.eos_token_id)
@@ -185,9 +191,17 @@ class Tokenizer:
         raise ChatTemplateError("this model has no chat template; use the completions API instead")
 
     def _compiled(self, source: str) -> Any:
-        if source not in self._compiled_templates:
-            self._compiled_templates[source] = compile_chat_template(source)
-        return self._compiled_templates[source]
+        cache = self._compiled_templates
+        with self._compiled_lock:
+            if source in cache:
+                cache.move_to_end(source)
+                return cache[source]
+        compiled = compile_chat_template(source)
+        with self._compiled_lock:
+            cache[source] = compiled
+            while len(cache) > MAX_COMPILED_TEMPLATES:
+                cache.popitem(last=False)
+        return compiled
 
 
 def _register_special_tokens(backend: BackendTokenizer, tokens: list[str]) -> None:

@@ -3,9 +3,11 @@
     event loop                                   engine thread
     ----------                                   -------------
     await loop.call(fn)  ── command queue ──►    between steps: fn(core) → future result
-    on_outputs(outputs, kv_events) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
+    on_outputs(outputs, kv_events, seq) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
 
 Commands run between steps, in order, so scheduler state and KV tensors are only ever touched by this thread.
+KV events are numbered here too (`seq` +1 per non-empty batch), so a snapshot cut by `cut_kv_snapshot` on this
+thread names exactly the events it includes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,7 +40,7 @@ class EngineLoop:
         self,
         core: EngineCore,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent]], None],
+        on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent], int], None],
     ) -> None:
         self.core = core
         self._loop = loop
@@ -48,6 +51,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self.num_steps = 0
+        #: time.monotonic() when the step now running began; None between steps (read by the health check).
+        self.step_started_s: float | None = None
+        #: Seq of the last KV event batch handed to on_outputs (engine thread only).
+        self.kv_events_seq = 0
         self.error: BaseException | None = None
         #: Load numbers as of the last step or command, replaced (never mutated) by the engine thread, so
         #: heartbeats read them without waiting for a long step (a big prefill can take seconds on a CPU).
@@ -72,6 +79,11 @@ class EngineLoop:
         await asyncio.to_thread(self._thread.join)
 
     @property
+    def stopping(self) -> bool:
+        """True once stop() was called."""
+        return self._stopping
+
+    @property
     def alive(self) -> bool:
         """True while the thread runs and has not failed."""
         return self._thread.is_alive() and self.error is None
@@ -83,16 +95,31 @@ class EngineLoop:
                 self.stats = engine_stats(self.core)
                 if self._stopping or not self.core.has_unfinished_requests():
                     continue
+                self.step_started_s = time.monotonic()
                 outputs = self.core.step()
+                self.step_started_s = None
                 events = self.core.scheduler.take_kv_events()
                 self.num_steps += 1
                 self.stats = engine_stats(self.core)
                 if outputs or events:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs, events)
+                    self._dispatch(outputs, events)
         except BaseException as exc:  # a failed step leaves the engine unusable: report it, never hang callers
             log.exception("engine thread failed")
             self.error = exc
             self._fail_pending(exc)
+
+    def cut_kv_snapshot(self, core: EngineCore) -> tuple[int, list[bytes]]:
+        """(seq, every cached block hash) consistent with the event stream; run it on this thread via `call`.
+        Events not yet taken are dispatched first, so the snapshot includes exactly the batches up to seq."""
+        events = core.scheduler.take_kv_events()
+        if events:
+            self._dispatch([], events)
+        return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block)
+
+    def _dispatch(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+        if events:
+            self.kv_events_seq += 1
+        self._loop.call_soon_threadsafe(self._on_outputs, outputs, events, self.kv_events_seq)
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -2,7 +2,9 @@
 
     engine thread (EngineLoop) ──outputs──► role handler (prefill: first tokens; decode: token batches)
     heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
-    KV events       ── KvEventBatch (seq +1 per batch) ──────────► kv_events(model, worker_id)
+    KV events       ── KvEventBatch (seq +1 per batch, epoch) ───► kv_events(model, worker_id)
+                    ── blocks newly cached ──► StoreTier write-behind (kvcache store; admission loads from it)
+    snapshot        ◄─ SnapshotRequest ─ a scheduler; SnapshotPage (cut on the engine thread, at a seq) ─►
     cancel(model)   ── Cancel ──► role handler's on_cancel
     tasks           ── BackgroundTasks shared with the role handler: publishes, engine commands; flushed on drain
 """
@@ -14,10 +16,11 @@ import contextlib
 import gc
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from opentelemetry.trace import Tracer
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
@@ -34,20 +37,28 @@ from deepinfer.protocol import (
     KvEventKind,
     KvLayout,
     Message,
+    SnapshotRequest,
     WorkerLoad,
     WorkerRole,
 )
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.settings import engine_args
+from deepinfer.worker.store_tier import StoreTier, start_store_client
 
 log = logging.getLogger(__name__)
 
 #: Longest close() waits for background work left after (or without) a drain.
 CLOSE_FLUSH_S = 2.0
+#: Least time between two heartbeats sent because the load changed (the periodic one goes on besides): the
+#: scheduler's in-flight counts end at a heartbeat, so a routed request stops counting twice, and a finished one
+#: stops counting as load, within this.
+LOAD_CHANGE_HEARTBEAT_S = 0.05
 
 
 class WorkerRuntime:
@@ -69,19 +80,27 @@ class WorkerRuntime:
         self.core: EngineCore | None = None
         self.engine: EngineLoop | None = None
         self.layout: KvLayout | None = None
+        #: The kvcache store tier (None with kv_store off): admission loads, write-behind.
+        self.store: StoreTier | None = None
         self.data_plane_address = ""
         self.internal_address = ""
         self.draining = False
         self.on_outputs: Callable[[list[EngineOutput]], None] = lambda outputs: None
         self.on_cancel: Callable[[Cancel], None] = lambda cancel: None
-        self._events_seq = 0
+        #: Boot id: seq starts again in every epoch, so a scheduler tells a restart from lost events.
+        self.epoch = uuid.uuid4().hex[:16]
+        self.snapshots = SnapshotPages(self.worker_id, self.epoch, self._cut_snapshot)
         self._heartbeat_task: asyncio.Task[None] | None = None
         #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
         self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
         #: Spans and `deepinfer_<role>_hop_seconds` of the hops a request takes here.
         self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
+        self._registry = registry
         self._heartbeats_sent = 0
+        self._published_load = (0, 0, 0)
+        self._last_heartbeat_s = 0.0
+        self._load_heartbeat_pending = False
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
             name: gauge(registry, f"worker_{name}", doc)
@@ -93,16 +112,39 @@ class WorkerRuntime:
                 ("total_blocks", "KV blocks in the pool (the padding block excluded)."),
             )
         }
+        #: The same load under the names the Kubernetes inference gateway's model-server protocol scrapes
+        #: (TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization as vLLM names them; both KV names).
+        self._model_server_gauges = {
+            name: Gauge(name, doc, registry=registry)
+            for name, doc in (
+                ("vllm:num_requests_waiting", "Requests waiting for admission (model-server protocol)."),
+                ("vllm:num_requests_running", "Requests in the running batch (model-server protocol)."),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (model-server protocol)."),
+                ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (its older name)."),
+            )
+        }
 
     async def load(self) -> None:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
         started = time.perf_counter()
-        self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        # The store's shards heartbeat every second or so: follow them while the model loads.
+        client = await start_store_client(self.settings, self.bus) if self.settings.kv_store else None
+        try:
+            self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+        except BaseException:
+            if client is not None:
+                await client.close()
+            raise
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.start()
+        # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
+        if client is not None and self.core.args.tensor_parallel_size == 1:
+            self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id(), client)
+        elif client is not None:
+            await client.close()
         log.info(
             "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
             time.perf_counter() - started, self.core.model_dir.name, self.core.kv_plan.num_blocks,
@@ -115,8 +157,29 @@ class WorkerRuntime:
         await self._subscriptions.subscribe(
             "cancel", subjects.cancel(self.model), self._on_cancel, message_type=Cancel
         )
+        if self.store is not None:
+            await self.store.start()
+        await self._subscriptions.subscribe(
+            "snapshot", subjects.snapshot(self.model, self.worker_id), self._on_snapshot,
+            message_type=SnapshotRequest,
+        )
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+        output_token_ids: Sequence[int] = (), hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request in the engine, its prefix loaded from the kvcache store where it is there (see
+        StoreTier); ValueError for an invalid request."""
+        if self.store is not None:
+            await self.store.add_request(request_id, prompt_token_ids, params, cache_salt, output_token_ids,
+                                         hold_blocks)
+            return
+        assert self.engine is not None
+        await self.engine.call(lambda core: core.add_request(
+            request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
+            hold_blocks=hold_blocks))
 
     def is_ready(self) -> bool:
         """Model loaded, engine thread alive, registered with at least one heartbeat, not draining."""
@@ -130,6 +193,21 @@ class WorkerRuntime:
             return f"engine failed: {self.engine.error}"
         return "draining" if self.draining else "registering"
 
+    def unhealthy_reason(self) -> str:
+        """Why the worker cannot recover by itself ("" when healthy): its engine thread failed, or one step has
+        run past `engine_step_deadline_s` (a hung device or collective). /health answers 503 with it, so the
+        supervisor or the kubelet restarts the process. Loading is not unhealthy."""
+        engine = self.engine
+        if engine is None:
+            return ""
+        if not engine.alive and not engine.stopping:
+            return f"engine failed: {engine.error}"
+        started_s = engine.step_started_s
+        if started_s is not None and time.monotonic() - started_s > self.settings.engine_step_deadline_s:
+            return (f"engine step running for {time.monotonic() - started_s:.0f} s "
+                    f"(engine_step_deadline_s={self.settings.engine_step_deadline_s:g})")
+        return ""
+
     async def heartbeat(self) -> None:
         """Publish one WorkerLoad with fresh engine numbers."""
         assert self.core is not None and self.engine is not None and self.layout is not None
@@ -140,8 +218,20 @@ class WorkerRuntime:
             ("total_blocks", self.stats.num_total_blocks),
         ):
             self._gauges[name].set(value)
-        await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), self._worker_load())
+        self._set_model_server_gauges()
+        load = self._worker_load()
+        self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
+        self._last_heartbeat_s = time.monotonic()
+        await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), load)
         self._heartbeats_sent += 1
+
+    def _set_model_server_gauges(self) -> None:
+        stats, gauges = self.stats, self._model_server_gauges
+        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+        gauges["vllm:num_requests_waiting"].set(stats.num_waiting)
+        gauges["vllm:num_requests_running"].set(stats.num_running)
+        gauges["vllm:kv_cache_usage_perc"].set(usage)
+        gauges["vllm:gpu_cache_usage_perc"].set(usage)
 
     async def drain(self) -> None:
         """Announce draining (the scheduler stops picking this worker)."""
@@ -174,7 +264,10 @@ class WorkerRuntime:
 
     async def flush(self, timeout_s: float) -> None:
         """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         await self.tasks.drain(max(0.0, timeout_s))
+        if self.store is not None:  # blocks of the last steps reach the store before the worker stops
+            await self.store.flush(deadline - time.monotonic())
 
     async def close(self) -> None:
         """Stop heartbeats, unsubscribe, flush what is left in the background, stop the engine thread."""
@@ -185,6 +278,8 @@ class WorkerRuntime:
             self._heartbeat_task = None
         await self._subscriptions.close()
         await self.flush(CLOSE_FLUSH_S)
+        if self.store is not None:
+            await self.store.close()
         if self.engine is not None:
             await self.engine.stop()
 
@@ -204,9 +299,11 @@ class WorkerRuntime:
             num_waiting=stats.num_waiting,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
+            num_received=stats.num_added,
             data_plane_address=self.data_plane_address,
             internal_address=self.internal_address,
             draining=self.draining,
+            epoch=self.epoch,
             ts=time.time(),
         )
 
@@ -218,15 +315,42 @@ class WorkerRuntime:
             except Exception:  # a lost heartbeat must not kill the loop: the next one may get through
                 log.warning("heartbeat failed", exc_info=True)
 
-    def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+    def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent], seq: int) -> None:
         if outputs:
             self.on_outputs(outputs)
+        if events and self.store is not None:
+            self.store.on_stored([h for event in events if isinstance(event, Stored) for h in event.block_hashes])
         if events:
-            self._events_seq += 1
             batch = KvEventBatch(
-                worker_id=self.worker_id, seq=self._events_seq, events=to_wire_events(events), ts=time.time()
+                worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
             )
             self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+        self._heartbeat_on_load_change()
+
+    def _heartbeat_on_load_change(self) -> None:
+        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved."""
+        stats = self.engine.stats if self.engine is not None else self.stats
+        if self._load_heartbeat_pending or self._heartbeats_sent == 0:
+            return
+        if (stats.num_running, stats.num_waiting, stats.num_added) == self._published_load:
+            return
+        self._load_heartbeat_pending = True
+        delay_s = max(0.0, self._last_heartbeat_s + LOAD_CHANGE_HEARTBEAT_S - time.monotonic())
+        self.tasks.spawn(self._load_change_heartbeat(delay_s), name="load-heartbeat")
+
+    async def _load_change_heartbeat(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._load_heartbeat_pending = False
+        await self.heartbeat()
+
+    async def _cut_snapshot(self) -> tuple[int, list[bytes]]:
+        assert self.engine is not None
+        return await self.engine.call(self.engine.cut_kv_snapshot)
+
+    async def _on_snapshot(self, request: SnapshotRequest, msg: IncomingMsg) -> None:
+        if self.engine is None:
+            return  # not loaded: no reply, the scheduler retries after its timeout
+        await self.bus.reply(msg, await self.snapshots.page(request))
 
     async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.on_cancel(cancel)

@@ -1,0 +1,82 @@
+"""The kvcache store on top of an EngineCore: requests admitted with their prefix loaded from the store, and the
+export of cached blocks for write-behind. The network side lives in deepinfer.worker.store_tier.
+
+    start_load   a new request → WAITING_FOR_REMOTE_KVS, blocks allocated for its stored prefix (or None)
+    (the worker fetches the payloads; the engine keeps stepping the other requests meanwhile)
+    finish_load  payloads → import into those blocks → the request runs from its first token not loaded
+    fail_load    the fetch failed or timed out → the blocks are dropped unused, the prompt is recomputed
+
+All of these touch scheduler state and KV tensors: call them on the engine thread, between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.kv_transfer import export_blocks, import_blocks
+from deepinfer.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Which blocks a loading request waits for: its block_hashes[first_block : first_block + len(block_ids)]."""
+
+    request_id: str
+    first_block: int
+    block_ids: list[int]
+
+
+def start_load(
+    core: EngineCore,
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams,
+    num_stored_blocks: int,
+    cache_salt: str = "",
+    output_token_ids: Sequence[int] = (),
+    hold_blocks: bool = False,
+) -> LoadPlan | None:
+    """Admit a request whose first `num_stored_blocks` full blocks are in the store, waiting for their KV; None
+    when the device already has them or there is no room: then it was queued the ordinary way (computed).
+    ValueError, like add_request, for an invalid request."""
+    request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids,
+                               hold_blocks)
+    plan = core.scheduler.add_loading_request(request, num_stored_blocks)
+    if plan is None:
+        core.scheduler.add_request(request)
+        return None
+    return LoadPlan(request_id, plan[0], plan[1])
+
+
+def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes]) -> bool:
+    """Write the loaded payloads into the plan's blocks and let the request run; False (and recompute) when the
+    payloads do not fit the cache. A request aborted meanwhile no longer owns those blocks: nothing is written."""
+    if plan.request_id not in core.scheduler.loading:
+        return False
+    try:
+        import_blocks(core.runner.kv_caches, plan.block_ids, payloads)
+    except ValueError as exc:  # wrong count or size: the blocks stay unused, never served
+        log.warning("store payloads for %s do not fit (%s): recomputing", plan.request_id, exc)
+        core.scheduler.finish_loading(plan.request_id, loaded=False)
+        return False
+    core.scheduler.finish_loading(plan.request_id, loaded=True)
+    return True
+
+
+def fail_load(core: EngineCore, request_id: str) -> None:
+    """The load failed or timed out: the request waits to be recomputed."""
+    core.scheduler.finish_loading(request_id, loaded=False)
+
+
+def export_cached(core: EngineCore, block_hashes: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """(hashes, payloads) of the blocks still in the device prefix cache, in order; evicted ones are left out."""
+    pool = core.scheduler.block_pool
+    found = [(h, block.block_id) for h in block_hashes if (block := pool.get_cached_block(h)) is not None]
+    if not found:
+        return [], []
+    return [h for h, _ in found], export_blocks(core.runner.kv_caches, [block_id for _, block_id in found])

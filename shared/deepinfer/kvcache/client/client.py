@@ -1,0 +1,142 @@
+"""`KvStoreClient`: a worker's view of the kvcache store — has / get / put of many blocks, each on the shard
+that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcache.rendezvous).
+
+    blocks ─ group_by_shard(hashes, live shards) ─► one data-plane request per shard, all shards concurrently
+                                                   (reads and writes on separate connections: a write-behind put
+                                                   never queues a load behind it)
+
+A shard that is down, slow or gone turns its blocks into misses for `has` (never an error); `get` is all or
+nothing like the data plane and raises, so the caller recomputes. Methods run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from deepinfer import subjects
+from deepinfer.bus import MessageBus, Subscriptions
+from deepinfer.dataplane import DataPlaneClient, DataPlaneConnectionError, DataPlaneError
+from deepinfer.dataplane.frames import BytesLike
+from deepinfer.kvcache.client.shards import Shard, ShardSet
+from deepinfer.kvcache.rendezvous import group_by_shard
+from deepinfer.protocol import KvStoreHeartbeat
+
+log = logging.getLogger(__name__)
+
+
+class StoreUnavailable(DataPlaneError):
+    """No live shard holds (or could take) these blocks."""
+
+
+class KvStoreClient:
+    """Client of every live store shard; `start(bus)` follows their heartbeats."""
+
+    def __init__(self, secret: str | bytes | None, timeout_s: float, shard_lease_s: float,
+                 shards: ShardSet | None = None) -> None:
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.shards = shards or ShardSet(shard_lease_s)
+        self._clients: dict[tuple[str, str], DataPlaneClient] = {}
+        self._subscriptions: Subscriptions | None = None
+
+    async def start(self, bus: MessageBus) -> None:
+        """Follow the shards' heartbeats on di.kvcache.heartbeat.*."""
+        self._subscriptions = Subscriptions(bus)
+        await self._subscriptions.subscribe("heartbeats", subjects.kvcache_heartbeat_all(), self._on_heartbeat,
+                                            message_type=KvStoreHeartbeat)
+
+    async def close(self) -> None:
+        """Stop following heartbeats; close every connection."""
+        if self._subscriptions is not None:
+            await self._subscriptions.close()
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    def has_shards(self) -> bool:
+        """True while at least one shard is live."""
+        return bool(self.shards.live())
+
+    async def has(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bool]:
+        """One flag per block: held by its shard. A shard that fails answers False for its blocks."""
+        present = [False] * len(block_hashes)
+        groups = self._groups(block_hashes)
+
+        async def ask(shard: Shard, indexes: list[int]) -> None:
+            flags = await self._client(shard, "read").has_blocks(layout_id, [block_hashes[i] for i in indexes])
+            for i, flag in zip(indexes, flags, strict=True):
+                present[i] = flag
+
+        await self._each_shard(groups, ask, fail_quietly=True)
+        return present
+
+    async def get(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """The blocks' payloads, in order, every checksum verified; raises (BlockNotFound, DataPlaneError,
+        StoreUnavailable) unless every block was served."""
+        payloads: list[bytes | None] = [None] * len(block_hashes)
+        groups = self._groups(block_hashes)
+        if block_hashes and not groups:
+            raise StoreUnavailable("no live kvcache shard")
+
+        async def fetch(shard: Shard, indexes: list[int]) -> None:
+            blocks = await self._client(shard, "read").get_blocks(
+                "", block_hashes=[block_hashes[i] for i in indexes], layout_id=layout_id)
+            for i, block in zip(indexes, blocks, strict=True):
+                payloads[i] = block
+
+        await self._each_shard(groups, fetch, fail_quietly=False)
+        return [p for p in payloads if p is not None]
+
+    async def put(self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> int:
+        """Store blocks on their shards; the number of blocks sent. Raises on the first failed shard."""
+        groups = self._groups(block_hashes)
+        if block_hashes and not groups:
+            raise StoreUnavailable("no live kvcache shard")
+
+        async def send(shard: Shard, indexes: list[int]) -> None:
+            await self._client(shard, "write").put_blocks(
+                layout_id, [block_hashes[i] for i in indexes], [payloads[i] for i in indexes])
+
+        await self._each_shard(groups, send, fail_quietly=False)
+        return len(block_hashes)
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _groups(self, block_hashes: Sequence[bytes]) -> dict[Shard, list[int]]:
+        live = self.shards.live()
+        return {live[name]: indexes for name, indexes in group_by_shard(block_hashes, live).items()}
+
+    async def _each_shard(self, groups: dict[Shard, list[int]], work, *, fail_quietly: bool) -> None:
+        """Run work(shard, indexes) for every shard concurrently, each bounded by timeout_s."""
+        shards = list(groups)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(work(shard, groups[shard]), self.timeout_s) for shard in shards),
+            return_exceptions=True)
+        first_error: BaseException | None = None
+        for shard, result in zip(shards, results, strict=True):
+            if not isinstance(result, BaseException):
+                continue
+            if isinstance(result, (DataPlaneConnectionError, OSError)):
+                self.shards.forget(shard.name)  # down: its blocks are misses until it heartbeats again
+            if fail_quietly:
+                log.debug("kvcache shard %s failed: %r", shard.name, result)
+            elif first_error is None:
+                first_error = result
+        if first_error is not None:
+            if isinstance(first_error, TimeoutError):
+                raise StoreUnavailable(f"a kvcache shard took over {self.timeout_s:g} s") from first_error
+            raise first_error
+
+    def _client(self, shard: Shard, purpose: str) -> DataPlaneClient:
+        key = (shard.data_plane_address, purpose)
+        client = self._clients.get(key)
+        if client is None:
+            client = DataPlaneClient(shard.data_plane_address, self.secret, timeout_s=self.timeout_s)
+            self._clients[key] = client
+        return client
+
+    async def _on_heartbeat(self, beat: KvStoreHeartbeat, msg) -> None:
+        self.shards.observe(beat)

@@ -1,0 +1,228 @@
+"""`StoreTier`: a worker's use of the kvcache store (docs/kvstore.md, "Workers").
+
+    admission   hashes of the request's full blocks ─ has (lookup_timeout_s) ─► n stored (a leading run)
+                n > device hits: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others)
+                                 ─ get (load_timeout_s) ─► finish_load: runs from its first token not loaded
+                                 a failed or late get ─► fail_load: recomputed, the blocks never served
+    write-behind  prompt blocks entering the prefix cache (the step's Stored events; generated blocks too with
+                kv_store_write_generated) ─► bounded queue (full: dropped,
+                counted) ─► background task: has → export the missing ones on the engine thread between steps
+                (still cached; evicted ones are dropped, counted) → put to their shards
+
+Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.kvcache.hashing that the gateway and
+scheduler use. With no live shard, or `kv_store` off, nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from deepinfer.bus import MessageBus
+from deepinfer.config import WorkerSettings
+from deepinfer.engine.kv_load import LoadPlan, export_cached, fail_load, finish_load, start_load
+from deepinfer.engine.outputs import EngineOutput
+from deepinfer.kvcache.client import KvStoreClient
+from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.telemetry import counter, gauge, histogram
+from deepinfer.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+#: Block hashes remembered as held by the store (loaded, found or written): not written behind again.
+KNOWN_HASHES = 1 << 16
+
+
+class StoreTier:
+    """Loads stored prefixes at admission and writes full blocks behind, for one worker's engine."""
+
+    def __init__(self, settings: WorkerSettings, registry: CollectorRegistry, engine: EngineLoop, layout_id: str,
+                 client: KvStoreClient):
+        self.settings = settings
+        self.engine = engine
+        self.layout_id = layout_id
+        core = engine.core
+        self.block_size, self.fingerprint = core.args.block_size, core.fingerprint
+        self.client = client
+        self._queue: deque[bytes] = deque()
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        #: Full prompt blocks of admitted requests: what write-behind writes (unless kv_store_write_generated).
+        self._prompt_blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._writing = False
+        self._writer: asyncio.Task[None] | None = None
+        self._metrics(registry)
+
+    def _metrics(self, registry: CollectorRegistry) -> None:
+        self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result.",
+                                 ["result"])
+        self.m_loads = counter(registry, "worker_store_loads", "Loads from the store by outcome.", ["outcome"])
+        self.m_loaded_blocks = counter(registry, "worker_store_loaded_blocks", "Blocks loaded from the store.")
+        self.m_loaded_bytes = counter(registry, "worker_store_loaded_bytes", "Bytes loaded from the store.")
+        self.m_load_s = histogram(registry, "worker_store_load_seconds", "A load: get and import of its blocks.")
+        self.m_written_blocks = counter(registry, "worker_store_written_blocks", "Blocks written behind.")
+        self.m_written_bytes = counter(registry, "worker_store_written_bytes", "Bytes written behind.")
+        self.m_write_s = histogram(registry, "worker_store_write_seconds", "A write-behind put of one batch.")
+        self.m_dropped = counter(registry, "worker_store_write_dropped_blocks",
+                                 "Blocks not written behind, by reason (queue_full, evicted, error).", ["reason"])
+        self.m_queue = gauge(registry, "worker_store_write_queue_blocks", "Blocks waiting to be written behind.")
+
+    async def start(self) -> None:
+        """Start the write-behind task."""
+        self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (up to timeout_s) until the write-behind queue is empty."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while (self._queue or self._writing) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stop writing behind (what is queued is dropped) and close the client."""
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self.client.close()
+
+    # -- admission ----------------------------------------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
+        output_token_ids: Sequence[int] = (), hold_blocks: bool = False,
+    ) -> None:
+        """Queue a request in the engine, its stored prefix loaded instead of recomputed where the store has it.
+        ValueError for an invalid request, like EngineCore.add_request."""
+        tokens = [*prompt_token_ids, *output_token_ids]
+        hashes = hash_blocks(tokens, self.block_size, self.fingerprint, cache_salt)[: (len(tokens) - 1)
+                                                                                    // self.block_size]
+        self._remember(hashes, self._prompt_blocks)
+        num_stored = await self._lookup(hashes)
+        if num_stored:
+            plan = await self.engine.call(lambda core: start_load(
+                core, request_id, prompt_token_ids, params, num_stored, cache_salt, output_token_ids, hold_blocks))
+            if plan is not None:
+                await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)])
+            else:
+                self.m_loads.labels("skipped").inc()  # the device had them, or no room: queued to compute
+            return
+        await self.engine.call(lambda core: core.add_request(
+            request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
+            hold_blocks=hold_blocks))
+
+    async def _lookup(self, hashes: list[bytes]) -> int:
+        """How many leading blocks the store holds (0 on any failure: a miss, never an error)."""
+        if not hashes or not self.client.has_shards():
+            return 0
+        try:
+            present = await asyncio.wait_for(self.client.has(self.layout_id, hashes),
+                                             self.settings.kv_store_lookup_timeout_s)
+        except Exception as exc:  # a slow or failed lookup only costs the recompute
+            self.m_lookups.labels("error").inc()
+            log.debug("store lookup failed: %r", exc)
+            return 0
+        num_stored = next((i for i, flag in enumerate(present) if not flag), len(present))
+        self.m_lookups.labels("hit" if num_stored else "miss").inc()
+        return num_stored
+
+    async def _load(self, plan: LoadPlan, hashes: list[bytes]) -> None:
+        started = time.perf_counter()
+        try:
+            payloads = await asyncio.wait_for(self.client.get(self.layout_id, hashes),
+                                              self.settings.kv_store_load_timeout_s)
+        except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
+            self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
+            log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
+            await self.engine.call(lambda core: fail_load(core, plan.request_id))
+            return
+        self._remember(hashes)  # held by the store: once cached here, not written behind again
+        loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads))
+        self.m_loads.labels("loaded" if loaded else "failed").inc()
+        if loaded:
+            self.m_load_s.observe(time.perf_counter() - started)
+            self.m_loaded_blocks.inc(len(payloads))
+            self.m_loaded_bytes.inc(sum(len(p) for p in payloads))
+
+    # -- write-behind -------------------------------------------------------------------------------------------
+    def on_stored(self, block_hashes: Sequence[bytes]) -> None:
+        """Blocks that just entered the device prefix cache (event loop; never blocks)."""
+        if not self.client.has_shards():
+            return
+        limit, any_block = self.settings.kv_store_write_queue_blocks, self.settings.kv_store_write_generated
+        for block_hash in block_hashes:
+            if block_hash in self._known or not (any_block or block_hash in self._prompt_blocks):
+                continue
+            if len(self._queue) >= limit:
+                self.m_dropped.labels("queue_full").inc()
+                continue
+            self._queue.append(block_hash)
+        self.m_queue.set(len(self._queue))
+        if self._queue:
+            self._wake.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                size = self.settings.kv_store_write_batch_blocks
+                batch = [self._queue.popleft() for _ in range(min(size, len(self._queue)))]
+                self.m_queue.set(len(self._queue))
+                self._writing = True
+                try:
+                    await self._write(batch)
+                except Exception as exc:
+                    self.m_dropped.labels("error").inc(len(batch))
+                    log.warning("write-behind of %d blocks failed: %r", len(batch), exc)
+                finally:
+                    self._writing = False
+
+    async def _write(self, hashes: list[bytes]) -> None:
+        present = await asyncio.wait_for(self.client.has(self.layout_id, hashes),
+                                         self.settings.kv_store_lookup_timeout_s)
+        self._remember([h for h, held in zip(hashes, present, strict=True) if held])
+        missing = [h for h, held in zip(hashes, present, strict=True) if not held]
+        if not missing:
+            return
+        kept, payloads = await self.engine.call(lambda core: export_cached(core, missing))
+        if len(kept) < len(missing):
+            self.m_dropped.labels("evicted").inc(len(missing) - len(kept))
+        if not kept:
+            return
+        started = time.perf_counter()
+        await self.client.put(self.layout_id, kept, payloads)
+        self.m_write_s.observe(time.perf_counter() - started)
+        self.m_written_blocks.inc(len(kept))
+        self.m_written_bytes.inc(sum(len(p) for p in payloads))
+        self._remember(kept)
+
+    def _remember(self, hashes: Sequence[bytes], known: OrderedDict[bytes, None] | None = None) -> None:
+        """Add to a bounded set of hashes (default: those the store holds)."""
+        known = self._known if known is None else known
+        for block_hash in hashes:
+            known[block_hash] = None
+            known.move_to_end(block_hash)
+        while len(known) > KNOWN_HASHES:
+            known.popitem(last=False)
+
+
+async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvStoreClient:
+    """A client following the shards' heartbeats from now on (a worker starts it before loading its model, so it
+    knows the shards by the time it serves)."""
+    secret = settings.common.data_plane_secret
+    client = KvStoreClient(secret.get_secret_value() if secret else None, settings.kv_store_load_timeout_s,
+                           settings.kv_store_shard_lease_s)
+    await client.start(bus)
+    return client
+
+
+def cached_tokens_by_tier(output: EngineOutput) -> dict[str, int]:
+    """Where a request's cached prompt tokens came from: {"device": ..., "store": ...}."""
+    return {"device": output.num_cached_tokens - output.num_store_cached_tokens,
+            "store": output.num_store_cached_tokens}

@@ -1,0 +1,100 @@
+"""Loading a prefix's KV into an engine as the store would (engine/kv_load.py), on a tiny model: the loaded
+request gives the same tokens as a recompute while another request keeps stepping, with sync and async
+scheduling; payloads that do not fit are refused and recomputed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.handoff import engine_stats
+from deepinfer.engine.kv_load import export_cached, fail_load, finish_load, start_load
+from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.testing.checkpoints import make_tiny_checkpoint
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks
+OTHER = [3, 1, 4, 1, 5, 9, 2, 6]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def engine(tiny_dir, **kw) -> EngineCore:
+    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20, **kw))
+
+
+def run(core: EngineCore, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    tokens = {} if tokens is None else tokens
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_dir) -> tuple[list[int], list[bytes], list[bytes]]:
+    """What a first worker computed and wrote behind: (reference tokens, block hashes, payloads)."""
+    core = engine(tiny_dir)
+    core.add_request("r", PROMPT, GREEDY)
+    reference = run(core)["r"]
+    hashes = hash_blocks(PROMPT, 4, core.fingerprint, "")
+    kept, payloads = export_cached(core, hashes)
+    assert kept == hashes and len(payloads) == 4
+    return reference, hashes, payloads
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_loaded_prefix_gives_the_recomputed_tokens_while_others_run(tiny_dir, stored, async_scheduling):
+    reference, hashes, payloads = stored
+    core = engine(tiny_dir, async_scheduling=async_scheduling)
+    core.add_request("other", OTHER, GREEDY)
+    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    assert (plan.first_block, len(plan.block_ids)) == (0, 4)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):  # the load is in flight: "other" steps, "r" waits
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert "r" not in tokens and tokens["other"]
+    assert (engine_stats(core).num_running, engine_stats(core).num_waiting) == (1, 1)  # loading counts as waiting
+    assert finish_load(core, plan, payloads)
+    outputs = run(core, tokens)
+    assert outputs["r"] == reference
+    assert core.scheduler.block_pool.num_free_blocks == core.kv_plan.num_blocks - 1
+
+
+def test_cached_tokens_report_the_store_tier(tiny_dir, stored):
+    reference, hashes, payloads = stored
+    core = engine(tiny_dir)
+    core.add_request("warm", PROMPT[:5], GREEDY.clone(max_tokens=1))  # the first block is on the device
+    run(core)
+    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    assert (plan.first_block, len(plan.block_ids)) == (1, 3)
+    assert finish_load(core, plan, payloads[1:])
+    first = core.step()[0]
+    assert (first.num_cached_tokens, first.num_store_cached_tokens) == (16, 12)
+    assert first.new_token_ids + run(core)["r"] == reference
+
+
+def test_payloads_that_do_not_fit_or_a_failed_load_recompute(tiny_dir, stored):
+    reference, hashes, payloads = stored
+    core = engine(tiny_dir)
+    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    assert not finish_load(core, plan, [p[:-4] for p in payloads])  # truncated: refused, never imported
+    assert run(core)["r"] == reference
+    plan = start_load(core, "s", PROMPT, GREEDY.clone(max_tokens=2), num_stored_blocks=4)
+    assert plan is None  # the device holds the prefix now: queued to compute, nothing to load
+    assert run(core)["s"] == reference[:2]
+
+    fresh = engine(tiny_dir)
+    plan = start_load(fresh, "t", PROMPT, GREEDY, num_stored_blocks=4)
+    fail_load(fresh, "t")
+    first = fresh.step()[0]
+    assert (first.num_cached_tokens, first.num_store_cached_tokens) == (0, 0)
+    assert first.new_token_ids + run(fresh)["t"] == reference
