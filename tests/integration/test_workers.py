@@ -196,6 +196,19 @@ async def test_a_resumed_request_continues_as_the_lost_worker_would_have(workers
     assert tokens == expected and len(tokens) == sampling.max_tokens  # max_tokens counts the resumed ones
 
 
+async def test_a_resumed_request_replays_its_grammar(workers, bus, tiny_dir):
+    # structured output: the worker replays the grammar over the tokens sent, then continues as uninterrupted
+    from deepinfer.structured import json_schema_grammar
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    sampling = SamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
+    expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    assert len(expected) > 4
+    accepted, tokens = await run_request(bus, None, sampling, "r-resume-grammar", resume_from=expected[:4])
+    assert accepted.status is DecodeStatus.ACCEPTED
+    assert tokens == expected
+
+
 async def _wait_idle(decode) -> None:
     for _ in range(100):
         await decode.runtime.heartbeat()
