@@ -106,3 +106,25 @@ def test_a_value_the_workers_refuse_is_a_400_not_a_retryable_503(client, stack):
             model=stack.model_name, messages=QUESTION, max_tokens=2, extra_body={"min_tokens": 5}
         )
     assert "min_tokens" in failure.value.message
+
+
+@pytest.mark.parametrize("what", ["decode", "long prefill"])
+def test_a_non_streaming_client_that_goes_away_is_dropped_by_every_worker(stack, what):
+    # The client gives up (its timeout) while a long non-streamed answer is generated, or while a ~3,000-token
+    # prompt is still being computed; the gateway notices the closed connection and every worker drops the work.
+    client = openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=1.5)
+    prompt = QUESTION if what == "decode" else [
+        {"role": "user", "content": LONG_CONTEXT * 8 + f" Which lake does river {time.monotonic_ns() % 19} reach?"}]
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=stack.model_name, messages=prompt, max_tokens=2000,
+                                       extra_body={"ignore_eos": True})
+    gone = time.monotonic()
+    wait_until(lambda: workers_idle(stack), 30, "the workers to drop the abandoned request")
+    released_s = time.monotonic() - gone
+    print(f"{what}: workers idle {released_s:.2f} s after the client left")
+    assert released_s < 1.0 + (STEP_ALLOWANCE_S if what == "long prefill" else 0.0)
+
+
+#: A prefill step already running when the cancel arrives finishes first: on the 2-core CPU, a chunk of a long
+#: prompt takes up to a few seconds (on a GPU, milliseconds).
+STEP_ALLOWANCE_S = 4.0
