@@ -23,7 +23,6 @@ from deepinfer.config import (
     describe_settings,
 )
 from deepinfer.nats_server import free_port
-from deepinfer.up.devices import WorkerDevice, default_num_prefill, plan_devices
 from deepinfer.up.probes import HttpReadyProbe, ProbeResult
 from deepinfer.up.stack import Stack
 from deepinfer.up.supervisor import ChildSpec, RestartPolicy, Supervisor, SupervisorError
@@ -295,36 +294,6 @@ def test_start_fails_clearly_for_a_missing_binary(tmp_path: Path):
     sup.add(ChildSpec("ghost", ("/nonexistent/binary",), {}))
     with pytest.raises(SupervisorError, match="cannot start ghost"):
         sup.start()
-
-
-@pytest.mark.parametrize(
-    ("device", "num_workers", "num_gpus", "expected"),
-    [
-        ("cpu", 2, 8, [WorkerDevice("cpu"), WorkerDevice("cpu")]),
-        ("auto", 2, 0, [WorkerDevice("auto"), WorkerDevice("auto")]),
-        ("cuda", 2, 2, [WorkerDevice("cuda:0"), WorkerDevice("cuda:1")]),
-        ("auto", 2, 1, [WorkerDevice("cuda:0", 0.45), WorkerDevice("cuda:0", 0.45)]),
-        ("cuda", 3, 2, [WorkerDevice("cuda:0", 0.45), WorkerDevice("cuda:1"), WorkerDevice("cuda:0", 0.45)]),
-    ],
-)
-def test_plan_devices(device, num_workers, num_gpus, expected):
-    assert plan_devices(device, num_workers, num_gpus) == expected
-
-
-@pytest.mark.parametrize(
-    ("device", "num_gpus", "expected"),
-    [("auto", 1, 0), ("cuda", 1, 0), ("auto", 2, 1), ("cuda", 8, 1), ("cpu", 1, 1), ("cpu", 0, 1), ("auto", 0, 1)],
-)
-def test_one_gpu_gets_no_separate_prefill_worker_by_default(tmp_path: Path, device, num_gpus, expected):
-    assert default_num_prefill(device, num_gpus) == expected
-    stack = Stack(port=0, device=device, log_dir=tmp_path, num_gpus=num_gpus, base_env={})
-    assert stack.num_prefill == expected
-    assert Stack(port=0, device=device, num_prefill=2, log_dir=tmp_path, num_gpus=num_gpus).num_prefill == 2
-
-
-def test_plan_devices_rejects_unknown_device():
-    with pytest.raises(ValueError, match="device must be one of"):
-        plan_devices("tpu", 1, 0)
 
 
 def test_stack_plan_passes_settings_every_service_accepts(tmp_path: Path, monkeypatch):
