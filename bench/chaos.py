@@ -5,7 +5,9 @@ at a time; every completed answer is compared with the same request served witho
     python bench/chaos.py --faults 12 --concurrency 3 --only kill-decode,stop-decode
 
 Bounded (--faults, --duration-s) and loopback only: it starts its own stack on 127.0.0.1 and stops it at the end.
-The load: `--concurrency` clients (the official openai SDK, its default retries of 503s as users run it), each
+The stack has `--schedulers` replicas (2 by default, as the chart): with one, killing it is an outage by design.
+The load: `--concurrency` clients (the official openai SDK, its default retries of 503s as users run it; `--retries 0`
+counts every 503 the service gives as a failure), each
 looping over a fixed set of requests — greedy and seeded temperature 0.8, streamed and not, `ignore_eos` with
 `--max-tokens`. The faults, round robin, each followed by a wait until the stack is ready and a fresh request
 succeeds (the recovery time): kill -9 and SIGSTOP (for `--stop-s`) of a decode, prefill and scheduler process,
@@ -214,7 +216,8 @@ def reissues(stack: Stack) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict:
     faults = [f for f in FAULTS if not args.only or f in args.only.split(",")]
     env = {**STACK_ENV, "DEEPINFER_DATA_DIR": args.data_dir or tempfile.mkdtemp(prefix="chaos-")}
-    with Stack(port=0, env_overrides=env, start_timeout_s=300, num_prefill=2, num_decode=2) as stack:
+    with Stack(port=0, env_overrides=env, start_timeout_s=300, num_prefill=2, num_decode=2,
+               num_schedulers=args.schedulers) as stack:
         tokenizer = Tokenizer.from_dir(resolve_model(stack.model, CommonSettings().model_cache_dir, False))
         client = openai.OpenAI(base_url=stack.base_url, api_key="chaos", timeout=120, max_retries=args.retries)
         references = {job: ask(client, job, stack.model_name, args.max_tokens) for job in jobs()}
@@ -277,6 +280,8 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=1800, help="stop injecting after this long")
     parser.add_argument("--only", default="", help=f"comma-separated fault kinds of {','.join(FAULTS)}")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--schedulers", type=int, default=2,
+                        help="scheduler replicas (default 2, as the chart runs them: one is a single point of failure)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--interval-s", type=float, default=2.0, help="pause after a recovery")
     parser.add_argument("--stop-s", type=float, default=4.0, help="how long a SIGSTOP lasts")
