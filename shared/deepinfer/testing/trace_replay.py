@@ -65,6 +65,7 @@ async def replay(
     label: str = "",
     concurrency: int = 1,
     time_scale: float = 0.0,
+    think_s: float = 0.0,
     salt: int = 0,
     api_key: str = "replay",
     timeout_s: float = 120.0,
@@ -80,6 +81,8 @@ async def replay(
             delay_s = request.timestamp / 1000 * time_scale - (time.perf_counter() - started)
             if time_scale > 0 and delay_s > 0:
                 await asyncio.sleep(delay_s)
+            elif think_s > 0:  # a user's pause between requests: the workers' load reports catch up
+                await asyncio.sleep(think_s)
             outcomes[i] = await _complete(client, model, trace_tokens(request, block_size, vocab_size, salt), request)
 
         todo = iter(range(len(requests)))
