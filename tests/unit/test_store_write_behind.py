@@ -28,7 +28,8 @@ class AddOnly:
     """The engine loop as StoreTier's admission uses it: `call(fn)` runs `fn(core)`."""
 
     core = SimpleNamespace(args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT,
-                           add_request=lambda *args, **kwargs: None)
+                           add_request=lambda *args, **kwargs: None,
+                           scheduler=SimpleNamespace(block_pool=SimpleNamespace(get_cached_block=lambda h: None)))
 
     async def call(self, fn):
         return fn(self.core)

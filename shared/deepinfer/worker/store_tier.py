@@ -103,7 +103,11 @@ class StoreTier:
         hashes = hash_blocks(tokens, self.block_size, self.fingerprint, cache_salt)[: (len(tokens) - 1)
                                                                                     // self.block_size]
         self._remember(hashes, self._prompt_blocks)
-        num_stored = await self._lookup(hashes)
+        # Ask the store only about blocks past the device's cached prefix: a prompt the device holds (the next
+        # turn of a conversation, a shared system prompt) costs no round trip before it reaches the engine.
+        num_device = self._num_device_cached(hashes)
+        num_beyond = await self._lookup(hashes[num_device:])
+        num_stored = num_device + num_beyond if num_beyond else 0
         if num_stored:
             plan = await self.engine.call(lambda core: start_load(
                 core, request_id, prompt_token_ids, params, num_stored, cache_salt, output_token_ids, hold_blocks))
@@ -115,6 +119,13 @@ class StoreTier:
         await self.engine.call(lambda core: core.add_request(
             request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
             hold_blocks=hold_blocks))
+
+    def _num_device_cached(self, hashes: list[bytes]) -> int:
+        """Leading blocks in the device prefix cache, read from the event loop: a hint (start_load checks again
+        on the engine thread), so a block evicted meanwhile only means a load or a recompute, never wrong KV."""
+        pool = self.engine.core.scheduler.block_pool
+        return next((i for i, block_hash in enumerate(hashes) if pool.get_cached_block(block_hash) is None),
+                    len(hashes))
 
     async def _lookup(self, hashes: list[bytes]) -> int:
         """How many leading blocks the store holds (0 on any failure: a miss, never an error)."""
