@@ -53,7 +53,7 @@ def decode_ours(engine, rng, batch: int, steps: int, eager: bool) -> dict:
 def step_phases(engine, steps: int) -> dict:
     """Host ms per step in schedule(), in execute() (which waits for the GPU; async scheduling: execute_async(),
     which only launches) and in update()."""
-    execute = "execute_async" if engine.args.async_scheduling else "execute"
+    execute = "execute_async" if engine.async_scheduling else "execute"
     totals = {"schedule": 0.0, execute: 0.0, "update": 0.0}
     owners = {"schedule": engine.scheduler, execute: engine.runner, "update": engine.scheduler}
     originals = {name: getattr(owner, name) for name, owner in owners.items()}

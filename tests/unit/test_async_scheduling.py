@@ -297,3 +297,15 @@ def test_a_request_finishing_on_its_first_token_still_caches_its_prompt(tiny_dir
             while core.has_unfinished_requests():
                 cached += [o.num_cached_tokens for o in core.step() if o.finish_reason]
         assert cached == [0, 20], async_scheduling
+
+
+@pytest.mark.parametrize(("setting", "device", "tp", "expected"), [
+    (None, "cuda", 1, True),  # auto: one CUDA device overlaps host and device work
+    (None, "cpu", 1, False),  # auto: nothing to overlap on the CPU
+    (None, "cuda", 2, False),  # auto: not across tensor-parallel ranks
+    (False, "cuda", 1, False),
+    (True, "cpu", 1, True),
+])
+def test_async_scheduling_auto_resolves_per_device(setting, device, tp, expected):
+    args = EngineArgs(model="m", async_scheduling=setting, tensor_parallel_size=tp)
+    assert args.resolve_async_scheduling(torch.device(device)) is expected

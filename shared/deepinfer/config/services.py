@@ -226,8 +226,9 @@ class WorkerSettings(ServiceSettings):
         None, ge=1, description="KV cache budget in bytes (e.g. 2GiB); overrides gpu_memory_utilization, used on CPU."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
-    async_scheduling: bool = Field(
-        False, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md)."
+    async_scheduling: bool | None = Field(
+        None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "
+        "for one CUDA device, off on the CPU and with tensor parallelism.",
     )
     engine_step_deadline_s: float = Field(
         120.0, gt=0,

@@ -68,7 +68,9 @@ class EngineArgs:
     #: True = schedule step N+1 on the host while the device runs step N (vLLM's name): the next step's inputs
     #: take the tokens sampled by the step in flight on the device (deepinfer.engine.async_scheduler). Same
     #: tokens as the synchronous loop; a step after one that used penalties waits for its tokens first.
-    async_scheduling: bool = False
+    #: None = auto: on for a single CUDA device (the host's step work then hides under the device's), off on the
+    #: CPU (nothing to overlap) and with tensor parallelism (not tested across ranks).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -90,6 +92,12 @@ class EngineArgs:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and self.tensor_parallel_size == 1
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of weights and KV cache."""

@@ -73,7 +73,9 @@ class EngineCore:
         #: Structured output: grammars compiled against this tokenizer (llguidance's view is built on first use).
         self.grammars = Grammars(self.tokenizer) if self.tokenizer is not None else None
         self.fingerprint = model_fingerprint(self.model_dir, args.model_revision)
-        scheduler_class = AsyncScheduler if args.async_scheduling else Scheduler
+        #: Async scheduling, resolved for this device (EngineArgs.async_scheduling: None = auto).
+        self.async_scheduling = args.resolve_async_scheduling(self.device)
+        scheduler_class = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_class(
             EngineConfig(
                 num_blocks=self.kv_plan.num_blocks,
@@ -193,7 +195,7 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """One engine step: schedule → execute → update (async scheduling: see `_step_async`)."""
-        if self.args.async_scheduling:
+        if self.async_scheduling:
             return self._step_async()
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled, self.scheduler.requests)
