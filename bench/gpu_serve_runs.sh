@@ -2,7 +2,8 @@
 # The serving runs of one device session, as run on the GPU machine (see bench/device_wheels.sh for the
 # wheels it installs first). Each variant: bench/serve.py under a time limit, its JSON and log under $OUT.
 #
-#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated | *-gil | split8b | aggregated8b
+#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated |
+#         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -34,6 +35,9 @@ for variant in "$@"; do
             --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 --env DEEPINFER_PREFILL_GIL_SWITCH_INTERVAL_S=0.0005 ;;
         split8b) run split8b 300 --random-model llama-8b --sweep 1,64 ;;
         aggregated8b) run aggregated8b 200 --random-model llama-8b --sweep 1,64 --prefill 0 --no-offline ;;
+        trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
+        nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
+        sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
         *) echo "unknown variant $variant" >&2 ;;
     esac
 done
