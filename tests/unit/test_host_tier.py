@@ -17,7 +17,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks to hit
-FILLERS = [[(7 * i + 13 * j) % 400 + 1 for j in range(28)] for i in range(1, 3)]  # 28 tokens each
+FILLERS = [[(7 * i + 13 * j) % 300 + 1 for j in range(28)] for i in range(1, 3)]  # 28 tokens each
 OTHER = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 4, 12, 64
@@ -139,7 +139,7 @@ def test_a_load_that_fails_recomputes(tiny_dir, block_bytes, reference, monkeypa
     def broken(slots, block_ids):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(core.host_tier, "_copy_in", broken)
+    monkeypatch.setattr(core.host_tier, "copy_to_device", broken)
     core.add_request("p", P, GREEDY)
     assert core.scheduler.requests["p"].status is RequestStatus.WAITING  # back in the queue: recomputed
     first = core.step()[0]

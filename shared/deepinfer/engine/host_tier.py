@@ -141,7 +141,7 @@ class HostTier:
         self.stats.hit_blocks += len(block_ids)
         copy = _Copy(None, slots, blocks, time.perf_counter())
         try:
-            copy.event = self._copy_in(slots, block_ids)
+            copy.event = self.copy_to_device(slots, block_ids)
         except Exception:
             log.exception("host-tier load of %d blocks for %s failed: recomputing", len(slots), request.request_id)
             self._end_load(scheduler, request.request_id, copy, loaded=False)
@@ -185,7 +185,7 @@ class HostTier:
             return
         self.block_pool.touch(blocks)
         try:
-            event = self._copy_out([b.block_id for b in blocks], slots)
+            event = self.copy_to_host([b.block_id for b in blocks], slots)
         except Exception:
             log.exception("host-tier offload of %d blocks failed", len(blocks))
             self.pool.abort(slots)
@@ -222,7 +222,7 @@ class HostTier:
         dtype = self.kv_caches[0].dtype
         return flat.view(dtype).view(flat.shape[0], len(self.kv_caches), *self._block_shape)
 
-    def _copy_out(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
+    def copy_to_host(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
         if not self.cuda:
             index = torch.tensor(block_ids, dtype=torch.long)
             slot_index = torch.tensor(slots, dtype=torch.long)
@@ -240,7 +240,7 @@ class HostTier:
                                                                      non_blocking=True)
             return self._record()
 
-    def _copy_in(self, slots: list[int], block_ids: list[int]) -> torch.cuda.Event | None:
+    def copy_to_device(self, slots: list[int], block_ids: list[int]) -> torch.cuda.Event | None:
         if not self.cuda:
             index = torch.tensor(block_ids, dtype=torch.long)
             slot_index = torch.tensor(slots, dtype=torch.long)
