@@ -38,7 +38,7 @@ def engine(model_dir, host_blocks: int, async_scheduling: bool = False):
     from deepinfer.engine.core import EngineCore
 
     probe = EngineArgs(model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128,
-                       kv_cache_bytes=64 << 20, progress=False)
+                       kv_cache_bytes=64 << 20, kv_host_cache_bytes=0, progress=False)
     per_block = EngineCore(probe).kv_plan.bytes_per_block
     return EngineCore(EngineArgs(
         model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128, progress=False,

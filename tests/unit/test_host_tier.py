@@ -5,6 +5,7 @@ engine without tiers; a slot holds the block in export_blocks' payload format; a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +159,30 @@ def test_a_small_host_pool_evicts_and_the_tier_is_off_by_default_on_the_cpu(tiny
     off = EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
                                 kv_cache_bytes=16 << 20))
     assert off.host_tier is None and not off.scheduler.block_pool.track_cached
+
+
+def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, block_bytes, reference):
+    from deepinfer.engine.kv_load import export_cached, finish_load
+    from deepinfer.worker.store_tier import _start_load_with_host
+
+    other = engine(tiny_dir, block_bytes, host_blocks=0)  # what another worker wrote to the store
+    other.add_request("p", P, GREEDY)
+    run(other)
+    hashes = hash_blocks(P, BLOCK_SIZE, other.fingerprint, "")[:4]
+    kept, stored = export_cached(other, hashes)
+    assert kept == hashes
+    core = engine(tiny_dir, block_bytes)
+    core.add_request("half", P[:9], GREEDY.clone(max_tokens=1))  # P's first 2 blocks: device, then host
+    run(core)
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, GREEDY)
+        run(core)
+    assert core.scheduler.block_pool.get_cached_block(hashes[0]) is None
+
+    plan, local = _start_load_with_host(core, hashes, "p", P, GREEDY, 4)
+    assert (plan.first_block, len(plan.block_ids)) == (0, 4)
+    assert local[2:] == [None, None]  # the store is asked only for blocks 2 and 3
+    for held, computed in zip(local[:2], stored[:2], strict=True):  # the same KV (computed in another batch shape)
+        assert np.allclose(np.frombuffer(held, np.float32), np.frombuffer(computed, np.float32), atol=1e-5)
+    assert finish_load(core, plan, [*local[:2], *stored[2:]])
+    assert run(core)["p"] == reference["p"]
