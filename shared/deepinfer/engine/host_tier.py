@@ -173,12 +173,13 @@ class HostTier:
         """After a step: copy the blocks that entered the device prefix cache (and are not held here) to host."""
         newly_cached, self.block_pool.newly_cached = self.block_pool.newly_cached, []
         blocks, slots = [], []
-        for block, block_hash in newly_cached:
+        for i, (block, block_hash) in enumerate(newly_cached):
             if block.block_hash != block_hash or block_hash in self.pool:
                 continue
             slot = self.pool.reserve(block_hash)
-            if slot is None:
-                break  # every slot pinned: the rest would be skipped too
+            if slot is None:  # every slot pinned: the rest are skipped too (counted without a scan each)
+                self.pool.num_skipped += len(newly_cached) - i - 1
+                break
             blocks.append(block)
             slots.append(slot)
         if not blocks:
