@@ -148,6 +148,8 @@ class KvIndex:
             return False
         for block_hash in page.block_hashes:
             self._store(holder, bytes(block_hash), DEVICE_BIT)
+        for block_hash in page.host_block_hashes:  # the worker's host-memory tier
+            self._store(holder, bytes(block_hash), LOWER_BIT)
         return True
 
     def end_snapshot(self, worker_id: str) -> bool:

@@ -227,7 +227,7 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         workers.append(first)
         tokens, chunk = await generate(bus, model, "dec-a", "r1")
         assert tokens == reference
-        assert chunk.cached_tokens_by_tier == {"device": 0, "store": 0}
+        assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
         # The prompt's 5 full blocks (21 tokens; the last one's KV is computed with the first output token); the
         # blocks of generated tokens are not written behind (kv_store_write_generated is off by default).
         await written_behind(first, 5)
@@ -237,7 +237,7 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         workers.append(second)
         tokens, chunk = await generate(bus, model, "dec-b", "r2")
         assert tokens == reference  # the loaded KV is the computed KV
-        assert (chunk.num_cached_tokens, chunk.cached_tokens_by_tier) == (20, {"device": 0, "store": 20})
+        assert (chunk.num_cached_tokens, chunk.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert metric(second, "worker_store_loads_total", outcome="loaded") == 1
         assert metric(second, "worker_store_loaded_blocks_total") == 5
         assert metric(second, "worker_store_loaded_bytes_total") > 0
@@ -250,7 +250,7 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
             request_id="r3", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=GREEDY), PrefillResult,
             timeout_s=30)
         assert result.error is None and result.first_token_id == reference[0]
-        assert (result.num_cached_tokens, result.cached_tokens_by_tier) == (20, {"device": 0, "store": 20})
+        assert (result.num_cached_tokens, result.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert "get" in proxy.ops and "put" in proxy.ops
     finally:
         await asyncio.gather(*(w.close() for w in workers))
@@ -276,7 +276,7 @@ async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server
         tokens, chunk = await generate(bus, model, "dec-e", "r5")
         assert shard.wait(10) == -signal.SIGKILL  # the lookup found the blocks; the load's GET killed the store
         assert tokens == reference
-        assert chunk.cached_tokens_by_tier == {"device": 0, "store": 0}
+        assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
         assert metric(second, "worker_store_loads_total", outcome="failed") == 1
         assert metric(second, "worker_store_loaded_blocks_total") == 0
     finally:

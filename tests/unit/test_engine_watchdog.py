@@ -27,6 +27,9 @@ class HangingCore:
     def has_unfinished_requests(self) -> bool:
         return self.steps == 0
 
+    def take_kv_events(self) -> list:
+        return []
+
     def step(self) -> list:
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -195,3 +195,15 @@ def test_the_cap_evicts_the_least_recent_block_of_the_largest_holder():
     index.apply_batch(batch("w2", 2, stored(6)))  # now w2 is the largest (3): its least recent, block 1
     assert index.holders("L", h(1)) == {"w1": "device"}
     assert index.num_entries == 4 and index.num_evicted == 2
+
+
+def test_a_snapshot_page_of_host_tier_blocks_indexes_them_in_the_lower_tier():
+    index = KvIndex()
+    assert index.observe_worker("w1", "L", "e1")
+    assert index.begin_snapshot("w1")
+    assert index.apply_page(SnapshotPage(worker_id="w1", seq=4, block_hashes=[h(1)], host_block_hashes=[h(1), h(2)],
+                                         epoch="e1"))
+    assert index.end_snapshot("w1")
+    assert index.match("L", [h(1), h(2), h(3)], ["w1"]) == {"w1": PrefixMatch(device_blocks=1, lower_blocks=1)}
+    index.apply_batch(batch("w1", 5, removed(2, tier=KvTier.HOST)))  # the host tier evicted it
+    assert index.match("L", [h(1), h(2)], ["w1"]) == {"w1": PrefixMatch(device_blocks=1)}

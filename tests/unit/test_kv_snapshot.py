@@ -16,9 +16,9 @@ async def test_pages_come_from_one_frozen_cut_and_a_lost_one_is_cut_again():
     state = {"seq": 4, "hashes": [h(i) for i in range(5)]}
     cuts: list[int] = []
 
-    async def cut() -> tuple[int, list[bytes]]:
+    async def cut() -> tuple[int, list[bytes], list[bytes]]:
         cuts.append(state["seq"])
-        return state["seq"], list(state["hashes"])
+        return state["seq"], list(state["hashes"]), []
 
     pages = SnapshotPages("w1", "boot", cut, clock=lambda: now["s"])
     first = await pages.page(SnapshotRequest(page_size=2))
@@ -41,3 +41,16 @@ async def test_pages_come_from_one_frozen_cut_and_a_lost_one_is_cut_again():
     state["seq"] = 99
     assert (await pages.page(SnapshotRequest(cursor=1, seq=6))).seq == 99  # cut 6 was dropped
     assert (await pages.page(SnapshotRequest(cursor=0, seq=7, page_size=1))).seq == 99  # cursor 0: always fresh
+
+
+async def test_pages_run_over_the_device_blocks_then_the_host_tier_blocks():
+    async def cut() -> tuple[int, list[bytes], list[bytes]]:
+        return 3, [h(0), h(1), h(2)], [h(7), h(8)]
+
+    pages = SnapshotPages("w1", "boot", cut)
+    got = [await pages.page(SnapshotRequest(page_size=2))]
+    while got[-1].next_cursor is not None:
+        got.append(await pages.page(SnapshotRequest(cursor=got[-1].next_cursor, seq=3, page_size=2)))
+    assert [(p.block_hashes, p.host_block_hashes) for p in got] == [
+        ([h(0), h(1)], []), ([h(2)], [h(7)]), ([], [h(8)]),
+    ]

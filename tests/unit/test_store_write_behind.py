@@ -27,7 +27,7 @@ class NoShardLookups:
 class AddOnly:
     """The engine loop as StoreTier's admission uses it: `call(fn)` runs `fn(core)`."""
 
-    core = SimpleNamespace(args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT,
+    core = SimpleNamespace(args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT, host_tier=None,
                            add_request=lambda *args, **kwargs: None,
                            scheduler=SimpleNamespace(block_pool=SimpleNamespace(get_cached_block=lambda h: None)))
 

@@ -23,6 +23,7 @@ TORCH_FREE_MODULES = (
     "deepinfer.tasks",
     "deepinfer.tokenizer",
     "deepinfer.engine.outputs",
+    "deepinfer.engine.host_pool",
     "services.gateway",
     "services.scheduler",
     "services.kvcache",

@@ -225,6 +225,11 @@ class WorkerSettings(ServiceSettings):
     kv_cache_bytes: ByteSize | None = Field(
         None, ge=1, description="KV cache budget in bytes (e.g. 2GiB); overrides gpu_memory_utilization, used on CPU."
     )
+    kv_host_cache_bytes: ByteSize | None = Field(
+        None, ge=0, description="Host-memory KV tier (pinned; docs/kvstore.md, Workers), e.g. 8GiB: cached blocks "
+        "are copied there as they are computed and loaded back instead of recomputed. Unset = 8GiB on a CUDA "
+        "device, off on others; 0 = off.",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "

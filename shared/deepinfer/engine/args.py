@@ -46,6 +46,9 @@ class EngineArgs:
     #: KV budget in bytes; None = from gpu_memory_utilization on a GPU; on the CPU room for 8 full-length
     #: sequences, at most 1 GiB.
     kv_cache_bytes: int | None = None
+    #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); None = 8 GiB on a CUDA
+    #: device, off on others; 0 = off. An explicit value turns it on on any device (CPU tests).
+    kv_host_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.
     tensor_parallel_size: int = 1
@@ -86,6 +89,8 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
+            raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on."""

@@ -125,6 +125,7 @@ class AsyncScheduler(Scheduler):
                 RequestUpdate(
                     request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
                     request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
+                    request.num_host_cached_tokens,
                 )
             )
         if finished:

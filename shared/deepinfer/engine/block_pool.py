@@ -33,12 +33,17 @@ class KVCacheBlock:
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
 
+#: The device pool's tier name; the worker's host-memory pool (engine/host_pool.py) reports "host".
+DEVICE_TIER = "device"
+
+
 @dataclass
 class Stored:
     """Blocks entered the prefix cache; block_hashes form a chain whose first parent is parent_hash."""
 
     block_hashes: list[bytes]
     parent_hash: bytes | None
+    tier: str = DEVICE_TIER
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Removed:
     """Blocks left the prefix cache (evicted for reuse)."""
 
     block_hashes: list[bytes]
+    tier: str = DEVICE_TIER
 
 
 @dataclass
@@ -122,6 +128,10 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self._events: list[KvCacheEvent] = []
+        #: True = remember each block entering the prefix cache in `newly_cached` (the host tier's write-through
+        #: takes them after every step).
+        self.track_cached = False
+        self.newly_cached: list[tuple[KVCacheBlock, bytes]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -161,6 +171,8 @@ class BlockPool:
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
+                if self.track_cached:
+                    self.newly_cached.append((block, block_hash))
                 if not run:
                     run_parent = block_hashes[i - 1] if i > 0 else None
                 run.append(block_hash)
@@ -215,6 +227,7 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.newly_cached.clear()
         self._emit(AllCleared())
         return True
 

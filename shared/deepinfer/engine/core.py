@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -10,8 +11,10 @@ import torch
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
+from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
+from deepinfer.engine.host_tier import HostTier
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
@@ -37,6 +40,12 @@ CUDA_CONTEXT_BYTES = 512 << 20
 
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+#: How long an engine with only host-tier copies in flight sleeps between polls.
+HOST_COPY_POLL_S = 0.0002
+
+#: Host-memory KV tier of an engine on a CUDA device when kv_host_cache_bytes is unset.
+DEFAULT_CUDA_KV_HOST_CACHE_BYTES = 8 << 30
 
 
 class EngineCore:
@@ -100,6 +109,8 @@ class EngineCore:
             use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1,
             batch_invariant=args.batch_invariant,
         )
+        #: The host-memory KV tier (None = off).
+        self.host_tier = self._make_host_tier()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
         logger.info(
@@ -125,9 +136,11 @@ class EngineCore:
         recomputed with the prompt. `hold_blocks`: keep the KV blocks referenced after the request finishes
         (a prefill worker's lease; see deepinfer.engine.handoff).
         """
-        self.scheduler.add_request(
-            self.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids, hold_blocks)
-        )
+        request = self.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids,
+                                   hold_blocks)
+        if self.host_tier is not None and self.host_tier.start_load(self.scheduler, request):
+            return  # its prefix loads from the host tier (WAITING_FOR_REMOTE_KVS), then it runs
+        self.scheduler.add_request(request)
 
     def new_request(
         self,
@@ -189,18 +202,34 @@ class EngineCore:
             close()
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is running or waiting."""
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is running or waiting, or a host-tier copy is in flight (steps poll it)."""
+        return self.scheduler.has_unfinished_requests() or (self.host_tier is not None and self.host_tier.busy)
+
+    def take_kv_events(self) -> list[KvCacheEvent]:
+        """Prefix-cache events of the device pool, then of the host tier, since the last call."""
+        events = self.scheduler.take_kv_events()
+        return events + self.host_tier.take_events() if self.host_tier is not None else events
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """One engine step: schedule → execute → update (async scheduling: see `_step_async`)."""
+        """One engine step: schedule → execute → update (async scheduling: see `_step_async`). With the host tier:
+        completed copies are finished first (loaded requests join), and blocks cached by the step are offloaded."""
+        host_tier = self.host_tier
+        if host_tier is not None:
+            host_tier.poll(self.scheduler)
+            if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+                time.sleep(HOST_COPY_POLL_S)  # only copies in flight: poll again soon
+                return []
         if self.async_scheduling:
-            return self._step_async()
-        scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled, self.scheduler.requests)
-        updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-        return _engine_outputs(updates, sampled)
+            outputs = self._step_async()
+        else:
+            scheduled = self.scheduler.schedule()
+            sampled = self.runner.execute(scheduled, self.scheduler.requests)
+            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
+            outputs = _engine_outputs(updates, sampled)
+        if host_tier is not None:
+            host_tier.offload()
+        return outputs
 
     def _step_async(self) -> list[EngineOutput]:
         """schedule(N+1) → launch(N+1) → update(N) with N's tokens: the device never waits for the host.
@@ -283,6 +312,24 @@ class EngineCore:
         return min(int(total * self.args.gpu_memory_utilization) - allocated - CUDA_CONTEXT_BYTES - headroom,
                    free + cached - headroom)
 
+    def _make_host_tier(self) -> HostTier | None:
+        budget = self.args.kv_host_cache_bytes
+        if budget is None:
+            budget = DEFAULT_CUDA_KV_HOST_CACHE_BYTES if self.device.type == "cuda" else 0
+        if budget == 0 or not self.args.enable_prefix_caching:
+            return None
+        if self.args.tensor_parallel_size > 1:  # rank 0's cache holds only its share of the KV heads
+            logger.info("host KV tier off: tensor_parallel_size > 1")
+            return None
+        kv_caches = self.runner.kv_caches
+        num_slots = budget // HostTier.slot_nbytes(kv_caches)
+        if num_slots == 0:
+            logger.warning("host KV tier off: kv_host_cache_bytes=%d holds no block", budget)
+            return None
+        tier = HostTier(kv_caches, num_slots, self.scheduler.block_pool)
+        logger.info("host KV tier: %d blocks (%.2f GiB)", num_slots, tier.capacity_bytes / (1 << 30))
+        return tier
+
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
@@ -300,6 +347,7 @@ def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToke
             num_cached_tokens=u.num_cached_tokens,
             first_scheduled_time=u.first_scheduled_time,
             num_store_cached_tokens=u.num_store_cached_tokens,
+            num_host_cached_tokens=u.num_host_cached_tokens,
         )
         for u in updates
     ]

@@ -42,13 +42,15 @@ def start_load(
     hold_blocks: bool = False,
 ) -> LoadPlan | None:
     """Admit a request whose first `num_stored_blocks` full blocks are in the store, waiting for their KV; None
-    when the device already has them or there is no room: then it was queued the ordinary way (computed).
+    when the device already has them or there is no room: then it was queued the ordinary way (computed, or
+    loaded from the host tier where that holds its prefix).
     ValueError, like add_request, for an invalid request."""
     request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids,
                                hold_blocks)
     plan = core.scheduler.add_loading_request(request, num_stored_blocks)
     if plan is None:
-        core.scheduler.add_request(request)
+        if core.host_tier is None or not core.host_tier.start_load(core.scheduler, request):
+            core.scheduler.add_request(request)
         return None
     return LoadPlan(request_id, plan[0], plan[1])
 

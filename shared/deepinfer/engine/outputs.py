@@ -31,6 +31,8 @@ class EngineOutput:
     first_scheduled_time: float | None = None
     #: Of num_cached_tokens, those loaded from the kvcache store.
     num_store_cached_tokens: int = 0
+    #: Of num_cached_tokens, those loaded from the worker's host-memory tier.
+    num_host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ class Request:
         self.num_cached_tokens = 0
         #: Of num_cached_tokens, those loaded from the kvcache store (the rest were in the device pool).
         self.num_store_cached_tokens = 0
+        #: Of num_cached_tokens, those loaded from the host-memory tier.
+        self.num_host_cached_tokens = 0
         self.num_preemptions = 0
         #: time.monotonic() when the scheduler first gave it a step (None while it waits): queue vs compute time.
         self.first_scheduled_time: float | None = None

@@ -14,8 +14,8 @@ cache, so resuming usually recomputes only what was evicted meanwhile.
 n > 1: add one Request per sequence with the same prompt. A sibling shares a block once the first request has
 computed it (blocks enter the prefix cache in update()); siblings admitted in the same step share nothing yet.
 
-Store loads: add_loading_request holds a request's blocks in WAITING_FOR_REMOTE_KVS (never scheduled; others run);
-finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count in max_num_seqs.
+Store and host-tier loads: add_loading_request holds a request's blocks in WAITING_FOR_REMOTE_KVS (never scheduled;
+others run); finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count in max_num_seqs.
 
 The engine loop: `out = scheduler.schedule(); sampled = runner.execute(out); updates = scheduler.update(out, sampled)`.
 abort_requests() is called between steps, never between schedule() and the runner's execute().
@@ -195,6 +195,7 @@ class Scheduler:
                 RequestUpdate(
                     request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
                     request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
+                    request.num_host_cached_tokens,
                 )
             )
         if finished:
@@ -267,9 +268,10 @@ class Scheduler:
         self.num_added += 1
         return len(computed_blocks), [block.block_id for block in new]
 
-    def finish_loading(self, request_id: str, loaded: bool) -> None:
-        """`loaded`: the blocks hold the stored KV, cached now, and the request runs from its first token not loaded;
-        else the new blocks are dropped unused and it waits to be recomputed. Ignored for an aborted request."""
+    def finish_loading(self, request_id: str, loaded: bool, tier: str = "store") -> None:
+        """`loaded`: the blocks hold the KV loaded from `tier` ("store" or "host"), cached now, and the request runs
+        from its first token not loaded; else the new blocks are dropped unused and it waits to be recomputed.
+        Ignored for an aborted request."""
         request = self.loading.pop(request_id, None)
         if request is None:
             return
@@ -281,7 +283,10 @@ class Scheduler:
             self.waiting.insert(position, request)
             return
         num_loaded = len(self.kv_manager.get_blocks(request)) * self.config.block_size
-        request.num_store_cached_tokens = num_loaded - request.num_cached_tokens
+        if tier == "host":
+            request.num_host_cached_tokens = num_loaded - request.num_cached_tokens
+        else:
+            request.num_store_cached_tokens = num_loaded - request.num_cached_tokens
         request.num_cached_tokens = request.num_computed_tokens = num_loaded
         self.kv_manager.cache_blocks(request, num_loaded)
         request.status = RequestStatus.RUNNING

@@ -23,7 +23,8 @@ PROTOCOL_MAJOR = 2
 #: 2.4: TokenChunk.cached_tokens_by_tier (cached prompt tokens by tier: device, store).
 #: 2.5: TokenChunk.num_previous_tokens (a gateway sees a lost chunk as a gap), RouteRequest.exclude_worker_ids
 #:      (a re-issued request avoids its lost worker; an older scheduler ignores it).
-PROTOCOL_MINOR = 5
+#: 2.6: SnapshotPage.host_block_hashes (a worker's host-memory tier; an older reader sees only the device blocks).
+PROTOCOL_MINOR = 6
 
 
 class ProtocolError(ValueError):

@@ -79,6 +79,9 @@ class SnapshotPage(Message):
     #: The worker's kv_events seq when the page was cut; events after it apply on top.
     seq: NonNegativeInt
     block_hashes: list[BlockHash] = Field(default_factory=list)
+    #: Blocks of this page held in the worker's host-memory tier only (2.6); a block in both tiers is listed
+    #: in both (the page's cursor range covers the device list, then the host list).
+    host_block_hashes: list[BlockHash] = Field(default_factory=list)
     #: None = last page.
     next_cursor: NonNegativeInt | None = None
     #: The worker's boot id (2.2), as in its KvEventBatch.

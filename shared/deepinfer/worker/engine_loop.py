@@ -98,7 +98,7 @@ class EngineLoop:
                 self.step_started_s = time.monotonic()
                 outputs = self.core.step()
                 self.step_started_s = None
-                events = self.core.scheduler.take_kv_events()
+                events = self.core.take_kv_events()
                 self.num_steps += 1
                 self.stats = engine_stats(self.core)
                 if outputs or events:
@@ -108,13 +108,15 @@ class EngineLoop:
             self.error = exc
             self._fail_pending(exc)
 
-    def cut_kv_snapshot(self, core: EngineCore) -> tuple[int, list[bytes]]:
-        """(seq, every cached block hash) consistent with the event stream; run it on this thread via `call`.
-        Events not yet taken are dispatched first, so the snapshot includes exactly the batches up to seq."""
-        events = core.scheduler.take_kv_events()
+    def cut_kv_snapshot(self, core: EngineCore) -> tuple[int, list[bytes], list[bytes]]:
+        """(seq, every cached block hash, every host-tier block hash) consistent with the event stream; run it on
+        this thread via `call`. Events not yet taken are dispatched first, so the snapshot includes exactly the
+        batches up to seq."""
+        events = core.take_kv_events()
         if events:
             self._dispatch([], events)
-        return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block)
+        host = core.host_tier.pool.block_hashes() if core.host_tier is not None else []
+        return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block), host
 
     def _dispatch(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
         if events:

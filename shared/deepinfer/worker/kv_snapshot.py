@@ -1,7 +1,8 @@
 """Pages of the block hashes a worker's prefix cache holds, for a scheduler rebuilding its KV index.
 
-A request at cursor 0 cuts a snapshot on the engine thread (`EngineLoop.cut_kv_snapshot`): the hash list and the
-KV event seq it matches, frozen. Later pages come from that frozen copy (named by its seq), so every page of one
+A request at cursor 0 cuts a snapshot on the engine thread (`EngineLoop.cut_kv_snapshot`): the hash lists (device
+tier, then host tier) and the KV event seq they match, frozen. Cursors run over the device list, then the host list;
+a page carries its part of each. Later pages come from that frozen copy (named by its seq), so every page of one
 snapshot is cut at the same seq and events after it apply on top. The last `MAX_FROZEN` snapshots are kept for
 `FROZEN_TTL_S`; a request for one that is gone gets a fresh snapshot from cursor 0 (another seq: the reader
 starts over).
@@ -28,6 +29,11 @@ class Frozen:
     seq: int
     block_hashes: list[bytes]
     cut_at_s: float
+    host_block_hashes: list[bytes]
+
+    @property
+    def size(self) -> int:
+        return len(self.block_hashes) + len(self.host_block_hashes)
 
 
 class SnapshotPages:
@@ -37,7 +43,7 @@ class SnapshotPages:
         self,
         worker_id: str,
         epoch: str,
-        cut: Callable[[], Awaitable[tuple[int, list[bytes]]]],
+        cut: Callable[[], Awaitable[tuple[int, list[bytes], list[bytes]]]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_id = worker_id
@@ -52,18 +58,19 @@ class SnapshotPages:
         frozen = self._frozen.get(request.seq) if request.cursor > 0 and request.seq is not None else None
         cursor = request.cursor
         if frozen is None:
-            seq, block_hashes = await self._cut()
-            frozen = Frozen(seq, block_hashes, self._clock())
+            seq, block_hashes, host_block_hashes = await self._cut()
+            frozen = Frozen(seq, block_hashes, self._clock(), host_block_hashes)
             self._frozen[seq] = frozen
             while len(self._frozen) > MAX_FROZEN:
                 del self._frozen[min(self._frozen, key=lambda s: self._frozen[s].cut_at_s)]
             cursor = 0
-        end = cursor + request.page_size
+        end, num_device = cursor + request.page_size, len(frozen.block_hashes)
         return SnapshotPage(
             worker_id=self.worker_id,
             seq=frozen.seq,
             block_hashes=frozen.block_hashes[cursor:end],
-            next_cursor=end if end < len(frozen.block_hashes) else None,
+            host_block_hashes=frozen.host_block_hashes[max(0, cursor - num_device) : max(0, end - num_device)],
+            next_cursor=end if end < frozen.size else None,
             epoch=self.epoch,
             cursor=cursor,
         )

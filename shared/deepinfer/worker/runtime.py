@@ -2,7 +2,7 @@
 
     engine thread (EngineLoop) ──outputs──► role handler (prefill: first tokens; decode: token batches)
     heartbeat task  ── WorkerLoad every heartbeat_interval_s ──► heartbeat(model, worker_id)
-    KV events       ── KvEventBatch (seq +1 per batch, epoch) ───► kv_events(model, worker_id)
+    KV events       ── KvEventBatch (seq +1 per batch, epoch; device and host tier) ───► kv_events(model, worker_id)
                     ── blocks newly cached ──► StoreTier write-behind (kvcache store; admission loads from it)
     snapshot        ◄─ SnapshotRequest ─ a scheduler; SnapshotPage (cut on the engine thread, at a seq) ─►
     cancel(model)   ── Cancel ──► role handler's on_cancel
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
+from deepinfer.engine.block_pool import DEVICE_TIER, AllCleared, KvCacheEvent, Removed, Stored
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
@@ -36,6 +36,7 @@ from deepinfer.protocol import (
     KvEventBatch,
     KvEventKind,
     KvLayout,
+    KvTier,
     Message,
     SnapshotRequest,
     WorkerLoad,
@@ -47,6 +48,7 @@ from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.host_tier_metrics import HostTierMetrics
 from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
@@ -82,6 +84,8 @@ class WorkerRuntime:
         self.layout: KvLayout | None = None
         #: The kvcache store tier (None with kv_store off): admission loads, write-behind.
         self.store: StoreTier | None = None
+        #: Metrics of the engine's host-memory KV tier (None when the tier is off).
+        self.host_tier_metrics: HostTierMetrics | None = None
         self.data_plane_address = ""
         self.internal_address = ""
         self.draining = False
@@ -138,6 +142,8 @@ class WorkerRuntime:
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
+        if self.core.host_tier is not None:
+            self.host_tier_metrics = HostTierMetrics(self._registry, self.core.host_tier)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
@@ -219,6 +225,8 @@ class WorkerRuntime:
         ):
             self._gauges[name].set(value)
         self._set_model_server_gauges()
+        if self.host_tier_metrics is not None:
+            self.host_tier_metrics.update()
         load = self._worker_load()
         self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
         self._last_heartbeat_s = time.monotonic()
@@ -319,7 +327,8 @@ class WorkerRuntime:
         if outputs:
             self.on_outputs(outputs)
         if events and self.store is not None:
-            self.store.on_stored([h for event in events if isinstance(event, Stored) for h in event.block_hashes])
+            self.store.on_stored([h for event in events if isinstance(event, Stored) and event.tier == DEVICE_TIER
+                                  for h in event.block_hashes])
         if events:
             batch = KvEventBatch(
                 worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
@@ -343,7 +352,7 @@ class WorkerRuntime:
         self._load_heartbeat_pending = False
         await self.heartbeat()
 
-    async def _cut_snapshot(self) -> tuple[int, list[bytes]]:
+    async def _cut_snapshot(self) -> tuple[int, list[bytes], list[bytes]]:
         assert self.engine is not None
         return await self.engine.call(self.engine.cut_kv_snapshot)
 
@@ -357,14 +366,15 @@ class WorkerRuntime:
 
 
 def to_wire_events(events: Sequence[KvCacheEvent]) -> list[KvEvent]:
-    """The block pool's events as protocol messages (device tier)."""
+    """The block pool's and the host tier's events as protocol messages (tier device or host)."""
     wire = []
     for event in events:
         if isinstance(event, Stored):
             wire.append(KvEvent(event_kind=KvEventKind.STORED, block_hashes=list(event.block_hashes),
-                                parent_hash=event.parent_hash))
+                                parent_hash=event.parent_hash, tier=KvTier(event.tier)))
         elif isinstance(event, Removed):
-            wire.append(KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=list(event.block_hashes)))
+            wire.append(KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=list(event.block_hashes),
+                                tier=KvTier(event.tier)))
         elif isinstance(event, AllCleared):
             wire.append(KvEvent(event_kind=KvEventKind.ALL_CLEARED))
     return wire

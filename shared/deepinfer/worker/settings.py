@@ -22,6 +22,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_bytes=int(settings.kv_cache_bytes) if settings.kv_cache_bytes is not None else None,
+        kv_host_cache_bytes=None if settings.kv_host_cache_bytes is None else int(settings.kv_host_cache_bytes),
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,

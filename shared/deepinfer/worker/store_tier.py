@@ -1,9 +1,12 @@
 """`StoreTier`: a worker's use of the kvcache store (docs/kvstore.md, "Workers").
 
-    admission   hashes of the request's full blocks ─ has (lookup_timeout_s) ─► n stored (a leading run)
-                n > device hits: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others)
-                                 ─ get (load_timeout_s) ─► finish_load: runs from its first token not loaded
-                                 a failed or late get ─► fail_load: recomputed, the blocks never served
+    admission   hashes of the request's full blocks past those the device or the host tier holds ─ has
+                (lookup_timeout_s) ─► n stored (a leading run)
+                n = 0: EngineCore.add_request (a host-tier hit loads there)
+                n > 0: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others); the host-held blocks
+                       of the plan are read from the host tier, the rest ─ get (load_timeout_s) ─► finish_load:
+                       runs from its first token not loaded
+                       a failed or late get ─► fail_load: recomputed, the blocks never served
     write-behind  prompt blocks entering the prefix cache (the step's Stored events; generated blocks too with
                 kv_store_write_generated) ─► bounded queue (full: dropped,
                 counted) ─► background task: has → export the missing ones on the engine thread between steps
@@ -26,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from deepinfer.bus import MessageBus
 from deepinfer.config import WorkerSettings
+from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_load import LoadPlan, export_cached, fail_load, finish_load, start_load
 from deepinfer.engine.outputs import EngineOutput
 from deepinfer.kvcache.client import KvStoreClient
@@ -103,16 +107,18 @@ class StoreTier:
         hashes = hash_blocks(tokens, self.block_size, self.fingerprint, cache_salt)[: (len(tokens) - 1)
                                                                                     // self.block_size]
         self._remember(hashes, self._prompt_blocks)
-        # Ask the store only about blocks past the device's cached prefix: a prompt the device holds (the next
-        # turn of a conversation, a shared system prompt) costs no round trip before it reaches the engine.
-        num_device = self._num_device_cached(hashes)
-        num_beyond = await self._lookup(hashes[num_device:])
-        num_stored = num_device + num_beyond if num_beyond else 0
+        # Ask the store only about blocks past the prefix the device or the host tier holds: a prompt held here
+        # (the next turn of a conversation, a shared system prompt) costs no round trip before it reaches the
+        # engine, whose admission loads the host-held part itself.
+        num_local = self._num_locally_cached(hashes)
+        num_beyond = await self._lookup(hashes[num_local:])
+        num_stored = num_local + num_beyond if num_beyond else 0
         if num_stored:
-            plan = await self.engine.call(lambda core: start_load(
-                core, request_id, prompt_token_ids, params, num_stored, cache_salt, output_token_ids, hold_blocks))
+            plan, local = await self.engine.call(lambda core: _start_load_with_host(
+                core, hashes, request_id, prompt_token_ids, params, num_stored, cache_salt, output_token_ids,
+                hold_blocks))
             if plan is not None:
-                await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)])
+                await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)], local)
             else:
                 self.m_loads.labels("skipped").inc()  # the device had them, or no room: queued to compute
             return
@@ -120,12 +126,14 @@ class StoreTier:
             request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
             hold_blocks=hold_blocks))
 
-    def _num_device_cached(self, hashes: list[bytes]) -> int:
-        """Leading blocks in the device prefix cache, read from the event loop: a hint (start_load checks again
-        on the engine thread), so a block evicted meanwhile only means a load or a recompute, never wrong KV."""
-        pool = self.engine.core.scheduler.block_pool
-        return next((i for i, block_hash in enumerate(hashes) if pool.get_cached_block(block_hash) is None),
-                    len(hashes))
+    def _num_locally_cached(self, hashes: list[bytes]) -> int:
+        """Leading blocks in the device prefix cache or the host tier, read from the event loop: a hint (the
+        engine thread checks again), so a block evicted meanwhile only means a load or a recompute, never wrong
+        KV."""
+        pool, host_tier = self.engine.core.scheduler.block_pool, self.engine.core.host_tier
+        host = host_tier.pool if host_tier is not None else None
+        return next((i for i, block_hash in enumerate(hashes) if pool.get_cached_block(block_hash) is None
+                     and (host is None or host.lookup(block_hash) is None)), len(hashes))
 
     async def _lookup(self, hashes: list[bytes]) -> int:
         """How many leading blocks the store holds (0 on any failure: a miss, never an error)."""
@@ -142,11 +150,14 @@ class StoreTier:
         self.m_lookups.labels("hit" if num_stored else "miss").inc()
         return num_stored
 
-    async def _load(self, plan: LoadPlan, hashes: list[bytes]) -> None:
+    async def _load(self, plan: LoadPlan, hashes: list[bytes], local: list[bytes | None]) -> None:
+        """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all."""
         started = time.perf_counter()
+        missing = [h for h, payload in zip(hashes, local, strict=True) if payload is None]
         try:
-            payloads = await asyncio.wait_for(self.client.get(self.layout_id, hashes),
-                                              self.settings.kv_store_load_timeout_s)
+            fetched = iter(await asyncio.wait_for(self.client.get(self.layout_id, missing),
+                                                  self.settings.kv_store_load_timeout_s) if missing else [])
+            payloads = [payload if payload is not None else next(fetched) for payload in local]
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
@@ -157,8 +168,8 @@ class StoreTier:
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
             self.m_load_s.observe(time.perf_counter() - started)
-            self.m_loaded_blocks.inc(len(payloads))
-            self.m_loaded_bytes.inc(sum(len(p) for p in payloads))
+            self.m_loaded_blocks.inc(len(missing))
+            self.m_loaded_bytes.inc(sum(len(p) for p, held in zip(payloads, local, strict=True) if held is None))
 
     # -- write-behind -------------------------------------------------------------------------------------------
     def on_stored(self, block_hashes: Sequence[bytes]) -> None:
@@ -233,7 +244,20 @@ async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvSto
     return client
 
 
+def _start_load_with_host(core: EngineCore, hashes: list[bytes], request_id: str, *args) -> tuple[
+        LoadPlan | None, list[bytes | None]]:
+    """start_load, and the payloads of the plan's blocks the host tier holds (None for the others: from the
+    store), read in the same engine-thread call so no eviction falls in between."""
+    plan = start_load(core, request_id, *args)
+    if plan is None:
+        return None, []
+    planned = hashes[plan.first_block : plan.first_block + len(plan.block_ids)]
+    if core.host_tier is None:
+        return plan, [None] * len(planned)
+    return plan, core.host_tier.payloads(planned)
+
+
 def cached_tokens_by_tier(output: EngineOutput) -> dict[str, int]:
-    """Where a request's cached prompt tokens came from: {"device": ..., "store": ...}."""
-    return {"device": output.num_cached_tokens - output.num_store_cached_tokens,
-            "store": output.num_store_cached_tokens}
+    """Where a request's cached prompt tokens came from: {"device": ..., "host": ..., "store": ...}."""
+    return {"device": output.num_cached_tokens - output.num_store_cached_tokens - output.num_host_cached_tokens,
+            "host": output.num_host_cached_tokens, "store": output.num_store_cached_tokens}

@@ -1,0 +1,287 @@
+"""The worker's host-memory KV tier: write-through offload of cached blocks, loads on a prefix hit.
+
+    step N computes blocks ─ they enter the device prefix cache ─► offload (after update(N)):
+        copy stream waits an event of the compute stream; per layer one gather into a device staging buffer,
+        then non_blocking copies into the pinned host slots; an event; each device block holds an extra
+        reference until that event completed (polled at the start of a step), so it is never freed or reused
+        before its copy is done, and no step waits for a copy.
+    admission (EngineCore.add_request): device hits, then the following blocks held here ─► add_loading_request
+        (WAITING_FOR_REMOTE_KVS: the others keep running) ─► copy stream: pinned slots → device staging →
+        index_copy_ per layer (as kv_transfer.import_blocks) ─► event ─► at the start of a later step
+        finish_loading(loaded=True): the request runs from its first token not loaded. A copy that cannot be
+        issued → finish_loading(loaded=False): recomputed, never garbage.
+
+Write-through and not a copy at eviction: a block is evicted when the step being scheduled needs it, so a copy
+then would sit on that step's critical path (vLLM's CPU offloading also stores at compute time).
+
+A host slot is one block in export_blocks' payload format (layer-major), so a slot is also a ready store payload.
+On the CPU (the tier forced on by an explicit kv_host_cache_bytes, for tests) copies run synchronously but a load
+goes through the same loading state. All methods run on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
+from deepinfer.engine.host_pool import HOST_TIER, HostPool
+from deepinfer.engine.kv_transfer import block_nbytes
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+#: Device staging buffer of the copy stream (blocks per gather / scatter round).
+STAGING_BYTES = 64 << 20
+
+
+@dataclass
+class HostTierStats:
+    """Counters since start (read by the worker's metrics from another thread: plain ints)."""
+
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    failed_loads: int = 0
+    #: Seconds of each completed load (issue → seen complete), drained by the worker's histogram.
+    load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+@dataclass
+class _Copy:
+    """A copy in flight: done when its event completed (None: it ran synchronously)."""
+
+    event: torch.cuda.Event | None
+    slots: list[int]
+    #: Device blocks holding an extra reference until the copy is done.
+    blocks: list[KVCacheBlock]
+    started_s: float
+
+
+class HostTier:
+    """Pinned host slots for one engine's KV caches, the copy stream and the copies in flight."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], num_slots: int, block_pool: BlockPool) -> None:
+        self.kv_caches = list(kv_caches)
+        self.block_nbytes = block_nbytes(kv_caches)
+        self.pool = HostPool(num_slots, block_pool.enable_kv_events)
+        self.block_pool = block_pool
+        first = kv_caches[0]
+        self.device = first.device
+        self.cuda = first.device.type == "cuda"
+        self._dim = 0 if first.dim() == 3 else 1  # the block axis (latent caches: 0)
+        self._block_shape = [n for i, n in enumerate(first.shape) if i != self._dim]
+        self.host = torch.empty((num_slots, self.block_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self._host_typed = self._typed(self.host)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            chunk = max(1, min(num_slots, STAGING_BYTES // self.block_nbytes))
+            self._staging = torch.empty((chunk, self.block_nbytes), dtype=torch.uint8, device=self.device)
+            self._staging_typed = self._typed(self._staging)
+        self._offloads: deque[_Copy] = deque()
+        self._loads: dict[str, _Copy] = {}
+        self.stats = HostTierStats()
+        block_pool.track_cached = True
+
+    @staticmethod
+    def slot_nbytes(kv_caches: Sequence[torch.Tensor]) -> int:
+        """Bytes of one host slot (one block of every layer)."""
+        return block_nbytes(kv_caches)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the pinned pool."""
+        return self.pool.num_slots * self.block_nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding a block or being written."""
+        return self.pool.num_used * self.block_nbytes
+
+    @property
+    def busy(self) -> bool:
+        """True while a copy is in flight (the engine keeps polling)."""
+        return bool(self._loads or self._offloads)
+
+    def holds_device_block(self, block_id: int) -> bool:
+        """True while an offload copies from this device block (tests: never reused meanwhile)."""
+        return any(block.block_id == block_id for copy in self._offloads for block in copy.blocks)
+
+    # -- loads --------------------------------------------------------------------------------------------------
+    def start_load(self, scheduler: Scheduler, request: Request) -> bool:
+        """Admit a new request whose prefix past the device hits is held here: loading state, copy issued.
+        False: nothing to load or no room (nothing changed; queue it with add_request)."""
+        block_size = scheduler.config.block_size
+        request.bind_block_hashing(block_size, scheduler.config.model_fingerprint)
+        if not scheduler.block_pool.enable_caching:
+            return False
+        hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
+        _, num_device_tokens = scheduler.kv_manager.get_computed_blocks(request)
+        num_device = num_device_tokens // block_size
+        num_host = self.pool.num_leading_hits(hashes[num_device:])
+        self.stats.miss_blocks += len(hashes) - num_device - num_host
+        if num_host == 0:
+            return False
+        plan = scheduler.add_loading_request(request, num_device + num_host)
+        if plan is None:
+            return False
+        first_block, block_ids = plan
+        slots = self.pool.pin(hashes[first_block : first_block + len(block_ids)])
+        blocks = [self.block_pool.blocks[i] for i in block_ids]
+        self.block_pool.touch(blocks)  # an abort meanwhile must not hand them out while the copy writes them
+        self.stats.hit_blocks += len(block_ids)
+        copy = _Copy(None, slots, blocks, time.perf_counter())
+        try:
+            copy.event = self.copy_to_device(slots, block_ids)
+        except Exception:
+            log.exception("host-tier load of %d blocks for %s failed: recomputing", len(slots), request.request_id)
+            self._end_load(scheduler, request.request_id, copy, loaded=False)
+            return True
+        self._loads[request.request_id] = copy
+        return True
+
+    def poll(self, scheduler: Scheduler) -> None:
+        """At the start of a step: finish the copies that completed (never waits for one)."""
+        self._finish_offloads()
+        for request_id, copy in list(self._loads.items()):
+            if copy.event is None or copy.event.query():
+                del self._loads[request_id]
+                self._end_load(scheduler, request_id, copy, loaded=True)
+
+    def _end_load(self, scheduler: Scheduler, request_id: str, copy: _Copy, loaded: bool) -> None:
+        scheduler.finish_loading(request_id, loaded=loaded, tier=HOST_TIER)
+        self.pool.unpin(copy.slots)
+        self.block_pool.free_blocks(reversed(copy.blocks))
+        if loaded:
+            self.stats.loaded_blocks += len(copy.slots)
+            self.stats.loaded_bytes += len(copy.slots) * self.block_nbytes
+            self.stats.load_seconds.append(time.perf_counter() - copy.started_s)
+        else:
+            self.stats.failed_loads += 1
+
+    # -- offloads -----------------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """After a step: copy the blocks that entered the device prefix cache (and are not held here) to host."""
+        newly_cached, self.block_pool.newly_cached = self.block_pool.newly_cached, []
+        blocks, slots = [], []
+        for i, (block, block_hash) in enumerate(newly_cached):
+            if block.block_hash != block_hash or block_hash in self.pool:
+                continue
+            slot = self.pool.reserve(block_hash)
+            if slot is None:  # every slot pinned: the rest are skipped too (counted without a scan each)
+                self.pool.num_skipped += len(newly_cached) - i - 1
+                break
+            blocks.append(block)
+            slots.append(slot)
+        if not blocks:
+            return
+        self.block_pool.touch(blocks)
+        try:
+            event = self.copy_to_host([b.block_id for b in blocks], slots)
+        except Exception:
+            log.exception("host-tier offload of %d blocks failed", len(blocks))
+            self.pool.abort(slots)
+            self.block_pool.free_blocks(reversed(blocks))
+            return
+        self._offloads.append(_Copy(event, slots, blocks, time.perf_counter()))
+        self.stats.offloaded_blocks += len(blocks)
+        self.stats.offloaded_bytes += len(blocks) * self.block_nbytes
+        if event is None:
+            self._finish_offloads()
+
+    def _finish_offloads(self) -> None:
+        """Offloads run in order on one stream: finish those done, from the oldest."""
+        while self._offloads and (self._offloads[0].event is None or self._offloads[0].event.query()):
+            copy = self._offloads.popleft()
+            self.pool.commit(copy.slots)
+            self.block_pool.free_blocks(reversed(copy.blocks))
+
+    def take_events(self) -> list[KvCacheEvent]:
+        """Host-tier Stored / Removed since the last call."""
+        return self.pool.take_events()
+
+    def payloads(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Each block's payload (export_blocks' format) if held here, else None: copies, safe to keep."""
+        out: list[bytes | None] = []
+        for block_hash in block_hashes:
+            slot = self.pool.lookup(block_hash)
+            out.append(None if slot is None else self.host[slot].numpy().tobytes())
+        return out
+
+    # -- copies -------------------------------------------------------------------------------------------------
+    def _typed(self, flat: torch.Tensor) -> torch.Tensor:
+        """[n, block_nbytes] uint8 → [n, num_layers, *block shape] in the cache dtype (a view)."""
+        dtype = self.kv_caches[0].dtype
+        return flat.view(dtype).view(flat.shape[0], len(self.kv_caches), *self._block_shape)
+
+    def copy_to_host(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
+        if not self.cuda:
+            index = torch.tensor(block_ids, dtype=torch.long)
+            slot_index = torch.tensor(slots, dtype=torch.long)
+            for layer, kv in enumerate(self.kv_caches):
+                self._host_typed[slot_index, layer] = kv.index_select(self._dim, index).movedim(self._dim, 0)
+            return None
+        with self._on_copy_stream():
+            for start in range(0, len(block_ids), self._staging.shape[0]):
+                ids, chunk_slots = block_ids[start : start + self._staging.shape[0]], slots[start:]
+                index = self._device_index(ids)
+                for layer, kv in enumerate(self.kv_caches):
+                    self._staging_typed[: len(ids), layer].copy_(kv.index_select(self._dim, index).movedim(self._dim, 0))
+                for first, host_first, count in _runs(chunk_slots[: len(ids)]):
+                    self.host[host_first : host_first + count].copy_(self._staging[first : first + count],
+                                                                     non_blocking=True)
+            return self._record()
+
+    def copy_to_device(self, slots: list[int], block_ids: list[int]) -> torch.cuda.Event | None:
+        if not self.cuda:
+            index = torch.tensor(block_ids, dtype=torch.long)
+            slot_index = torch.tensor(slots, dtype=torch.long)
+            for layer, kv in enumerate(self.kv_caches):
+                kv.index_copy_(self._dim, index, self._host_typed[slot_index, layer].movedim(0, self._dim))
+            return None
+        with self._on_copy_stream():
+            for start in range(0, len(block_ids), self._staging.shape[0]):
+                ids, chunk_slots = block_ids[start : start + self._staging.shape[0]], slots[start:]
+                for first, host_first, count in _runs(chunk_slots[: len(ids)]):
+                    self._staging[first : first + count].copy_(self.host[host_first : host_first + count],
+                                                               non_blocking=True)
+                index = self._device_index(ids)
+                for layer, kv in enumerate(self.kv_caches):
+                    kv.index_copy_(self._dim, index, self._staging_typed[: len(ids), layer].movedim(0, self._dim))
+            return self._record()
+
+    def _on_copy_stream(self) -> torch.cuda.StreamContext:
+        """Enter the copy stream, after everything the compute stream has been given so far (the step that
+        computed the blocks; for a load, any step still touching blocks freed since)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        # From pinned memory, non_blocking: a pageable copy would make the engine thread wait for the stream.
+        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position, first slot, count) of each run of consecutive slots: one host copy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            position, first, count = runs[-1]
+            runs[-1] = (position, first, count + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs

@@ -1,0 +1,136 @@
+"""The host-memory KV tier on CUDA (copy stream, pinned slots, events): a prompt evicted from a small device pool
+comes back from the host tier with the tokens of a recompute, sync and async scheduling; no device block is handed
+out again while an offload still copies from it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+# Loaded by path: deepinfer.testing's __init__ imports the bus, absent on the GPU image.
+_spec = importlib.util.spec_from_file_location(
+    "checkpoints", Path(__file__).resolve().parents[2] / "shared/deepinfer/testing/checkpoints.py"
+)
+checkpoints = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(checkpoints)
+
+BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 16, 24, 256
+P = [(13 * i + 7) % 500 + 3 for i in range(100)]  # 100 tokens: 6 full blocks to hit
+FILLERS = [[(31 * i + 17 * j) % 500 + 3 for j in range(120)] for i in range(1, 4)]
+OTHER = list(range(40, 60))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+def engine(model_dir, host_blocks: int, async_scheduling: bool = False):
+    from deepinfer.engine.args import EngineArgs
+    from deepinfer.engine.core import EngineCore
+
+    probe = EngineArgs(model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128,
+                       kv_cache_bytes=64 << 20, kv_host_cache_bytes=0, progress=False)
+    per_block = EngineCore(probe).kv_plan.bytes_per_block
+    return EngineCore(EngineArgs(
+        model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128, progress=False,
+        kv_cache_bytes=DEVICE_BLOCKS * per_block, kv_host_cache_bytes=host_blocks * per_block,
+        async_scheduling=async_scheduling))
+
+
+def run(core, tokens=None):
+    tokens = {} if tokens is None else tokens
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def guard_block_reuse(core) -> list[int]:
+    """Fail if the pool hands out a device block an offload still copies from; the count of such checks."""
+    pool, tier, checks = core.scheduler.block_pool, core.host_tier, []
+    get_new_blocks = pool.get_new_blocks
+
+    def checked(num_blocks):
+        blocks = get_new_blocks(num_blocks)
+        for block in blocks:
+            assert not tier.holds_device_block(block.block_id), f"block {block.block_id} reused mid-copy"
+        checks.append(len(blocks))
+        return blocks
+
+    pool.get_new_blocks = checked
+    return checks
+
+
+@pytest.fixture(scope="module")
+def recomputed(model_dir):
+    from deepinfer.sampling.params import SamplingParams
+
+    core = engine(model_dir, host_blocks=0)
+    assert core.host_tier is None
+    core.add_request("p", P, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return run(core)["p"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_evicted_prompt_comes_back_from_the_host_tier_with_the_recomputed_tokens(
+        model_dir, recomputed, async_scheduling):
+    from deepinfer.engine.request import RequestStatus
+    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.sampling.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core = engine(model_dir, HOST_BLOCKS, async_scheduling)
+    assert core.host_tier.cuda and core.host_tier.host.is_pinned()
+    checks = guard_block_reuse(core)
+    hashes = hash_blocks(P, BLOCK_SIZE, core.fingerprint, "")[:6]
+    core.add_request("p0", P, greedy)
+    assert run(core)["p0"] == recomputed
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, greedy)
+        run(core)
+    assert all(core.scheduler.block_pool.get_cached_block(h) is None for h in hashes)  # evicted from the device
+    assert core.host_tier.pool.num_leading_hits(hashes) == 6
+
+    core.add_request("o", OTHER, greedy.clone(max_tokens=40))
+    tokens = {}
+    for out in core.step():
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    core.add_request("p", P, greedy)
+    assert core.scheduler.requests["p"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    first_p = None
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.request_id == "p" and first_p is None:
+                first_p = out
+    assert tokens["p"] == recomputed
+    assert (first_p.num_cached_tokens, first_p.num_host_cached_tokens) == (96, 96)
+    assert len(tokens["o"]) == 40
+    assert core.host_tier.stats.loaded_blocks == 6 and sum(checks) > 0
+    assert not core.host_tier.busy
+    assert core.scheduler.block_pool.num_free_blocks == DEVICE_BLOCKS - 1
+
+
+def test_offloads_hold_their_device_blocks_until_the_copy_completed(model_dir):
+    from deepinfer.sampling.params import SamplingParams
+
+    core = engine(model_dir, HOST_BLOCKS)
+    checks = guard_block_reuse(core)
+    tier, pool = core.host_tier, core.scheduler.block_pool
+    for i, filler in enumerate(FILLERS * 2):
+        core.add_request(f"f{i}", filler, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while core.has_unfinished_requests():
+            core.step()
+            for copy in tier._offloads:  # in flight: each block referenced, so out of the free queue
+                assert all(block.ref_cnt > 0 and block.prev_free is None for block in copy.blocks)
+    assert sum(checks) > 0
+    assert not tier.busy and pool.num_free_blocks == DEVICE_BLOCKS - 1

@@ -1,0 +1,188 @@
+"""The host-memory KV tier on the CPU (engine/host_tier.py, forced on by kv_host_cache_bytes), on a tiny model with
+a small device pool: a prompt evicted from the device comes back from the host tier through the loading state
+while another request keeps decoding, runs only its tokens past the loaded prefix, and gives the tokens of an
+engine without tiers; a slot holds the block in export_blocks' payload format; a failed load recomputes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.kv_transfer import export_blocks
+from deepinfer.engine.request import RequestStatus
+from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.testing.checkpoints import make_tiny_checkpoint
+
+P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks to hit
+FILLERS = [[(7 * i + 13 * j) % 300 + 1 for j in range(28)] for i in range(1, 3)]  # 28 tokens each
+OTHER = [3, 1, 4, 1, 5, 9, 2, 6]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 4, 12, 64
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def block_bytes(tiny_dir) -> int:
+    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
+                                 kv_cache_bytes=16 << 20)).kv_plan.bytes_per_block
+
+
+def engine(tiny_dir, block_bytes: int, host_blocks: int = HOST_BLOCKS, **kw) -> EngineCore:
+    return EngineCore(EngineArgs(
+        model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
+        kv_cache_bytes=DEVICE_BLOCKS * block_bytes, kv_host_cache_bytes=host_blocks * block_bytes, **kw))
+
+
+def run(core: EngineCore, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    tokens = {} if tokens is None else tokens
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def record_schedules(core: EngineCore) -> list[dict[str, tuple[int, int, bool]]]:
+    """Each step's (num_computed_tokens, num_new_tokens, is_new) per request, as the scheduler decided it."""
+    steps: list[dict[str, tuple[int, int, bool]]] = []
+    schedule = core.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append({s.request_id: (s.num_computed_tokens, s.num_new_tokens, s.is_new) for s in out.scheduled})
+        return out
+
+    core.scheduler.schedule = recording
+    return steps
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir) -> dict[str, list[int]]:
+    """Tokens of an engine without tiers (host tier off, a pool large enough to never evict)."""
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
+                                 kv_cache_bytes=16 << 20, kv_host_cache_bytes=0))
+    assert core.host_tier is None
+    core.add_request("p", P, GREEDY)
+    core.add_request("o", OTHER, GREEDY.clone(max_tokens=12))
+    return run(core)
+
+
+def evict_p(core: EngineCore) -> list[bytes]:
+    """Compute P, then fillers until none of P's blocks is left on the device; P's prompt block hashes."""
+    hashes = hash_blocks(P, BLOCK_SIZE, core.fingerprint, "")
+    core.add_request("p0", P, GREEDY)
+    run(core)
+    assert core.host_tier.pool.num_leading_hits(hashes) == 4  # written through at cache time
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, GREEDY)
+        run(core)
+    pool = core.scheduler.block_pool
+    assert all(pool.get_cached_block(x) is None for x in hashes)
+    return hashes
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_evicted_prompt_loads_from_the_host_tier_while_another_request_decodes(
+        tiny_dir, block_bytes, reference, async_scheduling):
+    core = engine(tiny_dir, block_bytes, async_scheduling=async_scheduling)
+    evict_p(core)
+    core.add_request("o", OTHER, GREEDY.clone(max_tokens=12))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    steps = record_schedules(core)
+
+    core.add_request("p", P, GREEDY)
+    p = core.scheduler.requests["p"]
+    assert p.status is RequestStatus.WAITING_FOR_REMOTE_KVS and "p" in core.scheduler.loading
+    assert core.host_tier.busy
+    outputs = core.step()  # the copy (synchronous on the CPU) is finished at the start of the step
+    # o decodes on (8 prompt tokens, 2 generated, the third computed now); p joins with only its last 3 prompt
+    # tokens computed: its first 16 were loaded.
+    assert steps == [{"o": (10, 1, False), "p": (16, 3, True)}]
+    for out in outputs:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.request_id == "p":
+            assert (out.num_cached_tokens, out.num_host_cached_tokens, out.num_store_cached_tokens) == (16, 16, 0)
+    run(core, tokens)
+    assert tokens["p"] == reference["p"] and tokens["o"] == reference["o"]
+    stats = core.host_tier.stats
+    assert (stats.hit_blocks, stats.loaded_blocks, stats.failed_loads) == (4, 4, 0)
+    assert not core.host_tier.busy
+    assert core.scheduler.block_pool.num_free_blocks == DEVICE_BLOCKS - 1  # no reference left behind
+
+
+def test_a_host_slot_holds_the_block_in_the_store_payload_format(tiny_dir, block_bytes):
+    core = engine(tiny_dir, block_bytes, enable_kv_events=True)
+    core.add_request("p", P, GREEDY)
+    run(core)
+    hashes = hash_blocks(P, BLOCK_SIZE, core.fingerprint, "")[:4]
+    device_ids = [core.scheduler.block_pool.get_cached_block(x).block_id for x in hashes]
+    assert core.host_tier.payloads(hashes) == export_blocks(core.runner.kv_caches, device_ids)
+    events = core.take_kv_events()
+    host_stored = [x for e in events if getattr(e, "tier", "") == "host" for x in e.block_hashes]
+    assert set(hashes) <= set(host_stored)
+
+
+def test_a_load_that_fails_recomputes(tiny_dir, block_bytes, reference, monkeypatch):
+    core = engine(tiny_dir, block_bytes)
+    evict_p(core)
+
+    def broken(slots, block_ids):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(core.host_tier, "copy_to_device", broken)
+    core.add_request("p", P, GREEDY)
+    assert core.scheduler.requests["p"].status is RequestStatus.WAITING  # back in the queue: recomputed
+    first = core.step()[0]
+    assert (first.num_cached_tokens, first.num_host_cached_tokens) == (0, 0)
+    assert first.new_token_ids + run(core)["p"] == reference["p"]
+    assert core.host_tier.stats.failed_loads == 1
+    assert core.scheduler.block_pool.num_free_blocks == DEVICE_BLOCKS - 1
+
+
+def test_a_small_host_pool_evicts_and_the_tier_is_off_by_default_on_the_cpu(tiny_dir, block_bytes):
+    core = engine(tiny_dir, block_bytes, host_blocks=3)
+    core.add_request("p", P, GREEDY)
+    run(core)
+    pool = core.host_tier.pool
+    assert pool.num_used == 3 and pool.num_evictions > 0
+    off = EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
+                                kv_cache_bytes=16 << 20))
+    assert off.host_tier is None and not off.scheduler.block_pool.track_cached
+
+
+def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, block_bytes, reference):
+    from deepinfer.engine.kv_load import export_cached, finish_load
+    from deepinfer.worker.store_tier import _start_load_with_host
+
+    other = engine(tiny_dir, block_bytes, host_blocks=0)  # what another worker wrote to the store
+    other.add_request("p", P, GREEDY)
+    run(other)
+    hashes = hash_blocks(P, BLOCK_SIZE, other.fingerprint, "")[:4]
+    kept, stored = export_cached(other, hashes)
+    assert kept == hashes
+    core = engine(tiny_dir, block_bytes)
+    core.add_request("half", P[:9], GREEDY.clone(max_tokens=1))  # P's first 2 blocks: device, then host
+    run(core)
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, GREEDY)
+        run(core)
+    assert core.scheduler.block_pool.get_cached_block(hashes[0]) is None
+
+    plan, local = _start_load_with_host(core, hashes, "p", P, GREEDY, 4)
+    assert (plan.first_block, len(plan.block_ids)) == (0, 4)
+    assert local[2:] == [None, None]  # the store is asked only for blocks 2 and 3
+    for held, computed in zip(local[:2], stored[:2], strict=True):  # the same KV (computed in another batch shape)
+        assert np.allclose(np.frombuffer(held, np.float32), np.frombuffer(computed, np.float32), atol=1e-5)
+    assert finish_load(core, plan, [*local[:2], *stored[2:]])
+    assert run(core)["p"] == reference["p"]
