@@ -124,7 +124,7 @@ async def test_two_processes_share_the_port_restart_and_stop(workers: FakeWorker
 
         metrics = (await client.get(f"{internal}/metrics")).text
         assert 'gateway_process="0"' in metrics and 'gateway_process="1"' in metrics
-        assert metrics.count("# TYPE deepinfer_gateway_requests_total counter") <= 1
+        assert metrics.count("# TYPE deepinfer_gateway_requests_total counter") == 1
 
         children = descendants(parent.pid)
         assert len(children) == 2, children
@@ -136,11 +136,22 @@ async def test_two_processes_share_the_port_restart_and_stop(workers: FakeWorker
         assert len(restarted) == 2 and victim not in restarted, restarted
         assert "exited unexpectedly (signal SIGKILL)" in log.read_text()
 
-    started_s = time.monotonic()
-    parent.send_signal(signal.SIGTERM)
-    assert parent.wait(timeout=DRAIN_GRACE_S + 10.0) == 0, log.read_text()[-3000:]
+        # SIGTERM with a stream in flight: the processes drain it, then all exit, within the grace
+        workers.tokens_per_step, workers.step_delay_s = 1, 0.15
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        async with client.stream("POST", f"http://127.0.0.1:{api_port}/v1/chat/completions", json=body) as stream:
+            lines = stream.aiter_lines()
+            first = await anext(lines)
+            started_s = time.monotonic()
+            parent.send_signal(signal.SIGTERM)
+            await wait_for(client, f"{internal}/ready", timeout_s=2.0, status=503)  # readiness off at once
+            events = [line for line in [first] + [line async for line in lines] if line]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"stop"' in "".join(events), events
+    assert not any('"error"' in event for event in events), events
+    assert await asyncio.to_thread(parent.wait, DRAIN_GRACE_S + 10.0) == 0, log.read_text()[-3000:]
     assert time.monotonic() - started_s < DRAIN_GRACE_S + 8.0
     assert not any(alive(pid) for pid in restarted)
+    assert log.read_text().count("gateway drained in") == 2
 
 
 @pytest.mark.slow
