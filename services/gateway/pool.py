@@ -9,7 +9,7 @@ internal port each), and the kernel spreads the API port's connections over them
   (or exits with a configuration error): restarting the container is then the only help;
 - serves the configured internal port for them all: /health (200 while every child is alive), /ready (200 once
   every child's /ready is 200, else 503 with the first reason), /metrics (every child's exposition, each sample
-  labelled `gateway_process="<i>"`);
+  labelled `gateway_process="<i>"`, and `deepinfer_gateway_process_restarts_total`);
 - on SIGTERM/SIGINT turns /ready off and stops the children (they drain within their own grace; SIGKILL past
   it); a second signal is forwarded, cutting their drain short.
 
@@ -223,10 +223,19 @@ class GatewayPool:
         return f"{child.name}: {reason}"
 
     async def metrics_text(self) -> str:
-        """Every answering child's exposition, merged under the `gateway_process` label."""
+        """Every answering child's exposition, merged under the `gateway_process` label, and the restarts."""
         responses = await asyncio.gather(*(self._get(child, "/metrics") for child in self.children))
         texts = {str(child.index): r.text for child, r in zip(self.children, responses, strict=True) if r is not None}
-        return merge_expositions(texts, PROCESS_LABEL)
+        return merge_expositions(texts, PROCESS_LABEL) + self.restarts_text()
+
+    def restarts_text(self) -> str:
+        """`deepinfer_gateway_process_restarts_total{gateway_process}`: restarts after an exit or a hang."""
+        name = "deepinfer_gateway_process_restarts_total"
+        lines = [f"# HELP {name} Restarts of each gateway process by its parent (after an exit or a hang).",
+                 f"# TYPE {name} counter"]
+        lines += [f'{name}{{{PROCESS_LABEL}="{child.index}"}} {self.supervisor.restart_count(child.name)}.0'
+                  for child in self.children]
+        return "\n".join(lines) + "\n"
 
     def app(self) -> Starlette:
         """The parent's /health, /ready and /metrics (the shapes of deepinfer.telemetry's internal app)."""

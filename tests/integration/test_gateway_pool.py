@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.bus import Bus
 from deepinfer.nats_server import NatsServer, free_port
@@ -135,6 +136,9 @@ async def test_two_processes_share_the_port_restart_and_stop(workers: FakeWorker
         restarted = descendants(parent.pid)
         assert len(restarted) == 2 and victim not in restarted, restarted
         assert "exited unexpectedly (signal SIGKILL)" in log.read_text()
+        (restarts,) = [f for f in text_string_to_metric_families((await client.get(f"{internal}/metrics")).text)
+                       if f.name == "deepinfer_gateway_process_restarts"]
+        assert sorted(sample.value for sample in restarts.samples) == [0.0, 1.0]
 
         # SIGTERM with a stream in flight: the processes drain it, then all exit, within the grace
         workers.tokens_per_step, workers.step_delay_s = 1, 0.15
