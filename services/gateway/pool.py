@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deepinfer.config import CommonSettings, GatewaySettings, env_name
+from deepinfer.cpus import CORES_PER_GATEWAY, usable_cpus
 from deepinfer.nats_server import free_port
 from deepinfer.service import DRAIN_OVERRUN_S, EXIT_FAILED, EXIT_OK
 from deepinfer.telemetry import serve_internal, setup_logging
@@ -139,8 +140,8 @@ class GatewayPool:
             for spec in self.child_specs():
                 self.supervisor.add(spec)
             await asyncio.to_thread(self.supervisor.start)
-            log.info("gateway pool started: %d processes on port %d, internal_port=%d",
-                     len(self.children), self.settings.port, internal.port,
+            log.info("gateway pool started: %d processes%s on port %d, internal_port=%d",
+                     len(self.children), self._why_count(), self.settings.port, internal.port,
                      extra={"service": SERVICE, "processes": len(self.children), "ports": {"internal": internal.port}})
             watch = asyncio.create_task(self._watch_start())
             stop = asyncio.create_task(self._stop.wait())
@@ -159,6 +160,11 @@ class GatewayPool:
             await internal.stop()
         log.info("gateway pool stopped", extra={"service": SERVICE})
         return code
+
+    def _why_count(self) -> str:
+        if self.settings.processes is not None:
+            return ""
+        return f" (processes unset: one per {CORES_PER_GATEWAY} of {usable_cpus()} usable cores)"
 
     async def _watch_start(self) -> None:
         """Record each child's first /ready 200; raise SupervisorError for one that will not start (its /health
