@@ -168,7 +168,8 @@ class GatewayPool:
 
     async def _watch_start(self) -> None:
         """Record each child's first /ready 200; raise SupervisorError for one that will not start (its /health
-        answers while it builds, before it binds the API port: only /ready says it started)."""
+        answers while it builds, before it binds the API port: only /ready says it started). Runs until cancelled:
+        returning would read as a failure in `_serve`."""
         while True:
             for child in self.children:
                 if child.name in self._started:
