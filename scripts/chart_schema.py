@@ -27,7 +27,7 @@ SCHEMA_PATH = ROOT / "helm" / "deepinfer" / "values.schema.json"
 #: user and TLS files), by settings group; secrets are left out as well.
 CHART_SET = {
     "common": {"natsUser", "natsTlsCa", "natsTlsCert", "natsTlsKey"},
-    "gateway": {"gatewayId", "reusePort"},
+    "gateway": {"gatewayId", "reusePort", "processes"},  # processes: gateway.processes, or from resources
     "scheduler": {"schedulerId"},
     "prefill": {"workerId", "dataPlaneHost", "tensorParallelSize"},
     "decode": {"workerId", "dataPlaneHost", "tensorParallelSize"},
@@ -114,6 +114,7 @@ def build_schema() -> dict:
             "common": _common_schema(),
             "gateway": _component("gateway", {
                 "replicas": {"type": "integer", "minimum": 1},
+                "processes": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
                 "preStopSleepSeconds": {"type": "integer", "minimum": 0},
                 "service": _obj({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                                  "port": {"type": "integer"}}),

@@ -333,5 +333,5 @@ def create_app(state: ApiState) -> FastAPI:
     app.add_api_route("/openapi.json", routes.openapi, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(state.settings))
-    app.add_middleware(RequestIdMiddleware)  # outermost: a 401 carries x-request-id too
+    app.add_middleware(RequestIdMiddleware, gateway_id=state.settings.gateway_id)  # outermost: a 401 carries x-request-id too
     return app

@@ -1,18 +1,27 @@
-"""Wiring only: settings → lifecycle (deepinfer.service) → model metadata → GatewayHandler (API server + pipeline)."""
+"""Wiring only: settings → lifecycle (deepinfer.service) → model metadata → GatewayHandler (API server + pipeline).
+
+With `processes` > 1 (unset: one per 4 usable cores) this process is the parent of that many gateway processes
+sharing the API port (services.gateway.pool) and never loads the API app itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from deepinfer.config import GatewaySettings
-from deepinfer.model_store import resolve_model
+from deepinfer.config import GatewaySettings, load_settings
 from deepinfer.service import ServiceContext, service_main
-from services.gateway.handler import GatewayHandler
-from services.gateway.recipe import ModelInfo
+
+if TYPE_CHECKING:
+    from services.gateway.handler import GatewayHandler
 
 
 async def build(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
     """Load the tokenizer (no weights), then build the gateway on the runtime's bus and registry."""
+    from deepinfer.model_store import resolve_model
+    from services.gateway.handler import GatewayHandler
+    from services.gateway.recipe import ModelInfo
+
     settings = ctx.settings
     common = settings.common
     model_dir = await asyncio.to_thread(resolve_model, common.model, common.model_cache_dir, False)
@@ -24,5 +33,11 @@ async def build(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
 
 
 def main() -> int:
-    """`python -m services.gateway`."""
+    """`python -m services.gateway`: one gateway process, or the parent of several."""
+    settings = load_settings(GatewaySettings)
+    num_processes = settings.resolved_processes()
+    if num_processes > 1:
+        from services.gateway.pool import run_pool
+
+        return run_pool(settings, num_processes)
     return service_main(GatewaySettings, build)

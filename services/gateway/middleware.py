@@ -1,7 +1,8 @@
-"""ASGI middleware of the API app: API keys (tenant in scope state) and x-request-id on every response.
+"""ASGI middleware of the API app: API keys (tenant in scope state), x-request-id and x-deepinfer-gateway (the
+answering gateway process's id: several share one port) on every response.
 
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing.from_settings(settings))
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, gateway_id=settings.gateway_id)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from services.gateway.errors import unauthorized
 OPEN_PATHS = frozenset({"/health", "/version"})
 #: Longest client x-request-id echoed back (a longer or non-printable one is replaced by the gateway's own).
 MAX_REQUEST_ID_CHARS = 256
+#: The response header naming the gateway process that answered.
+GATEWAY_HEADER = "x-deepinfer-gateway"
 
 
 class ApiKeyMiddleware:
@@ -50,10 +53,12 @@ class ApiKeyMiddleware:
 
 class RequestIdMiddleware:
     """`x-request-id` on every response: the client's (when printable and at most 256 characters), else the one a
-    route set (a completion's id), else a new one. The client's id rides in scope state as `client_request_id`."""
+    route set (a completion's id), else a new one. The client's id rides in scope state as `client_request_id`.
+    With `gateway_id`, `x-deepinfer-gateway: <gateway_id>` too."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, gateway_id: str | None = None) -> None:
         self.app = app
+        self.gateway_id = gateway_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the client's id, then add the header to the response's start unless a route set it."""
@@ -70,6 +75,8 @@ class RequestIdMiddleware:
                     headers["x-request-id"] = client_id
                 elif "x-request-id" not in headers:
                     headers["x-request-id"] = uuid.uuid4().hex
+                if self.gateway_id is not None:
+                    headers[GATEWAY_HEADER] = self.gateway_id
             await send(message)
 
         await self.app(scope, receive, send_with_id)

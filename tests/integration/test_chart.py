@@ -243,3 +243,20 @@ def test_gateway_ingress_pdbs_and_service_monitor(rendered):
     external = [doc for doc in rendered["external-nats"] if doc["kind"] == "ServiceMonitor"]
     (monitor,) = external
     assert monitor["spec"]["endpoints"] == [{"port": "internal", "path": "/metrics", "interval": "15s"}]
+
+
+def gateway_env(docs: list[dict]) -> dict[str, str]:
+    (gateway,) = [doc for doc in workloads(docs) if component(doc) == "gateway"]
+    return {e["name"]: e.get("value") for e in pod_spec(gateway)["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(
+    ("args", "processes"),
+    [((), "2"),  # the default: requests cpu "2", no limit
+     (("--set", "gateway.processes=3"), "3"),
+     (("--set", "gateway.resources.limits.cpu=1500m"), "1"),  # a limit wins over the request
+     (("--set", "gateway.resources.limits.cpu=16"), "4"),
+     (("--set-json", 'gateway.resources={"requests": {"cpu": 3}}'), "3")],
+)
+def test_gateway_processes_from_the_value_or_the_pod_cpu(tools: Tools, args: tuple[str, ...], processes: str):
+    assert gateway_env(render(tools, *args))["DEEPINFER_GATEWAY_PROCESSES"] == processes

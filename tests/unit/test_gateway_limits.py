@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from services.gateway.limits import format_reset
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import GATEWAY_ID, MODEL, Harness, make_harness, write_tokenizer_dir
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 
@@ -95,6 +95,8 @@ async def test_x_request_id_in_and_out(model_dir: Path):
         assert echoed.headers["x-request-id"] == "client-123"
         refused = await http.get("/v1/models", headers={"x-request-id": "client-456"})
         assert refused.status_code == 401 and refused.headers["x-request-id"] == "client-456"
+        # which of the gateway processes sharing the port answered, on every response
+        assert chat.headers["x-deepinfer-gateway"] == refused.headers["x-deepinfer-gateway"] == GATEWAY_ID
         fresh = await http.get("/health")
         assert len(fresh.headers["x-request-id"]) == 32
         hostile = await http.get("/v1/models", headers={**auth, "x-request-id": "x" * 300})

@@ -69,3 +69,16 @@ def test_config_command_without_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_gateway_parent_never_loads_the_api_app():
+    # With processes > 1 the gateway process is a parent only: its main and pool must not pull in the API app.
+    code = (
+        "import sys\n"
+        "import services.gateway.main, services.gateway.pool\n"
+        "heavy = sorted(m for m in ('services.gateway.handler', 'services.gateway.app', 'fastapi', 'tokenizers')"
+        " if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -31,6 +31,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- mul $d.groups (index $d.ratio .role) -}}
 {{- end }}
 
+{{/* Gateway processes per pod: gateway.processes, else the whole cores of resources.limits.cpu (else
+requests.cpu: "2", 2, "1500m"), 1 to 4. */}}
+{{- define "deepinfer.gatewayProcesses" -}}
+{{- $gw := .Values.gateway -}}
+{{- if $gw.processes -}}
+{{- $gw.processes -}}
+{{- else -}}
+{{- $resources := $gw.resources | default dict -}}
+{{- $cpu := dig "limits" "cpu" "" $resources | default (dig "requests" "cpu" "1" $resources) | toString -}}
+{{- $cores := 1 -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $cores = div (trimSuffix "m" $cpu | atoi) 1000 -}}
+{{- else -}}
+{{- $cores = $cpu | float64 | floor | int -}}
+{{- end -}}
+{{- max 1 (min 4 $cores) -}}
+{{- end -}}
+{{- end }}
+
 {{/*
 Settings as env variables: each camelCase key becomes PREFIX + SNAKE_CASE (maxNumSeqs -> MAX_NUM_SEQS), the
 inverse of deepinfer.config.to_camel. null and "" are skipped (the setting's default applies); lists are joined

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode
 
 from deepinfer import subjects
 from deepinfer.config.common import CommonSettings, default_id, settings_config
+from deepinfer.cpus import default_gateway_processes
 from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 MiB = 1024**2
@@ -69,6 +70,11 @@ class GatewaySettings(ServiceSettings):
     reuse_port: bool = Field(
         False, description="Share the API port with other gateway processes (SO_REUSEPORT; the kernel spreads "
         "connections over them): one gateway process handles SSE for a few hundred streams at most.",
+    )
+    processes: int | None = Field(
+        None, ge=1, le=64, description="Gateway processes behind the API port (SO_REUSEPORT), under a small parent "
+        "that restarts them and serves the internal port for all; unset = one per 4 usable cores (the cgroup CPU "
+        "limit, else the CPU affinity), 1 to 4. 1 = this process serves the API itself.",
     )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -146,6 +152,10 @@ class GatewaySettings(ServiceSettings):
         return value
 
     _gateway_id = field_validator("gateway_id")(_check_subject_id)
+
+    def resolved_processes(self) -> int:
+        """`processes`, or the default for this machine's usable cores when unset."""
+        return self.processes if self.processes is not None else default_gateway_processes()
 
 
 class SchedulerSettings(ServiceSettings):

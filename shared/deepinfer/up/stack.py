@@ -35,6 +35,7 @@ from deepinfer.config import (
     derive_served_model_name,
     env_name,
 )
+from deepinfer.cpus import default_gateway_processes
 from deepinfer.nats_server import NatsServer, find_nats_server, free_port
 from deepinfer.up.devices import WorkerDevice, count_nvidia_gpus, default_num_prefill, plan_devices
 from deepinfer.up.probes import HttpReadyProbe, Probe, TcpGreetingProbe
@@ -48,11 +49,9 @@ DEFAULT_START_TIMEOUT_S = 300.0
 
 
 def default_num_gateways(num_cpus: int | None = None) -> int:
-    """Gateway processes sharing the API port: one per 4 cores, 1 to 4. One Python process turns a few
-    thousand tokens a second into SSE; measured on one H200 (llama-1b, concurrency 64), 1 gateway gave 9.3k
-    output tok/s and 3 gave 20.3k (bench/results/serve-llama-1b-1xh200-gateways*.json)."""
-    cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
-    return max(1, min(4, cpus // 4))
+    """Gateway processes sharing the API port: one per 4 usable cores, 1 to 4 (deepinfer.cpus, the rule a
+    gateway with `processes` unset follows too)."""
+    return default_gateway_processes(num_cpus)
 
 
 class StackError(RuntimeError):
@@ -224,7 +223,7 @@ class Stack:
         if not self._started:
             raise StackError("add_gateway needs a started stack")
         port = free_port(HOST)
-        fields = {"gateway_id": name, "host": HOST, "port": str(port)}
+        fields = {"gateway_id": name, "host": HOST, "port": str(port), "processes": "1"}
         cpu_only = not any(d.device.startswith("cuda") for d in self.devices.values())
         spec = self._spec("gateway", name, self._common_env(cpu_only), fields, "/ready", env_overrides or {})
         self.supervisor.add(spec)
@@ -298,7 +297,9 @@ class Stack:
         reuse_port = "true" if self.num_gateways > 1 else "false"
         for index in range(self.num_gateways):
             name = f"gateway-{index}"
-            fields = {"gateway_id": name, "host": HOST, "port": str(self.port), "reuse_port": reuse_port}
+            # Each entry is one process (processes=1): up supervises them itself.
+            fields = {"gateway_id": name, "host": HOST, "port": str(self.port), "reuse_port": reuse_port,
+                      "processes": "1"}
             specs.append(self._spec("gateway", name, common, fields, probe_path))
         return specs
 

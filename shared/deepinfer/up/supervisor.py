@@ -1,6 +1,6 @@
 """Child processes kept alive: restart with exponential backoff, ordered stop, nothing left behind.
 
-    supervisor = Supervisor(log_dir)
+    supervisor = Supervisor(log_dir)                  # None: children write to the supervisor's stdout/stderr
     supervisor.add(ChildSpec("scheduler-0", argv, env, stop_tier=2, probe=HttpReadyProbe(url)))
     supervisor.start()                       # spawn all, then a monitor thread restarts what exits
     supervisor.wait_ready(timeout_s=300)     # every probe answers ready, or SupervisorError naming who did not
@@ -13,6 +13,7 @@ child spawned outlives it. On Linux a child also gets SIGTERM if the supervisor 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from deepinfer.process import describe_exit, die_with_parent_preexec, signal_group
 from deepinfer.up.logs import tail
@@ -84,7 +86,7 @@ class RestartEvent:
 @dataclass
 class _Child:
     spec: ChildSpec
-    log_path: Path
+    log_path: Path | None  # None: the supervisor's own stdout/stderr
     process: subprocess.Popen[bytes] | None = None
     started_at_s: float = 0.0
     num_restarts: int = 0
@@ -106,7 +108,7 @@ class Supervisor:
 
     def __init__(
         self,
-        log_dir: Path,
+        log_dir: Path | None,
         policy: RestartPolicy | None = None,
         grace_s: float = 30.0,
         poll_interval_s: float = 0.05,
@@ -133,22 +135,22 @@ class Supervisor:
             if spec.name in self._children:
                 raise ValueError(f"duplicate child name {spec.name!r}")
             liveness = None if spec.liveness is None else LivenessWatch(spec.liveness, self.liveness_timeout_s)
-            self._children[spec.name] = _Child(
-                spec, self.log_dir / f"{spec.name}.log", spawn_requested=True, liveness=liveness
-            )
+            log_path = None if self.log_dir is None else self.log_dir / f"{spec.name}.log"
+            self._children[spec.name] = _Child(spec, log_path, spawn_requested=True, liveness=liveness)
 
     @property
     def names(self) -> list[str]:
         """Child names in the order they were added."""
         return list(self._children)
 
-    def log_path(self, name: str) -> Path:
-        """The file a child's stdout and stderr go to."""
+    def log_path(self, name: str) -> Path | None:
+        """The file a child's stdout and stderr go to (None: the supervisor's own)."""
         return self._children[name].log_path
 
     def start(self) -> None:
         """Start the monitor thread, which spawns every child (in the order added); SupervisorError if one fails."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         # Every child is spawned by the monitor thread, which outlives them all: PR_SET_PDEATHSIG fires when
         # the spawning *thread* exits, so spawning from a caller's short-lived thread would kill the child.
         self._monitor = threading.Thread(target=self._monitor_loop, name="deepinfer-supervisor", daemon=True)
@@ -179,6 +181,10 @@ class Supervisor:
             if process is None or process.poll() is not None:
                 raise SupervisorError(f"{name} is not running")
             signal_group(process, sig)
+
+    def gave_up(self, name: str) -> bool:
+        """Whether the child exited with a fatal code (a configuration error) and stays down."""
+        return self._children[name].gave_up
 
     def probe(self, name: str) -> ProbeResult:
         """Probe one child now (not ready while it is down)."""
@@ -231,17 +237,13 @@ class Supervisor:
             why = f"crashed {num_crashes} times before it was ever ready"
         else:
             return
-        raise SupervisorError(f"{name} exited with code {child.last_exit_code} and {why}; "
-                              f"last lines of {child.log_path}:\n{tail(child.log_path)}")
+        raise SupervisorError(f"{name} exited with code {child.last_exit_code} and {why}{_log_tail(child)}")
 
     def _not_ready_message(self, pending: dict[str, str], timeout_s: float) -> str:
         lines = [f"not ready within {timeout_s:.0f} s: {', '.join(pending)}"]
         for name, reason in pending.items():
             child = self._children[name]
-            lines.append(
-                f"--- {name}: {reason} (restarts: {child.num_restarts}); last lines of {child.log_path}:"
-            )
-            lines.append(tail(child.log_path, 3000).rstrip())
+            lines.append(f"--- {name}: {reason} (restarts: {child.num_restarts}){_log_tail(child, 3000)}".rstrip())
         return "\n".join(lines)
 
     def stop(self) -> None:
@@ -364,13 +366,8 @@ class Supervisor:
 
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
-        # A fresh log per run of the supervisor; restarts append to it.
-        with child.log_path.open("ab" if child.pids else "wb") as log_file:
-            if child.pids:
-                log_file.write(
-                    f"--- deepinfer up: restart {child.num_restarts} of {spec.name} ---\n".encode()
-                )
-                log_file.flush()
+        with contextlib.ExitStack() as files:
+            log_file = None if child.log_path is None else files.enter_context(self._open_log(child))
             try:
                 child.process = subprocess.Popen(
                     list(spec.argv),
@@ -378,7 +375,7 @@ class Supervisor:
                     cwd=spec.cwd,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
-                    stderr=subprocess.STDOUT,
+                    stderr=subprocess.STDOUT if log_file is not None else None,
                     start_new_session=True,
                     preexec_fn=self._prctl,
                 )
@@ -393,3 +390,20 @@ class Supervisor:
         child.pids.append(child.process.pid)
         if child.liveness is not None:
             child.liveness.reset()
+
+    @staticmethod
+    def _open_log(child: _Child) -> BinaryIO:
+        """A fresh log per run of the supervisor; restarts append to it after a marker line."""
+        assert child.log_path is not None
+        log_file = child.log_path.open("ab" if child.pids else "wb")
+        if child.pids:
+            log_file.write(f"--- deepinfer up: restart {child.num_restarts} of {child.spec.name} ---\n".encode())
+            log_file.flush()
+        return log_file
+
+
+def _log_tail(child: _Child, num_bytes: int = 4000) -> str:
+    """"; last lines of <log>:\n<tail>" for an error message ("" when the child logs to the supervisor's output)."""
+    if child.log_path is None:
+        return ""
+    return f"; last lines of {child.log_path}:\n{tail(child.log_path, num_bytes)}"
