@@ -21,7 +21,6 @@ non-zero only when a stack fails, not for a missed goal.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ from kv_tiers_stack import (  # noqa: E402
     pool_blocks,
     start_stack,
 )
-from serve import RESULTS_DIR  # noqa: E402
+from serve import RESULTS_DIR, add_model_arguments, save_result  # noqa: E402
 from store_ttft import ttft  # noqa: E402
 
 TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store"), ("tiers-off", "tiers-on")
@@ -296,20 +295,13 @@ def report(args, device: str, model: Model, tiers: list[dict], turns: list[dict]
               "host_tier_available": host_tier_available(), "tiers_summary": summary, "tiers": tiers,
               "multi_turn_plan": vars(plan) | {"working_set_tokens": plan.working_set_tokens},
               "multi_turn": turns, "multi_turn_on_over_off": multiturn.tiers_on_over_off(turns), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    print(json.dumps(result))
-    out = args.out or RESULTS_DIR / f"kv-tiers-{device}-{result['date']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {out}")
+    save_result(result, args.out or RESULTS_DIR / f"kv-tiers-{device}-{result['date']}.json")
 
 
 def parse_args() -> argparse.Namespace:
     """The command line; unset sizes come from DEFAULTS, or QUICK with --quick."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--random-model", default=None, help="a random-weight shape: llama-1b, llama-8b")
-    parser.add_argument("--cache-dir", type=Path, default=Path(".bench-models"), help="where --random-model is written")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_model_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: a CPU run of a few minutes")
     parser.add_argument("--modes", default=",".join(TIER_MODES + MULTI_TURN_MODES))
     parser.add_argument("--prompt-tokens", help="comma-separated prompt sizes (default 8192,32768)")
