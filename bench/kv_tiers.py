@@ -21,6 +21,7 @@ non-zero only when a stack fails, not for a missed goal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -54,14 +55,23 @@ QUICK = {"prompt_tokens": "1000", "prompts": 2, "max_tokens": 8, "mt_context_tok
          "mt_max_tokens": 16, "mt_clients": 2, "mt_pool_tokens": 768}
 
 
-def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list]], plan: StackPlan) -> dict:
-    """One mode of part 1: per prompt size, first send, fillers, second send."""
+@contextlib.contextmanager
+def serving(args, plan: StackPlan):
+    """One mode's stack, warmed up: (stack, openai client, usable device pool blocks); stopped after."""
     stack, data_dir = start_stack(plan, args.model_path, args.device, args.prefill, bool(args.random_model))
     try:
         client = openai.OpenAI(base_url=stack.base_url, api_key="bench", max_retries=0, timeout=1800)
         ttft(client, stack.model_name, [{"role": "user", "content": "warm up"}], 2)
-        blocks = pool_blocks(stack)
-        pool = blocks * model.block_size  # usable blocks (block 0, reserved, is not counted)
+        yield stack, client, pool_blocks(stack)
+    finally:
+        stack.stop()
+        data_dir.cleanup()
+
+
+def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list]], plan: StackPlan) -> dict:
+    """One mode of part 1: per prompt size, first send, fillers, second send."""
+    with serving(args, plan) as (stack, client, blocks):
+        pool = blocks * model.block_size
         print(f"[{mode}] device pool: {blocks} blocks = {pool} tokens ({plan.kv_cache_bytes / 2**20:.0f} MiB)"
               + (f", host tier {plan.host_cache_bytes / 2**20:.0f} MiB" if plan.host else "")
               + (f", store {plan.store_bytes / 2**20:.0f} MiB" if plan.store else ""), flush=True)
@@ -69,27 +79,23 @@ def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list
         rows = [row for size, (prompts, fillers) in groups.items()
                 for row in tier_rows(args, client, stack.model_name, mode, size, prompts, fillers, pool, writes,
                                      model.block_size)]
-        return {"mode": mode, "status": "ok", "pool_blocks": blocks, "pool_tokens": pool, "rows": rows,
-                "settings": vars_of(plan)}
-    finally:
-        stack.stop()
-        data_dir.cleanup()
+    return {"mode": mode, "status": "ok", "pool_blocks": blocks, "pool_tokens": pool, "rows": rows,
+            "settings": vars_of(plan)}
 
 
 def tier_rows(args, client, served: str, mode: str, size: int, prompts: list, fillers: list, pool: int,
               writes: WriteBehind | None, block_size: int) -> list[dict]:
     """One prompt size: send each prompt, evict them, send each again."""
     first, write_waits = [], []
-    for messages in prompts:
+    for index, messages in enumerate(prompts):
         first.append(ttft(client, served, messages, args.max_tokens))
         if writes is not None:  # its blocks in the store before anything can evict them
-            expected = (first[-1][1]["prompt_tokens"] - 1) // block_size
-            write_waits.append(writes.wait(expected, args.write_timeout_s))
+            write_waits.append(wait_for_store(args, writes, first[-1][1], block_size, f"{mode}, prompt {index}"))
     num_fillers = workload.num_fillers(pool, first[0][1]["prompt_tokens"])
     for messages in fillers[:num_fillers]:
-        ttft(client, served, messages, 1)
+        _, usage, _ = ttft(client, served, messages, 1)
         if writes is not None:  # the fillers' own write-behind done before the measured sends
-            writes.wait(0, args.write_timeout_s)
+            wait_for_store(args, writes, usage, block_size, f"{mode}, a filler")
     print(f"[{mode}] {size} tokens: {len(prompts)} prompts sent, {num_fillers} fillers evicted them", flush=True)
     rows = []
     for index, (messages, (t_first, u_first, text_first)) in enumerate(zip(prompts, first, strict=True)):
@@ -103,25 +109,27 @@ def tier_rows(args, client, served: str, mode: str, size: int, prompts: list, fi
     return rows
 
 
+def wait_for_store(args, writes: WriteBehind, usage: dict, block_size: int, what: str) -> dict:
+    """Until the full blocks of a prompt just sent are in the store (write-behind); says so when not all came."""
+    waited = writes.wait((usage["prompt_tokens"] - 1) // block_size, args.write_timeout_s)
+    if not waited["complete"]:
+        print(f"[{what}] only {waited['written']} of {waited['expected']} blocks reached the store in "
+              f"{waited['waited_s']} s ({waited['dropped']} dropped)", flush=True)
+    return waited
+
+
 def multi_turn_point(args, model: Model, mode: str, plan: StackPlan, turns_plan) -> dict:
     """One mode of part 2."""
-    stack, data_dir = start_stack(plan, args.model_path, args.device, args.prefill, bool(args.random_model))
-    try:
-        client = openai.OpenAI(base_url=stack.base_url, api_key="bench", max_retries=0, timeout=1800)
-        ttft(client, stack.model_name, [{"role": "user", "content": "warm up"}], 2)
-        blocks = pool_blocks(stack)
+    with serving(args, plan) as (stack, client, blocks):
         print(f"[{mode}] device pool: {blocks} blocks = {blocks * model.block_size} tokens; "
               f"{turns_plan.num_conversations} conversations x {turns_plan.turns} turns, "
               f"{args.mt_clients} clients", flush=True)
         turns, wall_s, errors = multiturn.run_clients(client, stack.model_name, turns_plan, args.mt_clients,
                                                       args.mt_max_tokens)
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        point = multiturn.summarize(mode, turns, wall_s)
-        return point | {"pool_blocks": blocks, "host_tier": plan.host, "store": plan.store, "settings": vars_of(plan)}
-    finally:
-        stack.stop()
-        data_dir.cleanup()
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    point = multiturn.summarize(mode, turns, wall_s)
+    return point | {"pool_blocks": blocks, "host_tier": plan.host, "store": plan.store, "settings": vars_of(plan)}
 
 
 def vars_of(plan: StackPlan) -> dict:
@@ -329,6 +337,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plan-only", action="store_true", help="print the sizes the run would use, and stop")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/kv-tiers-*.json)")
     args = parser.parse_args()
+    unknown = set(args.modes.split(",")) - set(TIER_MODES + MULTI_TURN_MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(TIER_MODES + MULTI_TURN_MODES)}")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

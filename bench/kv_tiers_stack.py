@@ -169,20 +169,25 @@ class WriteBehind:
         """Count written and dropped blocks from now on."""
         self._base = self.read()[:2]
 
-    def wait(self, expected_blocks: int, timeout_s: float, poll_s: float = 0.25) -> dict:
-        """Until `expected_blocks` more were written or dropped and the queue is empty, or (expected 0) until
-        the counts stop moving; at most `timeout_s`. Marks again. {"written", "dropped", "expected",
-        "complete", "waited_s"}: complete is False when the blocks did not all arrive in the store."""
-        started, last, still = time.monotonic(), None, 0
+    def wait(self, expected_blocks: int, timeout_s: float, idle_s: float = 5.0, poll_s: float = 0.25) -> dict:
+        """Until `expected_blocks` more were written or dropped and the queue is empty, or until nothing moved
+        for `idle_s` with an empty queue (blocks the store held already are not written again); at most
+        `timeout_s`. Marks again. {"written", "dropped", "expected", "complete", "waited_s"}: complete is False
+        when the blocks did not all arrive in the store."""
+        started = changed = time.monotonic()
+        last = None
         while True:
             written, dropped, queued = self.read()
             counts = (written - self._base[0], dropped - self._base[1])
-            settled = queued == 0 and (sum(counts) >= expected_blocks if expected_blocks else counts == last)
-            still = still + 1 if settled else 0
-            if still >= 2 or time.monotonic() - started > timeout_s:
+            now = time.monotonic()
+            if counts != last or queued:
+                last, changed = counts, now
+            if queued == 0 and (sum(counts) >= expected_blocks or now - changed >= idle_s):
                 break
-            last = counts
+            if now - started > timeout_s:
+                break
             time.sleep(poll_s)
         self.mark()
         return {"written": int(counts[0]), "dropped": int(counts[1]), "expected": expected_blocks,
-                "complete": counts[0] >= expected_blocks and queued == 0, "waited_s": round(time.monotonic() - started, 2)}
+                "complete": counts[0] >= expected_blocks and queued == 0,
+                "waited_s": round(time.monotonic() - started, 2)}
