@@ -12,29 +12,35 @@ import json
 import shutil
 from pathlib import Path
 
-#: Shapes by name: Llama 3.2 1B and Llama 3.1 8B, with the default model's 49,152-token vocabulary.
+#: Shapes by name: Llama 3.2 1B and Llama 3.1 8B, with the default model's 49,152-token vocabulary. Their
+#: context is Llama 3.1's 128k (workers still cap max_model_len at 8192 unless told: DEEPINFER_*_MAX_MODEL_LEN).
 SHAPES: dict[str, dict] = {
     "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
     "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
 }
+MAX_POSITION_EMBEDDINGS = 131072
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 DEFAULT_CACHE_DIR = Path(".bench-models")
 
 
 def write_random_model(shape: str, cache_dir: Path = DEFAULT_CACHE_DIR, tokenizer_dir: Path | None = None) -> Path:
-    """`cache_dir/<shape>/` with config.json (the shape) and the tokenizer files; reused when already there."""
+    """`cache_dir/<shape>/` with config.json (the shape) and the tokenizer files; reused when already there with
+    this shape (an older config.json, e.g. of an 8k context, is written again)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     target = Path(cache_dir) / shape
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
-        return target.resolve()
+        config = json.loads((target / "config.json").read_text())
+        if config.get("max_position_embeddings") == MAX_POSITION_EMBEDDINGS and config.items() >= SHAPES[shape].items():
+            return target.resolve()
     source = tokenizer_dir or _default_model_dir()
     base = json.loads((source / "config.json").read_text())
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": base["vocab_size"],
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": None,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
         "bos_token_id": base.get("bos_token_id"), "eos_token_id": base.get("eos_token_id"), **SHAPES[shape],
     }

@@ -233,21 +233,31 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
               "gateways": args.gateways or default_num_gateways(), "prefill": num_prefill, "decode": args.decode,
               "env": args.env,
               "points": points}
+    save_result(result, args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-"
+                f"{time.strftime('%Y-%m-%d-%H%M')}.json")
+
+
+def save_result(result: dict, out: Path) -> None:
+    """The JSON line on stdout, and the JSON file."""
     print(json.dumps(result))
-    out = args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-{time.strftime('%Y-%m-%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"saved {out}")
 
 
-def parse_args() -> argparse.Namespace:
-    """The command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --random-model, --cache-dir, --device: what the stack serves, on what."""
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--random-model", default=None, help="a random-weight shape: llama-1b, llama-8b")
     parser.add_argument("--cache-dir", type=Path, default=Path(".bench-models"), help="where --random-model is written")
-    parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
     parser.add_argument("--sweep", default="1,4", help="comma-separated concurrencies (default 1,4)")
     parser.add_argument("--num-requests", type=int, default=0, help="per point (default: 4 x concurrency, >= 16)")
     parser.add_argument("--max-tokens", type=int, default=64)

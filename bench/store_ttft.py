@@ -45,9 +45,11 @@ def ttft(client: openai.OpenAI, model: str, messages, max_tokens: int) -> tuple[
             text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             usage = chunk.usage
+    first = first or time.perf_counter()  # no content token (an answer of special tokens): the end
     details = usage.prompt_tokens_details
     return (first - started, {"prompt_tokens": usage.prompt_tokens, "cached_tokens": details.cached_tokens,
-                              "by_tier": details.model_extra.get("cached_tokens_by_tier")}, text)
+                              "by_tier": details.model_extra.get("cached_tokens_by_tier"),
+                              "completion_tokens": usage.completion_tokens}, text)
 
 
 def run(env: dict[str, str], messages_list, max_tokens: int) -> list[tuple[float, dict, str]]:

@@ -1,0 +1,36 @@
+"""bench/random_model.py: a random-weight checkpoint dir of a named shape, rewritten when an older one is there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from random_model import MAX_POSITION_EMBEDDINGS, SHAPES, write_random_model  # noqa: E402
+
+
+def tokenizer_dir(tmp_path: Path) -> Path:
+    source = tmp_path / "base"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"vocab_size": 1000, "bos_token_id": 1, "eos_token_id": 2}))
+    (source / "tokenizer.json").write_text("{}")
+    return source
+
+
+def test_the_shape_gets_a_128k_context_and_the_base_vocabulary(tmp_path: Path) -> None:
+    target = write_random_model("llama-8b", tmp_path / "cache", tokenizer_dir(tmp_path))
+    config = json.loads((target / "config.json").read_text())
+    assert config["max_position_embeddings"] == MAX_POSITION_EMBEDDINGS >= 32768 + 1024
+    assert config["vocab_size"] == 1000 and config.items() >= SHAPES["llama-8b"].items()
+    assert (target / "tokenizer.json").is_file()
+
+
+def test_an_older_config_is_written_again(tmp_path: Path) -> None:
+    source = tokenizer_dir(tmp_path)
+    target = write_random_model("llama-1b", tmp_path / "cache", source)
+    stale = json.loads((target / "config.json").read_text()) | {"max_position_embeddings": 8192}
+    (target / "config.json").write_text(json.dumps(stale))
+    write_random_model("llama-1b", tmp_path / "cache", source)
+    assert json.loads((target / "config.json").read_text())["max_position_embeddings"] == MAX_POSITION_EMBEDDINGS
