@@ -162,7 +162,7 @@ def tier_groups(args, model: Model, sizes: list[int], pool: int) -> tuple[dict[i
     the tokens the store holds for one size (its prompts and fillers)."""
     groups, store_tokens = {}, 0
     for index, size in enumerate(sizes):
-        facts = workload.num_facts_for(size, model.count_tokens)
+        facts = workload.num_facts_for(size, model.count_tokens, 1000 * index)  # sized at the prompts' own index
         filler_offset = workload.FILLER_OFFSET + 1000 * index
         filler_facts = workload.num_facts_for(size, model.count_tokens, filler_offset)
         fillers = workload.long_prompts(workload.num_fillers(pool, int(0.9 * size)) + 1, filler_facts, filler_offset)
