@@ -24,7 +24,7 @@ _spec.loader.exec_module(checkpoints)
 
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 16, 24, 256
 P = [(13 * i + 7) % 370 + 3 for i in range(100)]  # 100 tokens: 6 full blocks to hit
-FILLERS = [[(31 * i + 17 * j) % 370 + 3 for j in range(120)] for i in range(1, 4)]
+FILLERS = [[(31 * i + 17 * j) % 370 + 3 for j in range(120)] for i in range(1, 6)]
 OTHER = list(range(40, 60))
 
 
