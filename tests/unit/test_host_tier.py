@@ -186,3 +186,21 @@ def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, bl
         assert np.allclose(np.frombuffer(held, np.float32), np.frombuffer(computed, np.float32), atol=1e-5)
     assert finish_load(core, plan, [*local[:2], *stored[2:]])
     assert run(core)["p"] == reference["p"]
+
+
+def test_write_behind_exports_blocks_evicted_from_the_device_from_their_host_slots(tiny_dir, block_bytes):
+    from deepinfer.engine.kv_load import export_cached
+
+    core = engine(tiny_dir, block_bytes)
+    core.add_request("p", P, GREEDY)
+    run(core)
+    hashes = hash_blocks(P, BLOCK_SIZE, core.fingerprint, "")[:4]
+    kept, on_device = export_cached(core, hashes)  # device and host both hold them: the host slots are read
+    assert kept == hashes
+    ids = [core.scheduler.block_pool.get_cached_block(h).block_id for h in hashes]
+    assert on_device == export_blocks(core.runner.kv_caches, ids)
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, GREEDY)
+        run(core)
+    assert all(core.scheduler.block_pool.get_cached_block(h) is None for h in hashes)  # gone from the device
+    assert export_cached(core, hashes) == (hashes, on_device)  # still written behind, from the host tier

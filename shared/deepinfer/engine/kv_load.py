@@ -76,9 +76,17 @@ def fail_load(core: EngineCore, request_id: str) -> None:
 
 
 def export_cached(core: EngineCore, block_hashes: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
-    """(hashes, payloads) of the blocks still in the device prefix cache, in order; evicted ones are left out."""
+    """(hashes, payloads) of the blocks still cached, in order; evicted ones are left out. A block the host tier
+    holds is read from its pinned slot (already a payload: a host memcpy, no device work); the rest are gathered
+    from the device cache in one export (a device→host copy the engine thread waits for)."""
+    host_payloads = core.host_tier.payloads(block_hashes) if core.host_tier is not None else [None] * len(block_hashes)
     pool = core.scheduler.block_pool
-    found = [(h, block.block_id) for h in block_hashes if (block := pool.get_cached_block(h)) is not None]
-    if not found:
-        return [], []
-    return [h for h, _ in found], export_blocks(core.runner.kv_caches, [block_id for _, block_id in found])
+    found: list[tuple[bytes, bytes | int]] = []
+    for block_hash, payload in zip(block_hashes, host_payloads, strict=True):
+        if payload is not None:
+            found.append((block_hash, payload))
+        elif (block := pool.get_cached_block(block_hash)) is not None:
+            found.append((block_hash, block.block_id))
+    device_ids = [ref for _, ref in found if isinstance(ref, int)]
+    exported = iter(export_blocks(core.runner.kv_caches, device_ids) if device_ids else ())
+    return [h for h, _ in found], [ref if isinstance(ref, bytes) else next(exported) for _, ref in found]
