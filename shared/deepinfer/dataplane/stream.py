@@ -55,8 +55,8 @@ class BlockStream(asyncio.BufferedProtocol):
             return self._target
         if self._start == self._end:
             self._start = self._end = 0
-        elif self._end == len(self._staging):  # full at the end: move the unread bytes to the front
-            unread = self._end - self._start
+        elif self._start and len(self._staging) - self._end < len(self._staging) // 2:
+            unread = self._end - self._start  # little room left at the end: move the unread bytes to the front
             self._staging[:unread] = self._staging[self._start : self._end]
             self._start, self._end = 0, unread
         return memoryview(self._staging)[self._end :]
@@ -106,14 +106,22 @@ class BlockStream(asyncio.BufferedProtocol):
         return self._end - self._start
 
     async def readexactly(self, n: int) -> bytes:
-        """The next n bytes; asyncio.IncompleteReadError when the peer closes first."""
-        if n <= self.num_staged:
-            data = bytes(self._staging[self._start : self._start + n])
-            self._consumed(n)
-            return data
-        buffer = bytearray(n)
-        await self.readinto(memoryview(buffer))
-        return bytes(buffer)
+        """The next n bytes; asyncio.IncompleteReadError when the peer closes first.
+
+        Up to half the staging buffer is read through it (one receive takes a whole small request, however it is
+        split into reads); more goes straight into a buffer of its own.
+        """
+        if n > len(self._staging) // 2:
+            buffer = bytearray(n)
+            await self.readinto(memoryview(buffer))
+            return bytes(buffer)
+        while self.num_staged < n:
+            if self._eof:
+                raise asyncio.IncompleteReadError(bytes(self._staging[self._start : self._end]), n)
+            await self._wait_staged()
+        data = bytes(self._staging[self._start : self._start + n])
+        self._consumed(n)
+        return data
 
     async def readinto(self, buffer: bytearray | memoryview) -> None:
         """Fill `buffer` (writable) with the next bytes: staged ones first, then straight from the socket.
@@ -144,6 +152,17 @@ class BlockStream(asyncio.BufferedProtocol):
         if missing is not None:  # woken by the end of the stream
             got = buffer.nbytes - missing.nbytes
             raise asyncio.IncompleteReadError(bytes(buffer[:got]), buffer.nbytes)
+
+    async def _wait_staged(self) -> None:
+        """Until more bytes are staged or the stream ends."""
+        if self._waiter is not None:
+            raise RuntimeError("BlockStream: another read is waiting")
+        self._resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def at_eof(self) -> bool:
         """The peer closed and every received byte was read."""
