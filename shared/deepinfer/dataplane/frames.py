@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-import numpy
 import xxhash
 from pydantic import Field, model_validator
 
+from deepinfer.dataplane.buffers import block_buffer
 from deepinfer.dataplane.errors import ChecksumError, FrameError, FrameTooLarge
 from deepinfer.dataplane.stream import BlockStream
 from deepinfer.protocol.base import Message, ProtocolError
@@ -173,13 +173,14 @@ async def receive_blocks(
     """Read the header's blocks, each straight into a fresh buffer of its own, and each one's xxh3-64.
 
     The checksum of a block is taken as soon as it has landed (its bytes still in the CPU's cache), then
-    `on_block(index, view, checksum)` is called, before the next block is read. The buffers are allocated
-    uninitialised (numpy.empty: nothing zeroes 2 MiB that the socket overwrites at once); the views are read-only
-    and nothing writes the buffers again: whoever keeps a block may keep its view, uncopied.
+    `on_block(index, view, checksum)` is called, before the next block is read. The buffers are uninitialised
+    (nothing zeroes 2 MiB that the socket overwrites at once), their fresh pages mapped in one call
+    (dataplane/buffers.py); the views are read-only and nothing writes the buffers again: whoever keeps a block may
+    keep its view, uncopied.
     """
     blocks, checksums = [], []
     for index, size in enumerate(header.sizes):
-        buffer = memoryview(numpy.empty(size, dtype=numpy.uint8))
+        buffer = block_buffer(size)
         await stream.readinto(buffer)
         block = buffer.toreadonly()
         checksums.append(checksum(block))
