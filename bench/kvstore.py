@@ -9,6 +9,10 @@ Every server runs in a process of its own (as the store would), the client in th
     data plane (dict)   DataPlaneServer + DataPlaneClient over a dict (InMemoryBlockProvider): the protocol's cost.
     kvstore             DataPlaneServer over a KvStore: RAM tier large enough for every put of the run,
                         write-through to its segment files (the page cache; fsync per --fsync).
+    kvstore (RAM full)  (puts only) a KvStore whose RAM tier holds two requests' worth of blocks, full after the
+                        setup and the warm-up: every measured put evicts as many blocks as it adds, as in a store
+                        that has run for a while. The allocator reuses the evicted blocks' memory (with the malloc
+                        variables below), where a RAM tier still growing (`kvstore`) faults in fresh pages.
     kvstore (disk)      a KvStore with ram_bytes=0: every get reads the segment files (from the page cache: the
                         bench does not drop the machine's caches) and checks the checksums.
 
@@ -47,7 +51,7 @@ LAYOUT = "bench-layout"
 _RAW_REQUEST = struct.Struct("<cQ")  # op (b"P" put / b"G" get), bytes
 #: op -> the paths that run it; "get (disk)" is compared with the raw get.
 OPS = {
-    "put": ("raw socket", "data plane (dict)", "kvstore"),
+    "put": ("raw socket", "data plane (dict)", "kvstore", "kvstore (RAM full)"),
     "get (ram)": ("raw socket", "data plane (dict)", "kvstore"),
     "get (disk)": ("raw socket", "kvstore (disk)"),
 }
@@ -207,7 +211,7 @@ def _summary(total_bytes: int, bulk_s: list[float], single_s: list[float]) -> di
 # -- the run --------------------------------------------------------------------------------------------------
 async def _run_paths(args: argparse.Namespace, blocks: list[bytes], servers: dict) -> dict:
     paths = {"raw socket": RawPath(servers["raw socket"], blocks)}
-    for name in ("data plane (dict)", "kvstore", "kvstore (disk)"):
+    for name in ("data plane (dict)", "kvstore", "kvstore (RAM full)", "kvstore (disk)"):
         paths[name] = DataPlanePath(servers[name], blocks)
         await paths[name].setup()
     try:
@@ -225,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
     ram_bytes = block_bytes * (args.blocks * (args.reps + 2) + args.samples + 8)
     with (
         tempfile.TemporaryDirectory(dir=args.dir) as ram_dir,
+        tempfile.TemporaryDirectory(dir=args.dir) as full_dir,
         tempfile.TemporaryDirectory(dir=args.dir) as disk_dir,
     ):
         store = {"disk_bytes": 2 * ram_bytes, "fsync": args.fsync}
@@ -232,6 +237,9 @@ def run(args: argparse.Namespace) -> dict:
             "raw socket": _start(_raw_server),
             "data plane (dict)": _start(_dataplane_server, None),
             "kvstore": _start(_dataplane_server, {**store, "disk_dir": ram_dir, "ram_bytes": ram_bytes}),
+            "kvstore (RAM full)": _start(
+                _dataplane_server, {**store, "disk_dir": full_dir, "ram_bytes": 2 * len(blocks) * block_bytes}
+            ),
             "kvstore (disk)": _start(_dataplane_server, {**store, "disk_dir": disk_dir, "ram_bytes": 0}),
         }
         try:

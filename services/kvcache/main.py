@@ -9,6 +9,7 @@ from deepinfer.config.loading import EXIT_BAD_CONFIG
 from deepinfer.kvcache.store import StoreLockedError
 from deepinfer.service import ServiceContext, service_main
 from services.kvcache.handler import KvCacheHandler
+from services.kvcache.malloc import keep_freed_buffers
 
 log = logging.getLogger(__name__)
 
@@ -29,4 +30,5 @@ async def build(ctx: ServiceContext[KvCacheSettings]) -> KvCacheHandler:
 
 def main() -> int:
     """`python -m services.kvcache` / `deepinfer serve kvcache`: run until SIGTERM; the exit code."""
+    keep_freed_buffers()  # before the store allocates its first block
     return service_main(KvCacheSettings, build)

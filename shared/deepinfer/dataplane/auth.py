@@ -17,6 +17,7 @@ import hmac
 import secrets
 
 from deepinfer.dataplane.errors import DataPlaneAuthError, DataPlaneConnectionError
+from deepinfer.dataplane.stream import BlockStream
 
 #: Protocol magic and version: "DIDP" then version 1.
 MAGIC = b"DIDP\x01"
@@ -47,7 +48,9 @@ def _proof(key: bytes, role: bytes, server_nonce: bytes, client_nonce: bytes) ->
     return hmac.new(key, role + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-async def server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
+async def server_handshake(
+    reader: asyncio.StreamReader | BlockStream, writer: asyncio.StreamWriter | BlockStream, key: bytes
+) -> None:
     """Authenticate a connecting client, then prove ourselves; DataPlaneAuthError (after REFUSE) on failure."""
     server_nonce = secrets.token_bytes(NONCE_BYTES)
     writer.write(MAGIC + server_nonce)

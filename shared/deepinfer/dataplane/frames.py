@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import xxhash
 from pydantic import Field, model_validator
 
+from deepinfer.dataplane.buffers import block_buffer
 from deepinfer.dataplane.errors import ChecksumError, FrameError, FrameTooLarge
+from deepinfer.dataplane.stream import BlockStream
 from deepinfer.protocol.base import Message, ProtocolError
 from deepinfer.protocol.types import BlockHash, NonNegativeInt
 
 #: Anything with the buffer protocol that the data plane accepts as block bytes.
 BytesLike = bytes | bytearray | memoryview
+#: What frames are read from: an asyncio stream (the client) or a BlockStream (the server).
+FrameReader = asyncio.StreamReader | BlockStream
 
 _LENGTH = struct.Struct(">I")
 #: Bytes of the header-length prefix.
@@ -150,9 +154,7 @@ def decode_header(data: bytes, limits: FrameLimits) -> FrameHeader:
     return header
 
 
-async def read_header(
-    reader: asyncio.StreamReader, limits: FrameLimits, prefix: bytes | None = None
-) -> FrameHeader:
+async def read_header(reader: FrameReader, limits: FrameLimits, prefix: bytes | None = None) -> FrameHeader:
     """Read one header (after its already-read length prefix, if given); nothing allocated past the limits."""
     if prefix is None:
         prefix = await reader.readexactly(LENGTH_PREFIX_BYTES)
@@ -165,14 +167,46 @@ async def read_payload(reader: asyncio.StreamReader, header: FrameHeader) -> lis
     return [await reader.readexactly(size) for size in header.sizes]
 
 
+async def receive_blocks(
+    stream: BlockStream, header: FrameHeader, on_block: Callable[[int, memoryview, int], None] | None = None
+) -> tuple[list[memoryview], list[int]]:
+    """Read the header's blocks, each straight into a fresh buffer of its own, and each one's xxh3-64.
+
+    The checksum of a block is taken as soon as it has landed (its bytes still in the CPU's cache), then
+    `on_block(index, view, checksum)` is called, before the next block is read. The buffers are uninitialised
+    (nothing zeroes 2 MiB that the socket overwrites at once), their fresh pages mapped in one call
+    (dataplane/buffers.py); the views are read-only and nothing writes the buffers again: whoever keeps a block may
+    keep its view, uncopied.
+    """
+    blocks, checksums = [], []
+    for index, size in enumerate(header.sizes):
+        buffer = block_buffer(size)
+        await stream.readinto(buffer)
+        block = buffer.toreadonly()
+        checksums.append(checksum(block))
+        blocks.append(block)
+        if on_block is not None:
+            on_block(index, block, checksums[-1])
+    return blocks, checksums
+
+
 def verify_checksums(blocks: Sequence[BytesLike], header: FrameHeader, labels: Sequence[str]) -> None:
     """ChecksumError naming the first block whose bytes do not match its checksum."""
-    for i, (block, expected) in enumerate(zip(blocks, header.checksums, strict=True)):
-        actual = checksum(block)
-        if actual != expected:
-            raise ChecksumError(
-                f"block {labels[i]} (#{i} of {len(blocks)}): xxh3-64 {actual:016x} != sent {expected:016x}"
-            )
+    check_checksums([checksum(block) for block in blocks], header, labels)
+
+
+def check_checksums(actual: Sequence[int], header: FrameHeader, labels: Sequence[str]) -> None:
+    """ChecksumError naming the first block whose computed checksum (`actual`) is not the one the header sent."""
+    for i, (computed, expected) in enumerate(zip(actual, header.checksums, strict=True)):
+        if computed != expected:
+            raise checksum_error(i, len(actual), labels[i], computed, expected)
+
+
+def checksum_error(index: int, num_blocks: int, label: str, computed: int, expected: int) -> ChecksumError:
+    """The error for block `index` (named `label`) of a frame whose bytes do not match the sent checksum."""
+    return ChecksumError(
+        f"block {label} (#{index} of {num_blocks}): xxh3-64 {computed:016x} != sent {expected:016x}"
+    )
 
 
 def frame_buffers(
@@ -182,7 +216,7 @@ def frame_buffers(
     return [encode_header(header, limits), *payloads]
 
 
-async def write_frame(writer: asyncio.StreamWriter, buffers: Sequence[BytesLike]) -> None:
+async def write_frame(writer: asyncio.StreamWriter | BlockStream, buffers: Sequence[BytesLike]) -> None:
     """Write one frame buffer by buffer, draining after each.
 
     Not `writelines`: before Python 3.12 it joins everything into one bytes (a full copy of the payload), and

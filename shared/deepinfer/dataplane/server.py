@@ -19,16 +19,18 @@ from deepinfer.dataplane.frames import (
     FrameLimits,
     FrameOp,
     byte_view,
+    check_checksums,
     check_limits,
     frame_buffers,
     payload_fields,
     read_header,
-    read_payload,
-    verify_checksums,
+    receive_blocks,
     write_frame,
 )
 from deepinfer.dataplane.metrics import DataPlaneMetrics
 from deepinfer.dataplane.provider import BlockProvider, call_provider
+from deepinfer.dataplane.puts import PutPipeline, takes_checksums
+from deepinfer.dataplane.stream import BlockStream
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,9 @@ class ServerTimeouts:
 
 @dataclass(eq=False)
 class _Connection:
-    task: asyncio.Task[None]
-    busy: bool = False
     peer: str = field(default="?")
+    busy: bool = False
+    task: asyncio.Task[None] = field(init=False)
 
 
 class DataPlaneServer:
@@ -83,6 +85,10 @@ class DataPlaneServer:
         self.metrics = DataPlaneMetrics()
         self._key = secret_key(secret)
         self._server: asyncio.Server | None = None
+        #: The provider takes the checksums the server verified (and need not compute them again).
+        self._pass_checksums = takes_checksums(provider)
+        #: The provider takes a put as several write_blocks calls, made while the frame arrives (dataplane/puts.py).
+        self._incremental_writes = bool(getattr(provider, "incremental_writes", False))
         self._connections: set[_Connection] = set()
         self._closing = False
 
@@ -97,8 +103,9 @@ class DataPlaneServer:
         """Bind and listen; returns the bound "host:port" (the real port when port=0)."""
         if self._server is not None:
             raise RuntimeError("DataPlaneServer already started")
-        # A larger stream buffer than asyncio's 64 KiB default: fewer pause/resume cycles on MiB-sized blocks.
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=1 << 22)
+        # BlockStream: each block is received straight into the buffer it will live in (dataplane/stream.py).
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: BlockStream(self._on_stream), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("data plane listening on %s", self.address)
         return self.address
@@ -124,16 +131,17 @@ class DataPlaneServer:
                 await asyncio.wait(pending)
         await self._server.wait_closed()
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def _on_stream(self, stream: BlockStream) -> None:
         if self._closing or len(self._connections) >= self.max_connections:
-            writer.close()
+            stream.close()
             return
-        conn = _Connection(task=task, peer=str(writer.get_extra_info("peername")))
+        conn = _Connection(peer=str(stream.get_extra_info("peername")))
+        conn.task = asyncio.get_running_loop().create_task(self._on_connect(conn, stream))
         self._connections.add(conn)
+
+    async def _on_connect(self, conn: _Connection, stream: BlockStream) -> None:
         try:
-            await self._serve_connection(conn, reader, writer)
+            await self._serve_connection(conn, stream)
         except asyncio.CancelledError:
             if not self._closing:
                 raise
@@ -143,16 +151,14 @@ class DataPlaneServer:
             logger.exception("data plane: connection from %s failed", conn.peer)
         finally:
             self._connections.discard(conn)
-            writer.close()
+            stream.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await stream.wait_closed()
 
-    async def _serve_connection(
-        self, conn: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def _serve_connection(self, conn: _Connection, stream: BlockStream) -> None:
         try:
             async with asyncio.timeout(self.timeouts.handshake_s):
-                await server_handshake(reader, writer, self._key)
+                await server_handshake(stream, stream, self._key)
         except DataPlaneAuthError as exc:
             self.metrics.auth_failures += 1
             logger.warning("data plane: refused %s: %s", conn.peer, exc)
@@ -160,31 +166,39 @@ class DataPlaneServer:
         self.metrics.connections += 1
         while not self._closing:
             async with asyncio.timeout(self.timeouts.idle_s):
-                prefix = await reader.readexactly(LENGTH_PREFIX_BYTES)
+                prefix = await stream.readexactly(LENGTH_PREFIX_BYTES)
             conn.busy = True
             try:
                 async with asyncio.timeout(self.timeouts.request_s):
-                    keep_open = await self._serve_request(prefix, reader, writer)
+                    keep_open = await self._serve_request(prefix, stream)
             finally:
                 conn.busy = False
             if not keep_open:
                 return
 
-    async def _serve_request(
-        self, prefix: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
+    async def _serve_request(self, prefix: bytes, stream: BlockStream) -> bool:
         """Answer one request; False when the stream can no longer be trusted and must be closed."""
         self.metrics.requests += 1
         correlation_id = 0
         in_sync = False  # becomes True once the whole request frame has been consumed
         try:
-            request = await read_header(reader, self.limits, prefix)
+            request = await read_header(stream, self.limits, prefix)
             correlation_id = request.correlation_id
-            blocks = await read_payload(reader, request)
+            pipeline = self._put_pipeline(request)
+            try:
+                blocks, checksums = await receive_blocks(stream, request, pipeline and pipeline.add)
+            except BaseException:
+                if pipeline is not None:
+                    pipeline.cancel()
+                raise
             in_sync = True
             self.metrics.bytes_received += request.payload_bytes
             self.metrics.blocks_received += len(blocks)
-            reply, payloads = await self._dispatch(request, blocks)
+            if pipeline is not None:
+                await pipeline.finish()
+                reply, payloads = FrameHeader(op=FrameOp.REPLY, correlation_id=correlation_id), []
+            else:
+                reply, payloads = await self._dispatch(request, blocks, checksums)
         except DataPlaneError as exc:
             self.metrics.errors += 1
             if isinstance(exc, FrameError):
@@ -196,27 +210,37 @@ class DataPlaneServer:
             self.metrics.errors += 1
             logger.exception("data plane: provider failed on request %d", correlation_id)
             reply, payloads = _error_reply(correlation_id, "internal", f"{type(exc).__name__}: {exc}"), []
-        await write_frame(writer, frame_buffers(reply, payloads, self.limits))
+        await write_frame(stream, frame_buffers(reply, payloads, self.limits))
         self.metrics.bytes_sent += reply.payload_bytes
         self.metrics.blocks_sent += reply.num_blocks
         return in_sync
 
+    def _put_pipeline(self, request: FrameHeader) -> PutPipeline | None:
+        """A pipeline for a well-formed put to a provider that takes incremental writes, else None."""
+        if not self._incremental_writes or request.op != FrameOp.PUT or request.num_blocks == 0:
+            return None
+        if len(request.block_hashes) != request.num_blocks:
+            return None  # refused by _dispatch once the frame has been read
+        return PutPipeline(self.provider, request, _hash_labels(request))
+
     async def _dispatch(
-        self, request: FrameHeader, blocks: list[bytes]
+        self, request: FrameHeader, blocks: list[memoryview], checksums: list[int]
     ) -> tuple[FrameHeader, list[memoryview]]:
         cid = request.correlation_id
         if request.op == FrameOp.GET:
             return await self._get(request)
         if request.op == FrameOp.PUT:
-            labels = [f"hash {h.hex()}" for h in request.block_hashes]
+            labels = _hash_labels(request)
             if len(request.block_hashes) != len(blocks):
                 raise FrameError(f"put of {len(blocks)} blocks names {len(request.block_hashes)} hashes")
-            verify_checksums(blocks, request, labels)
+            check_checksums(checksums, request, labels)
+            extra = {"checksums": checksums} if self._pass_checksums else {}
             await call_provider(
                 self.provider.write_blocks,
                 layout_id=request.layout_id,
                 block_hashes=request.block_hashes,
                 payloads=blocks,
+                **extra,
             )
             return FrameHeader(op=FrameOp.REPLY, correlation_id=cid), []
         if request.op == FrameOp.HAS:
@@ -251,6 +275,10 @@ class DataPlaneServer:
         )
         check_limits(reply, self.limits)  # FrameTooLarge: the client should ask for fewer blocks per request
         return reply, payloads
+
+
+def _hash_labels(request: FrameHeader) -> list[str]:
+    return [f"hash {h.hex()}" for h in request.block_hashes]
 
 
 def _error_reply(correlation_id: int, code: str, message: str) -> FrameHeader:

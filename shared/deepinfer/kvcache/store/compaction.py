@@ -104,7 +104,7 @@ def copy_step(disk: DiskTier, plan: CompactionPlan) -> CopyResult:
         except CorruptRecordError:
             result.corrupt.append(key)
             continue
-        items.append((key, payload, entry.last_used_s))
+        items.append((key, payload, entry.last_used_s, entry.checksum))  # just verified by read_payload
         offsets.append(entry.offset)
     appended = disk.append_blocks(items, durable=False) if items else []
     result.blocks = [(b.key, offset, b) for offset, b in zip(offsets, appended, strict=True)]

@@ -18,7 +18,7 @@ import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from deepinfer.dataplane.frames import checksum
+from deepinfer.dataplane.frames import BytesLike, checksum
 from deepinfer.kvcache.store.ram import Key
 from deepinfer.kvcache.store.records import RecordHead, RecordKind, block_head, encode_head, touch_head
 from deepinfer.kvcache.store.scan import ScannedRecord, scan_segment
@@ -228,15 +228,16 @@ class DiskTier:
 
     # -- appends (write lock) -------------------------------------------------------------------------------
     def append_blocks(
-        self, items: list[tuple[Key, bytes, float]], *, durable: bool = True
+        self, items: list[tuple[Key, BytesLike, float, int | None]], *, durable: bool = True
     ) -> list[AppendedBlock]:
-        """Write block records (key, payload, last use) in order, fsync per policy unless not `durable`."""
-        heads = [block_head(key[0], key[1], payload, ts) for key, payload, ts in items]
-        records = [(encode_head(h), p) for h, (_, p, _) in zip(heads, items, strict=True)]
+        """Write block records (key, payload, last use, checksum or None) in order, fsync per policy unless not
+        `durable`. A given checksum is trusted (the data plane verified it); None: computed here."""
+        heads = [block_head(key[0], key[1], payload, ts, known) for key, payload, ts, known in items]
+        records = [(encode_head(h), item[1]) for h, item in zip(heads, items, strict=True)]
         locations = self.log.append(records, durable=durable)
         return [
-            AppendedBlock(key, segment_id, offset, head)
-            for (key, _, _), head, (segment_id, offset) in zip(items, heads, locations, strict=True)
+            AppendedBlock(item[0], segment_id, offset, head)
+            for item, head, (segment_id, offset) in zip(items, heads, locations, strict=True)
         ]
 
     def append_touches(self, items: list[tuple[Key, float]]) -> list[AppendedTouch]:

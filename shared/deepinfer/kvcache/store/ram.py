@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from deepinfer.dataplane.frames import BytesLike
+
 #: A block's identity in the store: (layout_id, block_hash).
 Key = tuple[str, bytes]
 
@@ -20,7 +22,7 @@ Key = tuple[str, bytes]
 class RamEntry:
     """One block held in memory; `payload` is immutable and handed out uncopied."""
 
-    payload: bytes
+    payload: BytesLike  # bytes or a read-only view: never written
     last_used_s: float
 
 
@@ -48,7 +50,7 @@ class RamTier:
         entry.last_used_s = max(entry.last_used_s, now_s)  # a clock stepping back never makes a block older
         self._entries.move_to_end(key)
 
-    def put(self, key: Key, payload: bytes, last_used_s: float) -> list[Key]:
+    def put(self, key: Key, payload: BytesLike, last_used_s: float) -> list[Key]:
         """Hold a block as the most recently used; the keys evicted to make room, LRU first.
 
         A payload larger than the whole tier is not held (nothing is evicted for it).
@@ -88,3 +90,13 @@ class RamTier:
     def keys(self) -> list[Key]:
         """Every held key, least recently used first."""
         return list(self._entries)
+
+
+def held_payload(payload: BytesLike) -> BytesLike:
+    """What the store keeps of a payload: `bytes` and read-only views as given, uncopied (the data plane hands
+    over the buffers it received into and never writes them again), a copy of any writable buffer."""
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, memoryview) and payload.readonly and payload.c_contiguous:
+        return payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
+    return bytes(payload)

@@ -72,10 +72,14 @@ class RecordHead:
         return self.payload_offset + self.size_bytes
 
 
-def block_head(layout_id: str, block_hash: bytes, payload: BytesLike, ts: float) -> RecordHead:
-    """The head of a block record for `payload` (its checksum computed here, once)."""
+def block_head(
+    layout_id: str, block_hash: bytes, payload: BytesLike, ts: float, payload_checksum: int | None = None
+) -> RecordHead:
+    """The head of a block record for `payload`; its checksum computed here unless the caller has it already."""
+    if payload_checksum is None:
+        payload_checksum = checksum(payload)
     return RecordHead(
-        RecordKind.BLOCK, layout_id, bytes(block_hash), memoryview(payload).nbytes, checksum(payload), ts
+        RecordKind.BLOCK, layout_id, bytes(block_hash), memoryview(payload).nbytes, payload_checksum, ts
     )
 
 

@@ -32,7 +32,7 @@ from deepinfer.kvcache.store.compaction import (
 from deepinfer.kvcache.store.disk import CorruptRecordError, DiskTier
 from deepinfer.kvcache.store.events import EventBuffer, StoreEvent, StoreEventKind
 from deepinfer.kvcache.store.metrics import StoreMetrics, Tier
-from deepinfer.kvcache.store.ram import Key, RamTier
+from deepinfer.kvcache.store.ram import Key, RamTier, held_payload
 from deepinfer.kvcache.store.records import MAX_KEY_PART_BYTES, record_bytes
 from deepinfer.kvcache.store.scan import CorruptReason
 from deepinfer.kvcache.store.settings import StoreSettings
@@ -62,6 +62,9 @@ class KvStore:
     `clock` gives wall-clock seconds (last uses survive restarts); inject one in tests.
     """
 
+    #: One put may come as several write_blocks calls (deepinfer.dataplane.puts); each is complete on its own.
+    incremental_writes = True
+
     def __init__(
         self,
         settings: StoreSettings,
@@ -86,8 +89,8 @@ class KvStore:
     # -- BlockProvider ----------------------------------------------------------------------------------------
     def read_blocks(
         self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], layout_id: str
-    ) -> list[bytes]:
-        """The blocks' payloads in request order; BlockNotFound (nothing served) unless every one is held."""
+    ) -> list[BytesLike]:
+        """Payloads (bytes, read-only views) in request order; BlockNotFound (nothing served) unless all are held."""
         if block_ids:
             raise DataPlaneError("the kvcache store serves blocks by hash, not by owner-local block id")
         keys = [(layout_id, bytes(h)) for h in block_hashes]
@@ -107,22 +110,23 @@ class KvStore:
         return payloads  # type: ignore[return-value]  # no None left
 
     def write_blocks(
-        self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]
+        self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike],
+        checksums: Sequence[int] | None = None,
     ) -> None:
-        """Hold the blocks (a block already held only counts as a use: blocks are immutable)."""
+        """Hold the blocks (a block already held only counts as a use: blocks are immutable); `checksums`, when
+        given, are the payloads' xxh3-64 the caller verified (the data plane). Payloads as in `held_payload`."""
         _check_layout_id(layout_id)
-        if len(block_hashes) != len(payloads):
-            raise DataPlaneError(f"{len(block_hashes)} block hashes but {len(payloads)} payloads")
-        items: dict[Key, bytes] = {}
-        for block_hash, payload in zip(block_hashes, payloads, strict=True):
-            items.setdefault(
-                (layout_id, bytes(block_hash)), payload if isinstance(payload, bytes) else bytes(payload)
-            )
+        sums: Sequence[int | None] = [None] * len(payloads) if checksums is None else checksums
+        if not len(block_hashes) == len(payloads) == len(sums):
+            raise DataPlaneError(f"{len(block_hashes)} hashes, {len(payloads)} payloads, {len(sums)} checksums")
+        items: dict[Key, tuple[BytesLike, int | None]] = {}
+        for block_hash, payload, known in zip(block_hashes, payloads, sums, strict=True):
+            items.setdefault((layout_id, bytes(block_hash)), (held_payload(payload), known))
         with self._write_lock:
             with self._lock:
                 self._check_open()
                 now = self._clock()
-                fresh = [(key, payload) for key, payload in items.items() if not self._refresh(key, now)]
+                fresh = [(key, *item) for key, item in items.items() if not self._refresh(key, now)]
             if fresh:
                 self._store_new(fresh, now)
             self._flush_touches()
@@ -239,7 +243,7 @@ class KvStore:
             self._drop(key, now, StoreEventKind.EXPIRED)
         return False
 
-    def _read_one(self, key: Key) -> bytes | None:
+    def _read_one(self, key: Key) -> BytesLike | None:
         with self._lock:
             self._check_open()
             now, start_s = self._clock(), time.perf_counter()
@@ -289,31 +293,31 @@ class KvStore:
             self.metrics.misses.labels(tier=Tier.DISK).inc(len(keys))
 
     # -- writes ----------------------------------------------------------------------------------------------
-    def _store_new(self, fresh: list[tuple[Key, bytes]], now: float) -> None:
+    def _store_new(self, fresh: list[tuple[Key, BytesLike, int | None]], now: float) -> None:
         """Under the write lock: append the new blocks (no state lock), then index and announce them."""
         start_s = time.perf_counter()
-        largest = max(len(payload) for _, payload in fresh)
+        largest = max(len(payload) for _, payload, _ in fresh)
         if self._disk is None:
             if largest > self.settings.ram_bytes:
                 raise DataPlaneError(
                     f"a block of {largest} bytes exceeds ram_bytes={self.settings.ram_bytes}"
                 )
             with self._lock:
-                for key, payload in fresh:
+                for key, payload, _ in fresh:
                     self._on_ram_evicted(self._ram.put(key, payload, now), now)
                     self._events.add(StoreEventKind.STORED, key[0], key[1], now)
                 self.metrics.write_seconds.labels(tier=Tier.RAM).observe(time.perf_counter() - start_s)
                 self._update_usage()
             return
-        largest_record = max(record_bytes(key, payload) for key, payload in fresh)
+        largest_record = max(record_bytes(key, payload) for key, payload, _ in fresh)
         if largest_record > self.settings.disk_bytes:
             raise DataPlaneError(
                 f"a record of {largest_record} bytes exceeds disk_bytes={self.settings.disk_bytes}"
             )
-        appended = self._disk.append_blocks([(key, payload, now) for key, payload in fresh])
+        appended = self._disk.append_blocks([(key, payload, now, known) for key, payload, known in fresh])
         write_s = time.perf_counter() - start_s
         with self._lock:
-            for block, (key, payload) in zip(appended, fresh, strict=True):
+            for block, (key, payload, _) in zip(appended, fresh, strict=True):
                 for evicted in self._disk.insert(block, now):
                     self._drop(evicted, now, StoreEventKind.EVICTED, left_disk=True)
                 self._on_ram_evicted(self._ram.put(key, payload, now), now)
