@@ -45,6 +45,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
+from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.kv_snapshot import SnapshotPages
@@ -101,6 +102,8 @@ class WorkerRuntime:
         self._published_load = (0, 0, 0)
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
+        #: The engine's load tuple last compared with the published load.
+        self._checked_load: tuple[int, ...] | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
             name: gauge(registry, f"worker_{name}", doc)
@@ -324,15 +327,21 @@ class WorkerRuntime:
             batch = KvEventBatch(
                 worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
             )
-            self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+            run_eagerly(self.tasks, self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch),
+                        name="kv-events")
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
-        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved."""
-        stats = self.engine.stats if self.engine is not None else self.stats
-        if self._load_heartbeat_pending or self._heartbeats_sent == 0:
+        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved.
+        The engine replaces its load tuple only when a number changes: a step that changed nothing costs one
+        identity check here."""
+        if self.engine is None or self._load_heartbeat_pending or self._heartbeats_sent == 0:
             return
-        if (stats.num_running, stats.num_waiting, stats.num_added) == self._published_load:
+        load = self.engine.load
+        if load is self._checked_load:
+            return
+        self._checked_load = load
+        if (load[0], load[1], load[5]) == self._published_load:  # running, waiting, admitted
             return
         self._load_heartbeat_pending = True
         delay_s = max(0.0, self._last_heartbeat_s + LOAD_CHANGE_HEARTBEAT_S - time.monotonic())
