@@ -1,6 +1,7 @@
 """Per-step host cost of the decode worker's service path, on this CPU, at concurrency 1 and 64.
 
-    PYTHONPATH=shared:. python bench/loop_cost.py [--concurrency 1 64] [--steps 300] [--repeats 3] [--out FILE]
+    PYTHONPATH=shared:. python bench/loop_cost.py [--concurrency 1 64] [--steps 600] [--repeats 3]
+        [--fake-step HOST_US DEVICE_US] [--out FILE]
 
 The real decode side: `DecodeHandler` (EngineLoop, the token batch path, heartbeats, KV events) on a tiny
 random llama, a real nats-server on a free port and a subscriber process draining the token subject. Requests
@@ -11,6 +12,12 @@ every request running is measured:
         (which adds the GIL waits behind the event loop) — service-only bookkeeping in EngineLoop;
     (b) the event-loop thread's CPU time per step (outputs → token batches → NATS, metrics, heartbeats);
     (c) `core.step()` itself (wall and CPU), and the same steps in the offline `LLM` for reference.
+
+With `--fake-step HOST_US DEVICE_US` the model is replaced, from the window on, by a step shaped like an
+accelerator's: HOST_US of Python holding the GIL, then DEVICE_US of waiting without it (the same in the offline
+run). On the CPU a real step computes with the GIL released and its cost swamps the service's; the fake step
+shows what the service's host work does to a GPU-like step, and with far less noise: "step ratio" is then the
+service's tokens/s over the offline engine's at equal steps.
 
 The GIL switch interval is the services' (0.5 ms). Prints a table and one JSON line (saved with --out).
 """
@@ -30,9 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPT_LEN = 30
+#: The tiny model's context: room for long windows of steps.
+MAX_MODEL_LEN = 4096
 WARMUP_STEPS = 20
 GATEWAY = "gw-bench"
 GIL_SWITCH_INTERVAL_S = 0.0005
+#: The fake step's host work between two GIL releases (one torch call's worth of Python).
+FAKE_OP_S = 10e-6
 
 
 @dataclass
@@ -46,17 +57,22 @@ class StepClock:
     cpu_ends: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     marks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[tuple[float, float]]]] = field(default_factory=dict)
+    #: From step `fake.first` on, `fake` stands for the model (None: the real model throughout).
+    fake: FakeStep | None = None
 
     def wrap(self, core) -> None:
         step = core.step
 
         def timed_step():
-            mark = self.marks.pop(len(self.starts), None)
+            index = len(self.starts)
+            mark = self.marks.pop(index, None)
             if mark is not None:  # a window boundary: the loop thread's clock is read there
                 mark[0].call_soon_threadsafe(_resolve_with_thread_time, mark[1])
             self.cpu_starts.append(time.thread_time())
             self.starts.append(time.perf_counter())
-            outputs = step()
+            outputs = self.fake.step(core, index) if self.fake is not None and index >= self.fake.first else step()
+            if self.fake is not None and index == self.fake.first - 1:
+                self.fake.template = outputs
             self.ends.append(time.perf_counter())
             self.cpu_ends.append(time.thread_time())
             self.batches.append(len(outputs))
@@ -88,6 +104,38 @@ class StepClock:
         }
 
 
+@dataclass
+class FakeStep:
+    """An accelerator's step as the engine thread lives it: `host_s` of Python (schedule, prepare, launch) in
+    slices of FAKE_OP_S, each followed by a GIL release as every torch call makes, then `device_s` waiting with
+    the GIL released. Its outputs are the last real step's (one new token per request, fresh objects as a real
+    step makes); at step `last` every request ends (length)."""
+
+    host_s: float
+    device_s: float
+    first: int
+    last: int
+    template: list = field(default_factory=list)
+
+    def step(self, core, index: int) -> list:
+        from deepinfer.engine.outputs import EngineOutput
+        from deepinfer.protocol import FinishReason
+
+        end_s = time.perf_counter() + self.host_s
+        while (now_s := time.perf_counter()) < end_s:
+            op_end_s = min(now_s + FAKE_OP_S, end_s)
+            while time.perf_counter() < op_end_s:
+                pass
+            time.sleep(0)  # releases the GIL, as a torch call does
+        time.sleep(self.device_s)
+        finish = None
+        if index == self.last:
+            core.abort_requests([o.request_id for o in self.template])
+            finish = FinishReason.LENGTH
+        return [EngineOutput(o.request_id, [o.new_token_ids[-1]], None, finish, None, o.num_cached_tokens)
+                for o in self.template]
+
+
 def _resolve_with_thread_time(future: asyncio.Future[tuple[float, float]]) -> None:
     if not future.done():
         usage = resource.getrusage(resource.RUSAGE_THREAD)
@@ -113,7 +161,8 @@ def _requests(concurrency: int, max_tokens: int):
     ]
 
 
-async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency: int, steps: int) -> dict:
+async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency: int, steps: int,
+                          fake_s: tuple[float, float] | None = None) -> dict:
     """One window of `steps` decode steps of a DecodeHandler serving `concurrency` requests."""
     from deepinfer import subjects
     from deepinfer.bus import Bus
@@ -133,11 +182,11 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
         assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
         await handler.load()
         await handler.start()
-        clock = StepClock()
-        clock.wrap(handler.runtime.core)
         loop = asyncio.get_running_loop()
         # The window starts once every request is past its prompt (prompts go in the first steps).
         first = WARMUP_STEPS + concurrency // 4
+        clock = StepClock(fake=_fake(fake_s, first, steps))
+        clock.wrap(handler.runtime.core)
         start_mark, end_mark = clock.mark(loop, first), clock.mark(loop, first + steps)
         max_tokens = first + steps + 10
         accepted = await asyncio.gather(*(handler.decode(r) for r in _requests(concurrency, max_tokens)))
@@ -163,14 +212,14 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
     return result
 
 
-def measure_offline(model_dir: Path, concurrency: int, steps: int) -> dict:
+def measure_offline(model_dir: Path, concurrency: int, steps: int, fake_s: tuple[float, float] | None = None) -> dict:
     """The same requests through the offline LLM: step() time over the same window of steps."""
     from deepinfer import LLM
     from deepinfer.sampling.params import SamplingParams
 
     first = WARMUP_STEPS + concurrency // 4
     llm = LLM(str(model_dir), max_num_seqs=max(64, concurrency), kv_cache_bytes=256 << 20, progress=False)
-    clock = StepClock()
+    clock = StepClock(fake=_fake(fake_s, first, steps))
     clock.wrap(llm.engine)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in _requests(concurrency, 1)]
     params = [SamplingParams(temperature=0, max_tokens=first + steps + 10, ignore_eos=True, seed=i)
@@ -180,7 +229,11 @@ def measure_offline(model_dir: Path, concurrency: int, steps: int) -> dict:
     return clock.window(first, first + steps)
 
 
-def run(concurrencies: list[int], steps: int, repeats: int) -> dict:
+def _fake(fake_s: tuple[float, float] | None, first: int, steps: int) -> FakeStep | None:
+    return None if fake_s is None else FakeStep(*fake_s, first=first, last=first + steps + 1)
+
+
+def run(concurrencies: list[int], steps: int, repeats: int, fake_s: tuple[float, float] | None = None) -> dict:
     """Median over `repeats` of each number, per concurrency."""
     import torch
 
@@ -191,20 +244,21 @@ def run(concurrencies: list[int], steps: int, repeats: int) -> dict:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     points = []
     with tempfile.TemporaryDirectory(prefix="loop-cost-") as tmp:
-        model_dir = make_tiny_checkpoint(Path(tmp) / "llama", "llama")
+        model_dir = make_tiny_checkpoint(Path(tmp) / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN)
         server = NatsServer()
         server.start()
         try:
             for concurrency in concurrencies:
-                runs = [asyncio.run(measure_service(server, model_dir, Path(tmp), concurrency, steps))
+                runs = [asyncio.run(measure_service(server, model_dir, Path(tmp), concurrency, steps, fake_s))
                         for _ in range(repeats)]
-                offline = [measure_offline(model_dir, concurrency, steps) for _ in range(repeats)]
+                offline = [measure_offline(model_dir, concurrency, steps, fake_s) for _ in range(repeats)]
                 points.append({"concurrency": concurrency, "service": _median(runs), "offline": _median(offline),
                                "service_min": _least(runs), "offline_min": _least(offline)})
         finally:
             server.close()
     return {"bench": "loop_cost", "model": "tiny-llama", "device": "cpu", "steps": steps, "repeats": repeats,
-            "gil_switch_interval_s": GIL_SWITCH_INTERVAL_S, "points": points}
+            "gil_switch_interval_s": GIL_SWITCH_INTERVAL_S,
+            "fake_step_us": None if fake_s is None else [round(1e6 * v) for v in fake_s], "points": points}
 
 
 def _median(runs: list[dict]) -> dict:
@@ -218,8 +272,10 @@ def _least(runs: list[dict]) -> dict:
 
 def print_table(result: dict) -> None:
     """One row per concurrency, µs per step."""
-    print(f"µs per decode step ({result['model']} on {result['device']}, median [least] of {result['repeats']} "
-          f"windows of {result['steps']} steps)")
+    fake = result["fake_step_us"]
+    model = result["model"] if fake is None else f"fake step: {fake[0]} µs host + {fake[1]} µs device"
+    print(f"µs per decode step ({model} on {result['device']}, median [least] of {result['repeats']} "
+          f"windows of {result['steps']} steps); step ratio: offline step period / service step period")
     header = ("c", "(a) eng cpu out", "(a) eng wall out", "(b) loop cpu", "of it sys", "step wall", "step cpu",
               "offline step wall", "offline wall out", "step ratio")
     print(" | ".join(header))
@@ -261,11 +317,15 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fake-step", type=float, nargs=2, metavar=("HOST_US", "DEVICE_US"),
+                        help="after the prompts, replace the model by an accelerator-like step: HOST_US of Python "
+                        "holding the GIL, then DEVICE_US waiting without it (e.g. 300 1000)")
     parser.add_argument("--out", type=Path, help="also write the JSON here (e.g. bench/results/...json)")
     args = parser.parse_args()
-    result = run(args.concurrency, args.steps, args.repeats)
+    fake_s = None if args.fake_step is None else (args.fake_step[0] / 1e6, args.fake_step[1] / 1e6)
+    result = run(args.concurrency, args.steps, args.repeats, fake_s)
     print_table(result)
     line = json.dumps(result)
     print(line)
