@@ -16,6 +16,7 @@ from deepinfer.config import CommonSettings, DecodeSettings
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.protocol import (
+    Cancel,
     DecodeAccepted,
     DecodeRequest,
     DecodeStatus,
@@ -120,6 +121,32 @@ async def test_batches_events_and_load_heartbeats_of_a_running_batch(decode, bus
     assert loads[-1] == (0, len(PROMPTS))
     assert beats[-1][0] - finished_s < 1.0
     assert len(beats) < 20  # coalesced: at most one per LOAD_CHANGE_HEARTBEAT_S while the load moves
+
+
+async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decode, bus, tiny_dir):
+    token = CommonSettings(model=str(tiny_dir)).model_token
+    beats: list[WorkerLoad] = []
+
+    async def on_beat(load: WorkerLoad, msg) -> None:
+        beats.append(load)
+
+    await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
+    await decode.start()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    reply = await bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
+        request_id="r-long", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=long), DecodeAccepted,
+        timeout_s=30)
+    assert reply.status is DecodeStatus.ACCEPTED
+    deadline_s = time.monotonic() + 10
+    while not any(b.num_running == 1 for b in beats) and time.monotonic() < deadline_s:
+        await asyncio.sleep(0.01)
+    assert any(b.num_running == 1 for b in beats), beats
+    await bus.publish(subjects.cancel(token), Cancel(request_id="r-long"))
+    cancelled_s = time.monotonic()
+    while beats[-1].num_running != 0 and time.monotonic() - cancelled_s < 5:
+        await asyncio.sleep(0.01)
+    # The abort ran as an engine command, with no step after it: announced at once, not by the periodic beat.
+    assert beats[-1].num_running == 0 and time.monotonic() - cancelled_s < 1.0
 
 
 async def test_a_traced_request_gets_one_token_batch_span_per_step(nats_server, tiny_dir, tmp_path, bus):

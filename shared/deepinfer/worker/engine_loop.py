@@ -70,6 +70,9 @@ class EngineLoop:
         #: Steps whose outputs the event loop has not taken yet, and whether a wakeup for them is scheduled.
         self._ready: deque[tuple[list[EngineOutput], list[KvCacheEvent], int]] = deque()
         self._wakeup_scheduled = False
+        #: Called on the event loop after each command's result is set: a command (an admission, an abort) may
+        #: change the load with no step after it (the worker's load-change heartbeat check).
+        self.after_command: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -172,11 +175,17 @@ class EngineLoop:
             except Exception as exc:
                 settle, outcome = _set_exception, exc
             self._update_load()  # the caller resumes with the load its command made
-            self._loop.call_soon_threadsafe(settle, future, outcome)
+            self._loop.call_soon_threadsafe(self._settle, settle, future, outcome)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _settle(self, settle: Callable[[asyncio.Future[Any], Any], None], future: asyncio.Future[Any],
+                outcome: Any) -> None:
+        settle(future, outcome)
+        if self.after_command is not None:
+            self.after_command()
 
     def _fail_pending(self, exc: BaseException) -> None:
         while True:

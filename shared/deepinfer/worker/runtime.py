@@ -142,6 +142,7 @@ class WorkerRuntime:
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
+        self.engine.after_command = self._heartbeat_on_load_change
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
         if client is not None and self.core.args.tensor_parallel_size == 1:
@@ -332,9 +333,9 @@ class WorkerRuntime:
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
-        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved.
-        The engine replaces its load tuple only when a number changes: a step that changed nothing costs one
-        identity check here."""
+        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
+        checked after every step and every engine command (an abort leaves no step to follow it). The engine
+        replaces its load tuple only when a number changes: a step that changed nothing costs one identity check."""
         if self.engine is None or self._load_heartbeat_pending or self._heartbeats_sent == 0:
             return
         load = self.engine.load
