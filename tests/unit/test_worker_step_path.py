@@ -180,3 +180,24 @@ async def test_the_load_tuple_is_replaced_only_when_a_number_changes(changed):
     assert engine.stats == engine_stats(core)
     assert engine.stats.num_waiting == (3 if changed else 0)
     await engine.stop()
+
+
+# -- KV event batches as wire bytes ---------------------------------------------------------------------------
+
+
+def test_kv_event_batch_bytes_are_the_models():
+    from deepinfer.engine.block_pool import AllCleared, Removed, Stored
+    from deepinfer.protocol import KvEvent, KvEventBatch, KvEventKind
+    from deepinfer.worker.kv_event_wire import encode_kv_event_batch
+
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    events = [Stored([a, b], None), Stored([c], b), Removed([a]), AllCleared()]
+    model = KvEventBatch(worker_id="decode-0", seq=7, ts=1733030000.25, epoch="e1", events=[
+        KvEvent(event_kind=KvEventKind.STORED, block_hashes=[a, b]),
+        KvEvent(event_kind=KvEventKind.STORED, block_hashes=[c], parent_hash=b),
+        KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=[a]),
+        KvEvent(event_kind=KvEventKind.ALL_CLEARED),
+    ])
+    wire = encode_kv_event_batch("decode-0", 7, events, 1733030000.25, "e1")
+    assert wire == model.to_bytes()
+    assert KvEventBatch.from_bytes(wire) == model

@@ -25,16 +25,13 @@ from prometheus_client import CollectorRegistry, Gauge
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
+from deepinfer.engine.block_pool import KvCacheEvent, Stored
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 from deepinfer.protocol import (
     Cancel,
     ErrorDetail,
-    KvEvent,
-    KvEventBatch,
-    KvEventKind,
     KvLayout,
     Message,
     SnapshotRequest,
@@ -48,6 +45,7 @@ from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
@@ -325,9 +323,7 @@ class WorkerRuntime:
         if events and self.store is not None:
             self.store.on_stored([h for event in events if isinstance(event, Stored) for h in event.block_hashes])
         if events:
-            batch = KvEventBatch(
-                worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
-            )
+            batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
             run_eagerly(self.tasks, self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch),
                         name="kv-events")
         self._heartbeat_on_load_change()
@@ -365,16 +361,3 @@ class WorkerRuntime:
     async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.on_cancel(cancel)
 
-
-def to_wire_events(events: Sequence[KvCacheEvent]) -> list[KvEvent]:
-    """The block pool's events as protocol messages (device tier)."""
-    wire = []
-    for event in events:
-        if isinstance(event, Stored):
-            wire.append(KvEvent(event_kind=KvEventKind.STORED, block_hashes=list(event.block_hashes),
-                                parent_hash=event.parent_hash))
-        elif isinstance(event, Removed):
-            wire.append(KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=list(event.block_hashes)))
-        elif isinstance(event, AllCleared):
-            wire.append(KvEvent(event_kind=KvEventKind.ALL_CLEARED))
-    return wire
