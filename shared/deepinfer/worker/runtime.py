@@ -332,7 +332,7 @@ class WorkerRuntime:
         """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
         checked after every step and every engine command (an abort leaves no step to follow it). The engine
         replaces its load tuple only when a number changes: a step that changed nothing costs one identity check."""
-        if self.engine is None or self._load_heartbeat_pending or self._heartbeats_sent == 0:
+        if self.engine is None or self._load_heartbeat_pending or self._heartbeat_task is None:  # not started, closed
             return
         load = self.engine.load
         if load is self._checked_load:
