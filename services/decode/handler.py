@@ -49,6 +49,7 @@ from deepinfer.protocol import (
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
+from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: Past the drain grace: time left for the abort's error chunks to leave before the bus closes.
 ABORT_FLUSH_S = 1.0
+#: Gateways whose token subject is kept built (more: the cache starts again).
+MAX_CACHED_SUBJECTS = 256
 
 
 @dataclass
@@ -89,6 +92,8 @@ class DecodeHandler:
         self._tasks = self.runtime.tasks
         self._subscriptions = Subscriptions(ctx.bus)
         self._step = 0
+        #: tokens(model, gateway_id) by gateway id: built once, not per step.
+        self._token_subjects: dict[str, str] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
 
@@ -266,18 +271,21 @@ class DecodeHandler:
     # -- engine outputs → token batches ------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
         """One TokenBatch per gateway per step, carrying only the new tokens of its requests. Runs on the event
-        loop once per step, beside the engine thread: the chunks are built as wire fields, not models."""
+        loop once per step, beside the engine thread: the chunks are built as wire fields, not models, and each
+        batch is published at once (`run_eagerly`: no task and no extra turn of the loop unless NATS must wait)."""
         self._step += 1
         started_s = time.monotonic()
+        streams = self._streams
         batches: dict[str, list[dict]] = {}
-        traced: dict[str, list[tuple[Context, int]]] = {}
+        traced: dict[str, list[tuple[Context, int]]] | None = None
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            stream = streams.get(output.request_id)
             if stream is None:
                 continue
+            new_token_ids = output.new_token_ids
             chunk = token_chunk_fields(
                 output.request_id,
-                output.new_token_ids,
+                new_token_ids,
                 logprobs=_logprobs(output) if stream.want_logprobs else None,
                 finish_reason=output.finish_reason,
                 num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
@@ -285,30 +293,47 @@ class DecodeHandler:
                 num_previous_tokens=stream.num_tokens,
             )
             stream.sent_first = True
-            stream.num_tokens += len(output.new_token_ids)
-            batches.setdefault(stream.gateway_id, []).append(chunk)
+            stream.num_tokens += len(new_token_ids)
+            chunks = batches.get(stream.gateway_id)
+            if chunks is None:
+                batches[stream.gateway_id] = [chunk]
+            else:
+                chunks.append(chunk)
             if stream.trace_context is not None:
-                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(output.new_token_ids)))
+                traced = traced if traced is not None else {}
+                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(new_token_ids)))
             if output.finish_reason is not None:
-                del self._streams[output.request_id]
+                del streams[output.request_id]
         worker_id, step = self.runtime.worker_id, self._step
         for gateway_id, chunks in batches.items():
             payload = encode_token_batch(worker_id, step, chunks)
-            self._tasks.spawn(self._publish(gateway_id, payload, step, len(chunks), started_s,
-                                            traced.get(gateway_id, [])))
+            spans = traced.get(gateway_id) if traced is not None else None
+            if spans:
+                run_eagerly(self._tasks, self._publish_traced(gateway_id, payload, step, len(chunks), started_s,
+                                                              spans), name="token-batch")
+            else:
+                run_eagerly(self._tasks, self.bus.publish(self._token_subject(gateway_id), payload),
+                            name="token-batch")
 
-    async def _publish(
+    def _token_subject(self, gateway_id: str) -> str:
+        subject = self._token_subjects.get(gateway_id)
+        if subject is None:
+            if len(self._token_subjects) >= MAX_CACHED_SUBJECTS:  # gateways restart under new ids
+                self._token_subjects.clear()
+            subject = self._token_subjects[gateway_id] = subjects.tokens(self.runtime.model, gateway_id)
+        return subject
+
+    async def _publish_traced(
         self, gateway_id: str, payload: bytes, step: int, num_chunks: int, started_s: float,
         traced: list[tuple[Context, int]],
     ) -> None:
-        """Publish one step's tokens (a TokenBatch's bytes) to one gateway; a traced request gets a
+        """Publish one step's tokens (a TokenBatch's bytes) to one gateway; each traced request in it gets a
         `decode.token_batch` span (outputs received → published)."""
-        await self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), payload)
-        if traced:
-            published_s = time.monotonic()
-            for context, num_tokens in traced:
-                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                         num_tokens=num_tokens, num_chunks=num_chunks)
+        await self.bus.publish(self._token_subject(gateway_id), payload)
+        published_s = time.monotonic()
+        for context, num_tokens in traced:
+            self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
+                                     num_tokens=num_tokens, num_chunks=num_chunks)
 
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:

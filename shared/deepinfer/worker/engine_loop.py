@@ -3,11 +3,17 @@
     event loop                                   engine thread
     ----------                                   -------------
     await loop.call(fn)  ── command queue ──►    between steps: fn(core) → future result
-    on_outputs(outputs, kv_events, seq) ◄─ call_soon_threadsafe ─ step(): schedule → execute → update
+    on_outputs(outputs, kv_events, seq) ◄─ one wakeup ─ step(): schedule → execute → update
 
 Commands run between steps, in order, so scheduler state and KV tensors are only ever touched by this thread.
 KV events are numbered here too (`seq` +1 per non-empty batch), so a snapshot cut by `cut_kv_snapshot` on this
 thread names exactly the events it includes.
+
+What this thread does besides `core.step()` is in series with the device, so it is kept to a few µs a step:
+commands are drained only when one is queued, the load numbers are a tuple replaced only when they change
+(`stats` builds the dataclass when read), and steps wait in a queue behind one `call_soon_threadsafe` wakeup:
+while the event loop has not run it yet, further steps join the queue without waking it again (each wakeup is
+a self-pipe write here and a GIL handoff there).
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import engine_stats
+from deepinfer.engine.handoff import engine_load
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 
 log = logging.getLogger(__name__)
@@ -56,9 +63,16 @@ class EngineLoop:
         #: Seq of the last KV event batch handed to on_outputs (engine thread only).
         self.kv_events_seq = 0
         self.error: BaseException | None = None
-        #: Load numbers as of the last step or command, replaced (never mutated) by the engine thread, so
-        #: heartbeats read them without waiting for a long step (a big prefill can take seconds on a CPU).
-        self.stats: EngineStats = engine_stats(core)
+        #: Load numbers (EngineStats' fields, in order) as of the last step or command: a tuple the engine thread
+        #: replaces when they change (never mutates), so heartbeats read them without waiting for a long step (a
+        #: big prefill can take seconds on a CPU) and a reader sees a change as a new object.
+        self.load: tuple[int, ...] = engine_load(core)
+        #: Steps whose outputs the event loop has not taken yet, and whether a wakeup for them is scheduled.
+        self._ready: deque[tuple[list[EngineOutput], list[KvCacheEvent], int]] = deque()
+        self._wakeup_scheduled = False
+        #: Called on the event loop after each command's result is set: a command (an admission, an abort) may
+        #: change the load with no step after it (the worker's load-change heartbeat check).
+        self.after_command: Callable[[], None] | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -84,23 +98,30 @@ class EngineLoop:
         return self._stopping
 
     @property
+    def stats(self) -> EngineStats:
+        """The load as EngineStats (built when read, not every step)."""
+        return EngineStats(*self.load)
+
+    @property
     def alive(self) -> bool:
         """True while the thread runs and has not failed."""
         return self._thread.is_alive() and self.error is None
 
     def _run(self) -> None:
+        core, commands = self.core, self._commands
         try:
             while not self._stopping:
-                self._run_commands(block=not self.core.has_unfinished_requests())
-                self.stats = engine_stats(self.core)
-                if self._stopping or not self.core.has_unfinished_requests():
+                idle = not core.has_unfinished_requests()
+                if idle or not commands.empty():
+                    self._run_commands(block=idle)
+                if self._stopping or not core.has_unfinished_requests():
                     continue
                 self.step_started_s = time.monotonic()
-                outputs = self.core.step()
+                outputs = core.step()
                 self.step_started_s = None
-                events = self.core.take_kv_events()
+                events = core.take_kv_events()
                 self.num_steps += 1
-                self.stats = engine_stats(self.core)
+                self._update_load()
                 if outputs or events:
                     self._dispatch(outputs, events)
         except BaseException as exc:  # a failed step leaves the engine unusable: report it, never hang callers
@@ -118,10 +139,31 @@ class EngineLoop:
         host = core.host_tier.pool.block_hashes() if core.host_tier is not None else []
         return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block), host
 
+    def _update_load(self) -> None:
+        load = engine_load(self.core)
+        if load != self.load:
+            self.load = load
+
     def _dispatch(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
+        """Queue one step for the event loop; wake it only if no wakeup is scheduled already. (The flag is
+        cleared on the loop before it empties the queue, so a step queued meanwhile is taken or wakes it.)"""
         if events:
             self.kv_events_seq += 1
-        self._loop.call_soon_threadsafe(self._on_outputs, outputs, events, self.kv_events_seq)
+        self._ready.append((outputs, events, self.kv_events_seq))
+        if not self._wakeup_scheduled:
+            self._wakeup_scheduled = True
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        """On the event loop: hand every queued step to on_outputs, in step order."""
+        self._wakeup_scheduled = False
+        ready = self._ready
+        while ready:
+            outputs, events, seq = ready.popleft()
+            try:
+                self._on_outputs(outputs, events, seq)
+            except Exception:  # as a failed callback of its own would be: logged, the next steps still go
+                log.exception("handling the outputs of an engine step failed")
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -131,15 +173,21 @@ class EngineLoop:
         while item is not None:
             fn, future = item
             try:
-                result = fn(self.core)
+                settle, outcome = _set_result, fn(self.core)
             except Exception as exc:
-                self._loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                self._loop.call_soon_threadsafe(_set_result, future, result)
+                settle, outcome = _set_exception, exc
+            self._update_load()  # the caller resumes with the load its command made
+            self._loop.call_soon_threadsafe(self._settle, settle, future, outcome)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _settle(self, settle: Callable[[asyncio.Future[Any], Any], None], future: asyncio.Future[Any],
+                outcome: Any) -> None:
+        settle(future, outcome)
+        if self.after_command is not None:
+            self.after_command()
 
     def _fail_pending(self, exc: BaseException) -> None:
         while True:

@@ -25,18 +25,14 @@ from prometheus_client import CollectorRegistry, Gauge
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import DEVICE_TIER, AllCleared, KvCacheEvent, Removed, Stored
+from deepinfer.engine.block_pool import DEVICE_TIER, KvCacheEvent, Stored
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 from deepinfer.protocol import (
     Cancel,
     ErrorDetail,
-    KvEvent,
-    KvEventBatch,
-    KvEventKind,
     KvLayout,
-    KvTier,
     Message,
     SnapshotRequest,
     WorkerLoad,
@@ -46,9 +42,11 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
+from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
+from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
@@ -105,6 +103,8 @@ class WorkerRuntime:
         self._published_load = (0, 0, 0)
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
+        #: The engine's load tuple last compared with the published load.
+        self._checked_load: tuple[int, ...] | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
             name: gauge(registry, f"worker_{name}", doc)
@@ -145,6 +145,7 @@ class WorkerRuntime:
         if self.core.host_tier is not None:
             self.host_tier_metrics = HostTierMetrics(self._registry, self.core.host_tier)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
+        self.engine.after_command = self._heartbeat_on_load_change
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
         if client is not None and self.core.args.tensor_parallel_size == 1:
@@ -330,18 +331,22 @@ class WorkerRuntime:
             self.store.on_stored([h for event in events if isinstance(event, Stored) and event.tier == DEVICE_TIER
                                   for h in event.block_hashes])
         if events:
-            batch = KvEventBatch(
-                worker_id=self.worker_id, seq=seq, events=to_wire_events(events), ts=time.time(), epoch=self.epoch
-            )
-            self.tasks.spawn(self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch))
+            batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
+            run_eagerly(self.tasks, self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch),
+                        name="kv-events")
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
-        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved."""
-        stats = self.engine.stats if self.engine is not None else self.stats
-        if self._load_heartbeat_pending or self._heartbeats_sent == 0:
+        """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
+        checked after every step and every engine command (an abort leaves no step to follow it). The engine
+        replaces its load tuple only when a number changes: a step that changed nothing costs one identity check."""
+        if self.engine is None or self._load_heartbeat_pending or self._heartbeat_task is None:  # not started, closed
             return
-        if (stats.num_running, stats.num_waiting, stats.num_added) == self._published_load:
+        load = self.engine.load
+        if load is self._checked_load:
+            return
+        self._checked_load = load
+        if (load[0], load[1], load[5]) == self._published_load:  # running, waiting, admitted
             return
         self._load_heartbeat_pending = True
         delay_s = max(0.0, self._last_heartbeat_s + LOAD_CHANGE_HEARTBEAT_S - time.monotonic())
@@ -363,18 +368,3 @@ class WorkerRuntime:
 
     async def _on_cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.on_cancel(cancel)
-
-
-def to_wire_events(events: Sequence[KvCacheEvent]) -> list[KvEvent]:
-    """The block pool's and the host tier's events as protocol messages (tier device or host)."""
-    wire = []
-    for event in events:
-        if isinstance(event, Stored):
-            wire.append(KvEvent(event_kind=KvEventKind.STORED, block_hashes=list(event.block_hashes),
-                                parent_hash=event.parent_hash, tier=KvTier(event.tier)))
-        elif isinstance(event, Removed):
-            wire.append(KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=list(event.block_hashes),
-                                tier=KvTier(event.tier)))
-        elif isinstance(event, AllCleared):
-            wire.append(KvEvent(event_kind=KvEventKind.ALL_CLEARED))
-    return wire

@@ -1,0 +1,337 @@
+"""Per-step host cost of the decode worker's service path, on this CPU, at concurrency 1 and 64.
+
+    PYTHONPATH=shared:. python bench/loop_cost.py [--concurrency 1 64] [--steps 600] [--repeats 3]
+        [--fake-step HOST_US DEVICE_US] [--out FILE]
+
+The real decode side: `DecodeHandler` (EngineLoop, the token batch path, heartbeats, KV events) on a tiny
+random llama, a real nats-server on a free port and a subscriber process draining the token subject. Requests
+are admitted without a KV handle (the prompt is computed here), then a window of `--steps` decode steps with
+every request running is measured:
+
+    (a) engine thread outside `core.step()`: its CPU time (thread clock) and its wall time between two steps
+        (which adds the GIL waits behind the event loop) — service-only bookkeeping in EngineLoop;
+    (b) the event-loop thread's CPU time per step (outputs → token batches → NATS, metrics, heartbeats);
+    (c) `core.step()` itself (wall and CPU), and the same steps in the offline `LLM` for reference.
+
+With `--fake-step HOST_US DEVICE_US` the model is replaced, from the window on, by a step shaped like an
+accelerator's: HOST_US of Python holding the GIL, then DEVICE_US of waiting without it (the same in the offline
+run). On the CPU a real step computes with the GIL released and its cost swamps the service's; the fake step
+shows what the service's host work does to a GPU-like step, and with far less noise: "step ratio" is then the
+service's tokens/s over the offline engine's at equal steps.
+
+The GIL switch interval is the services' (0.5 ms). Prints a table and one JSON line (saved with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPT_LEN = 30
+#: The tiny model's context: room for long windows of steps.
+MAX_MODEL_LEN = 4096
+WARMUP_STEPS = 20
+GATEWAY = "gw-bench"
+GIL_SWITCH_INTERVAL_S = 0.0005
+#: The fake step's host work between two GIL releases (one torch call's worth of Python).
+FAKE_OP_S = 10e-6
+
+
+@dataclass
+class StepClock:
+    """Wraps an engine's `step` (instance attribute shadows the method): wall and thread-CPU at each step's
+    start and end, and the batch it returned; fires `on_window` on the event loop at two step counts."""
+
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    cpu_starts: list[float] = field(default_factory=list)
+    cpu_ends: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    marks: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[tuple[float, float]]]] = field(default_factory=dict)
+    #: From step `fake.first` on, `fake` stands for the model (None: the real model throughout).
+    fake: FakeStep | None = None
+
+    def wrap(self, core) -> None:
+        step = core.step
+
+        def timed_step():
+            index = len(self.starts)
+            mark = self.marks.pop(index, None)
+            if mark is not None:  # a window boundary: the loop thread's clock is read there
+                mark[0].call_soon_threadsafe(_resolve_with_thread_time, mark[1])
+            self.cpu_starts.append(time.thread_time())
+            self.starts.append(time.perf_counter())
+            outputs = self.fake.step(core, index) if self.fake is not None and index >= self.fake.first else step()
+            if self.fake is not None and index == self.fake.first - 1:
+                self.fake.template = outputs
+            self.ends.append(time.perf_counter())
+            self.cpu_ends.append(time.thread_time())
+            self.batches.append(len(outputs))
+            return outputs
+
+        core.step = timed_step
+
+    def mark(self, loop: asyncio.AbstractEventLoop, step_index: int) -> asyncio.Future[tuple[float, float]]:
+        """A future resolved with the loop thread's (user, system) CPU seconds when step `step_index` starts."""
+        future = loop.create_future()
+        self.marks[step_index] = (loop, future)
+        return future
+
+    def window(self, first: int, last: int) -> dict[str, float]:
+        """µs per step over steps [first, last): inside step() and outside it (engine thread)."""
+        n = last - first
+        step_wall = sum(self.ends[k] - self.starts[k] for k in range(first, last))
+        step_cpu = sum(self.cpu_ends[k] - self.cpu_starts[k] for k in range(first, last))
+        total_wall = self.starts[last] - self.starts[first]
+        total_cpu = self.cpu_starts[last] - self.cpu_starts[first]
+        walls = [self.ends[k] - self.starts[k] for k in range(first, last)]
+        return {
+            "step_wall_us": 1e6 * step_wall / n,
+            "step_wall_p50_us": 1e6 * statistics.median(walls),
+            "step_cpu_us": 1e6 * step_cpu / n,
+            "outside_step_wall_us": 1e6 * (total_wall - step_wall) / n,
+            "outside_step_cpu_us": 1e6 * (total_cpu - step_cpu) / n,
+            "period_us": 1e6 * total_wall / n,
+        }
+
+
+@dataclass
+class FakeStep:
+    """An accelerator's step as the engine thread lives it: `host_s` of Python (schedule, prepare, launch) in
+    slices of FAKE_OP_S, each followed by a GIL release as every torch call makes, then `device_s` waiting with
+    the GIL released. Its outputs are the last real step's (one new token per request, fresh objects as a real
+    step makes); at step `last` every request ends (length)."""
+
+    host_s: float
+    device_s: float
+    first: int
+    last: int
+    template: list = field(default_factory=list)
+
+    def step(self, core, index: int) -> list:
+        from deepinfer.engine.outputs import EngineOutput
+        from deepinfer.protocol import FinishReason
+
+        end_s = time.perf_counter() + self.host_s
+        while (now_s := time.perf_counter()) < end_s:
+            op_end_s = min(now_s + FAKE_OP_S, end_s)
+            while time.perf_counter() < op_end_s:
+                pass
+            time.sleep(0)  # releases the GIL, as a torch call does
+        time.sleep(self.device_s)
+        finish = None
+        if index == self.last:
+            core.abort_requests([o.request_id for o in self.template])
+            finish = FinishReason.LENGTH
+        return [EngineOutput(o.request_id, [o.new_token_ids[-1]], None, finish, None, o.num_cached_tokens)
+                for o in self.template]
+
+
+def _resolve_with_thread_time(future: asyncio.Future[tuple[float, float]]) -> None:
+    if not future.done():
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        future.set_result((usage.ru_utime, usage.ru_stime))
+
+
+def _settings(nats_url: str, nats_token: str, model_dir: Path, cache_dir: Path, concurrency: int):
+    from deepinfer.config import CommonSettings, DecodeSettings
+
+    common = CommonSettings(nats_url=nats_url, nats_token=nats_token, model=str(model_dir), model_cache_dir=cache_dir)
+    return DecodeSettings(common=common, worker_id="decode-bench", internal_port=0, kv_store=False,
+                          max_num_seqs=max(64, concurrency), kv_cache_bytes=256 << 20)
+
+
+def _requests(concurrency: int, max_tokens: int):
+    from deepinfer.protocol import DecodeRequest, SamplingParams
+
+    return [
+        DecodeRequest(request_id=f"r{i}", gateway_id=GATEWAY,
+                      prompt_token_ids=[(7 * i + 13 * k) % 300 + 3 for k in range(PROMPT_LEN)],
+                      sampling=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
+        for i in range(concurrency)
+    ]
+
+
+async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency: int, steps: int,
+                          fake_s: tuple[float, float] | None = None) -> dict:
+    """One window of `steps` decode steps of a DecodeHandler serving `concurrency` requests."""
+    from deepinfer import subjects
+    from deepinfer.bus import Bus
+    from deepinfer.service import ServiceContext
+    from deepinfer.telemetry import new_registry
+    from deepinfer.telemetry.tracing import setup_tracing
+    from services.decode.handler import DecodeHandler
+
+    settings = _settings(server.url, server.token, model_dir, cache_dir, concurrency)
+    bus = await Bus.connect(server.url, name="decode-bench", token=server.token)
+    handler = DecodeHandler(ServiceContext("decode", settings, bus, new_registry(),
+                                           setup_tracing(settings.common, "decode")))
+    subject = subjects.tokens(handler.runtime.model, GATEWAY)
+    drain = subprocess.Popen([sys.executable, __file__, "--drain", server.url, server.token, subject],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
+        await handler.load()
+        await handler.start()
+        loop = asyncio.get_running_loop()
+        # The window starts once every request is past its prompt (prompts go in the first steps).
+        first = WARMUP_STEPS + concurrency // 4
+        clock = StepClock(fake=_fake(fake_s, first, steps))
+        clock.wrap(handler.runtime.core)
+        start_mark, end_mark = clock.mark(loop, first), clock.mark(loop, first + steps)
+        max_tokens = first + steps + 10
+        accepted = await asyncio.gather(*(handler.decode(r) for r in _requests(concurrency, max_tokens)))
+        assert all(a.error is None for a in accepted), next(a.error for a in accepted if a.error)
+        loop_cpu_start = await start_mark
+        loop_cpu_end = await end_mark
+        while len(clock.starts) <= first + steps:  # the mark fires just before the step's clock is read
+            await asyncio.sleep(0.001)
+        assert all(b == concurrency for b in clock.batches[first:first + steps]), "batch changed in the window"
+        result = clock.window(first, first + steps)
+        loop_user_us, loop_sys_us = (1e6 * (end - start) / steps
+                                     for start, end in zip(loop_cpu_start, loop_cpu_end, strict=True))
+        result.update(loop_cpu_us=loop_user_us + loop_sys_us, loop_sys_us=loop_sys_us)
+        while handler._streams:
+            await asyncio.sleep(0.02)
+    finally:
+        await handler.close()
+        await bus.close()
+        drain.stdin.close()
+        received = drain.stdout.read().strip()
+        drain.wait(10)
+    result["token_messages_received"] = int(received or 0)
+    return result
+
+
+def measure_offline(model_dir: Path, concurrency: int, steps: int, fake_s: tuple[float, float] | None = None) -> dict:
+    """The same requests through the offline LLM: step() time over the same window of steps."""
+    from deepinfer import LLM
+    from deepinfer.sampling.params import SamplingParams
+
+    first = WARMUP_STEPS + concurrency // 4
+    llm = LLM(str(model_dir), max_num_seqs=max(64, concurrency), kv_cache_bytes=256 << 20, progress=False)
+    clock = StepClock(fake=_fake(fake_s, first, steps))
+    clock.wrap(llm.engine)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in _requests(concurrency, 1)]
+    params = [SamplingParams(temperature=0, max_tokens=first + steps + 10, ignore_eos=True, seed=i)
+              for i in range(concurrency)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert all(b == concurrency for b in clock.batches[first:first + steps]), "batch changed in the window"
+    return clock.window(first, first + steps)
+
+
+def _fake(fake_s: tuple[float, float] | None, first: int, steps: int) -> FakeStep | None:
+    return None if fake_s is None else FakeStep(*fake_s, first=first, last=first + steps + 1)
+
+
+def run(concurrencies: list[int], steps: int, repeats: int, fake_s: tuple[float, float] | None = None) -> dict:
+    """Median over `repeats` of each number, per concurrency."""
+    import torch
+
+    from deepinfer.nats_server import NatsServer
+    from deepinfer.testing.checkpoints import make_tiny_checkpoint
+
+    torch.set_num_threads(1)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    points = []
+    with tempfile.TemporaryDirectory(prefix="loop-cost-") as tmp:
+        model_dir = make_tiny_checkpoint(Path(tmp) / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN)
+        server = NatsServer()
+        server.start()
+        try:
+            for concurrency in concurrencies:
+                runs = [asyncio.run(measure_service(server, model_dir, Path(tmp), concurrency, steps, fake_s))
+                        for _ in range(repeats)]
+                offline = [measure_offline(model_dir, concurrency, steps, fake_s) for _ in range(repeats)]
+                points.append({"concurrency": concurrency, "service": _median(runs), "offline": _median(offline),
+                               "service_min": _least(runs), "offline_min": _least(offline)})
+        finally:
+            server.close()
+    return {"bench": "loop_cost", "model": "tiny-llama", "device": "cpu", "steps": steps, "repeats": repeats,
+            "gil_switch_interval_s": GIL_SWITCH_INTERVAL_S,
+            "fake_step_us": None if fake_s is None else [round(1e6 * v) for v in fake_s], "points": points}
+
+
+def _median(runs: list[dict]) -> dict:
+    return {key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}
+
+
+def _least(runs: list[dict]) -> dict:
+    """The least of each number: other processes on a shared CPU only ever add to a cost."""
+    return {key: round(min(r[key] for r in runs), 1) for key in runs[0]}
+
+
+def print_table(result: dict) -> None:
+    """One row per concurrency, µs per step."""
+    fake = result["fake_step_us"]
+    model = result["model"] if fake is None else f"fake step: {fake[0]} µs host + {fake[1]} µs device"
+    print(f"µs per decode step ({model} on {result['device']}, median [least] of {result['repeats']} "
+          f"windows of {result['steps']} steps); step ratio: offline step period / service step period")
+    header = ("c", "(a) eng cpu out", "(a) eng wall out", "(b) loop cpu", "of it sys", "step wall", "step cpu",
+              "offline step wall", "offline wall out", "step ratio")
+    print(" | ".join(header))
+    for p in result["points"]:
+        s, o, s_min, o_min = p["service"], p["offline"], p["service_min"], p["offline_min"]
+        service_keys = ("outside_step_cpu_us", "outside_step_wall_us", "loop_cpu_us", "loop_sys_us", "step_wall_us",
+                        "step_cpu_us")
+        cells = [f"{s[k]} [{s_min[k]}]" for k in service_keys]
+        cells += [f"{o[k]} [{o_min[k]}]" for k in ("step_wall_us", "outside_step_wall_us")]
+        print(" | ".join([str(p["concurrency"]), *cells, str(round(o["period_us"] / s["period_us"], 3))]))
+
+
+def drain_subject(url: str, token: str, subject: str) -> None:
+    """Subscriber process: count messages on `subject` until stdin closes, then print the count."""
+    import nats
+
+    async def main() -> None:
+        count = 0
+
+        async def on_msg(msg) -> None:
+            nonlocal count
+            count += 1
+
+        nc = await nats.connect(url, token=token)
+        await nc.subscribe(subject, cb=on_msg)
+        await nc.flush()
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await nc.drain()
+        print(count, flush=True)
+
+    asyncio.run(main())
+
+
+def main() -> None:
+    """Measure, print the table and one JSON line."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--drain":
+        drain_subject(*sys.argv[2:5])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fake-step", type=float, nargs=2, metavar=("HOST_US", "DEVICE_US"),
+                        help="after the prompts, replace the model by an accelerator-like step: HOST_US of Python "
+                        "holding the GIL, then DEVICE_US waiting without it (e.g. 300 1000)")
+    parser.add_argument("--out", type=Path, help="also write the JSON here (e.g. bench/results/...json)")
+    args = parser.parse_args()
+    fake_s = None if args.fake_step is None else (args.fake_step[0] / 1e6, args.fake_step[1] / 1e6)
+    result = run(args.concurrency, args.steps, args.repeats, fake_s)
+    print_table(result)
+    line = json.dumps(result)
+    print(line)
+    if args.out is not None:
+        args.out.write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""A decode worker's per-step path on a real nats-server with a tiny model: token batches (published eagerly)
+arrive complete and in order, KV event batches keep a gapless seq, and a load change is announced by a
+heartbeat within LOAD_CHANGE_HEARTBEAT_S, not at the next periodic one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from opentelemetry.trace import NoOpTracer
+
+from deepinfer import subjects
+from deepinfer.config import CommonSettings, DecodeSettings
+from deepinfer.engine.args import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.protocol import (
+    Cancel,
+    DecodeAccepted,
+    DecodeRequest,
+    DecodeStatus,
+    KvEventBatch,
+    SamplingParams,
+    TokenBatch,
+    WorkerLoad,
+)
+from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.service import ServiceContext
+from deepinfer.telemetry import new_registry
+from deepinfer.testing.checkpoints import make_tiny_checkpoint
+from services.decode.handler import DecodeHandler
+
+pytestmark = pytest.mark.integration
+
+GATEWAY = "gw-steps"
+PROMPTS = [[5 + i, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200 + i] for i in range(3)]
+SAMPLING = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=1)
+#: Longer than the test: every heartbeat it sees after the first is one sent because the load changed.
+PERIODIC_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture
+async def decode(nats_server, tiny_dir, tmp_path, bus):
+    common = CommonSettings(nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
+                            model_cache_dir=tmp_path)
+    handler = DecodeHandler(ServiceContext("decode", DecodeSettings(
+        common=common, worker_id="decode-steps", block_size=4, internal_port=0, kv_store=False,
+        heartbeat_interval_s=PERIODIC_S), bus, new_registry(), NoOpTracer()))
+    await handler.load()
+    yield handler
+    await handler.close()
+
+
+def reference(tiny_dir, prompt: list[int]) -> list[int]:
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    core.add_request("r", prompt, EngineSamplingParams(**SAMPLING.model_dump(exclude={"v"})))
+    tokens = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+async def test_batches_events_and_load_heartbeats_of_a_running_batch(decode, bus, tiny_dir):
+    token = CommonSettings(model=str(tiny_dir)).model_token
+    batches: list[TokenBatch] = []
+    kv_seqs: list[int] = []
+    beats: list[tuple[float, WorkerLoad]] = []
+    done = asyncio.Event()
+
+    async def on_batch(batch: TokenBatch, msg) -> None:
+        batches.append(batch)
+        if sum(c.finish_reason is not None for b in batches for c in b.chunks) == len(PROMPTS):
+            done.set()
+
+    async def on_events(batch: KvEventBatch, msg) -> None:
+        kv_seqs.append(batch.seq)
+
+    async def on_beat(load: WorkerLoad, msg) -> None:
+        beats.append((time.monotonic(), load))
+
+    await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+    await bus.subscribe(subjects.kv_events(token, "decode-steps"), on_events, message_type=KvEventBatch)
+    await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
+    await decode.start()  # the first heartbeat: registered, idle
+    admitted_s = time.monotonic()
+    replies = await asyncio.gather(*(bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
+        request_id=f"r{i}", gateway_id=GATEWAY, prompt_token_ids=prompt, sampling=SAMPLING), DecodeAccepted,
+        timeout_s=30) for i, prompt in enumerate(PROMPTS)))
+    assert all(r.status is DecodeStatus.ACCEPTED for r in replies)
+    await asyncio.wait_for(done.wait(), 30)
+    finished_s = time.monotonic()
+    await asyncio.sleep(1.0)  # the load-change heartbeat of the finish
+
+    # Token batches: one per step, steps increasing; each request's chunks gapless and the reference's tokens.
+    steps = [b.step for b in batches]
+    assert steps == sorted(set(steps))
+    for i, prompt in enumerate(PROMPTS):
+        chunks = [c for b in batches for c in b.chunks if c.request_id == f"r{i}"]
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == reference(tiny_dir, prompt)
+        assert [c.num_previous_tokens for c in chunks] == [sum(len(c.token_ids) for c in chunks[:k])
+                                                           for k in range(len(chunks))]
+    # KV events: every prompt and generated block was stored, seq gapless from 1.
+    assert kv_seqs and kv_seqs == list(range(1, len(kv_seqs) + 1))
+
+    # Heartbeats: besides the first (idle), the admissions and the finish were announced long before the
+    # periodic one was due.
+    assert beats[0][1].num_running == 0 and beats[0][1].num_received == 0
+    loads = [(load.num_running, load.num_received) for _, load in beats[1:]]
+    assert any(received == len(PROMPTS) for _, received in loads), loads
+    first_change_s = next(t for t, load in beats[1:] if load.num_received)
+    assert first_change_s - admitted_s < 5.0
+    assert loads[-1] == (0, len(PROMPTS))
+    assert beats[-1][0] - finished_s < 1.0
+    assert len(beats) < 20  # coalesced: at most one per LOAD_CHANGE_HEARTBEAT_S while the load moves
+
+
+async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decode, bus, tiny_dir):
+    token = CommonSettings(model=str(tiny_dir)).model_token
+    beats: list[WorkerLoad] = []
+
+    async def on_beat(load: WorkerLoad, msg) -> None:
+        beats.append(load)
+
+    await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
+    await decode.start()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    reply = await bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
+        request_id="r-long", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=long), DecodeAccepted,
+        timeout_s=30)
+    assert reply.status is DecodeStatus.ACCEPTED
+    deadline_s = time.monotonic() + 10
+    while not any(b.num_running == 1 for b in beats) and time.monotonic() < deadline_s:
+        await asyncio.sleep(0.01)
+    assert any(b.num_running == 1 for b in beats), beats
+    await bus.publish(subjects.cancel(token), Cancel(request_id="r-long"))
+    cancelled_s = time.monotonic()
+    while beats[-1].num_running != 0 and time.monotonic() - cancelled_s < 5:
+        await asyncio.sleep(0.01)
+    # The abort ran as an engine command, with no step after it: announced at once, not by the periodic beat.
+    assert beats[-1].num_running == 0 and time.monotonic() - cancelled_s < 1.0
+
+
+async def test_a_traced_request_gets_one_token_batch_span_per_step(nats_server, tiny_dir, tmp_path, bus):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    common = CommonSettings(nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
+                            model_cache_dir=tmp_path)
+    handler = DecodeHandler(ServiceContext("decode", DecodeSettings(
+        common=common, worker_id="decode-traced", block_size=4, internal_port=0, kv_store=False),
+        bus, new_registry(), provider.get_tracer("test")))
+    await handler.load()
+    await handler.start()
+    try:
+        token = CommonSettings(model=str(tiny_dir)).model_token
+        tokens: list[int] = []
+        done = asyncio.Event()
+
+        async def on_batch(batch: TokenBatch, msg) -> None:
+            for chunk in batch.chunks:
+                tokens.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    done.set()
+
+        await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+        reply = await bus.request(subjects.decode(token, "decode-traced"), DecodeRequest(
+            request_id="r-traced", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=SAMPLING),
+            DecodeAccepted, timeout_s=30)
+        assert reply.status is DecodeStatus.ACCEPTED
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.sleep(0.2)
+    finally:
+        await handler.close()
+    assert tokens == reference(tiny_dir, PROMPTS[0])
+    spans = [s for s in exporter.get_finished_spans() if s.name == "decode.token_batch"]
+    admission = next(s for s in exporter.get_finished_spans() if s.name == "decode.admission")
+    assert len(spans) == SAMPLING.max_tokens  # one per step, each with its one token
+    assert sorted(s.attributes["step"] for s in spans) == sorted({s.attributes["step"] for s in spans})
+    assert all(s.attributes["num_tokens"] == 1 and s.end_time >= s.start_time for s in spans)
+    assert {s.context.trace_id for s in spans} == {admission.context.trace_id}

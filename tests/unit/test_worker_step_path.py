@@ -1,0 +1,208 @@
+"""The worker's per-step path: coroutines run eagerly (a task only when they wait), steps reach the event loop
+in order behind one wakeup, and the load numbers are replaced only when they change."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from deepinfer.engine.handoff import engine_stats
+from deepinfer.tasks import BackgroundTasks
+from deepinfer.worker.eager import run_eagerly
+from deepinfer.worker.engine_loop import EngineLoop
+
+# -- run_eagerly --------------------------------------------------------------------------------------------------
+
+
+async def test_a_coroutine_that_never_waits_is_done_before_run_eagerly_returns():
+    tasks, done = BackgroundTasks("t"), []
+
+    async def publish() -> None:
+        done.append("published")
+
+    run_eagerly(tasks, publish())
+    assert done == ["published"]
+    assert len(tasks) == 0
+
+
+async def test_a_coroutine_that_waits_becomes_a_held_task_and_finishes():
+    tasks, seen = BackgroundTasks("t"), []
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def publish() -> None:
+        seen.append("before")
+        seen.append(await future)
+        await asyncio.sleep(0)  # a bare yield too
+        seen.append("after")
+
+    run_eagerly(tasks, publish())
+    assert seen == ["before"] and len(tasks) == 1
+    for _ in range(3):
+        await asyncio.sleep(0)  # the task runs and waits on the future too
+    assert seen == ["before"] and len(tasks) == 1
+    future.set_result(7)
+    assert await tasks.drain(2.0)
+    assert seen == ["before", 7, "after"]
+    assert tasks.num_failed == 0
+
+
+async def test_failures_are_counted_and_never_raised(caplog):
+    tasks = BackgroundTasks("t")
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def fails_at_once() -> None:
+        raise RuntimeError("no connection")
+
+    async def fails_after_waiting() -> None:
+        await future
+        raise RuntimeError("late")
+
+    run_eagerly(tasks, fails_at_once(), name="first")
+    run_eagerly(tasks, fails_after_waiting(), name="second")
+    await asyncio.sleep(0)
+    future.set_result(None)
+    await tasks.drain(2.0)
+    assert tasks.num_failed == 2
+    assert "first failed: no connection" in caplog.text
+
+
+async def test_the_awaited_futures_error_reaches_the_coroutine():
+    tasks, seen = BackgroundTasks("t"), []
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def handles_it() -> None:
+        try:
+            await future
+        except ValueError as exc:
+            seen.append(str(exc))
+
+    run_eagerly(tasks, handles_it())
+    await asyncio.sleep(0)
+    future.set_exception(ValueError("refused"))
+    assert await tasks.drain(2.0)
+    assert seen == ["refused"] and tasks.num_failed == 0
+
+
+async def test_a_drain_past_its_deadline_cancels_the_waiting_coroutine():
+    tasks, seen = BackgroundTasks("t"), []
+
+    async def waits_forever() -> None:
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    run_eagerly(tasks, waits_forever())
+    assert not await tasks.drain(0.05)
+    assert seen == ["cancelled"] and len(tasks) == 0
+
+
+# -- EngineLoop ---------------------------------------------------------------------------------------------------
+
+
+class CountingCore:
+    """Just what EngineLoop reads of an EngineCore: `num_steps` steps, each returning one output; its load numbers
+    are whatever the test sets."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps, self.steps = num_steps, 0
+        self.scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_held=0, loading={}, num_added=1,
+                                         block_pool=SimpleNamespace(num_free_blocks=7), take_kv_events=self.events)
+        self.kv_plan = SimpleNamespace(num_blocks=8)
+
+    def events(self) -> list:
+        return ["stored"] if self.steps % 2 == 0 else []
+
+    take_kv_events = events  # EngineCore.take_kv_events: the device pool's and the host tier's
+
+    def has_unfinished_requests(self) -> bool:
+        return self.steps < self.num_steps
+
+    def step(self) -> list:
+        self.steps += 1
+        return [f"out-{self.steps}"]
+
+
+async def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_steps_taken_while_the_loop_is_busy_arrive_in_order_behind_one_wakeup():
+    loop = asyncio.get_running_loop()
+    received, wakeups = [], []
+    core = CountingCore(num_steps=20)
+    engine = EngineLoop(core, loop, lambda outputs, events, seq: received.append((outputs[0], seq)))
+    engine._loop = SimpleNamespace(call_soon_threadsafe=lambda fn: (wakeups.append(fn), loop.call_soon_threadsafe(fn)))
+    engine.start()
+    deadline = time.monotonic() + 5
+    while core.steps < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the event loop is busy: the engine thread takes all 20 steps meanwhile
+    await wait_for(lambda: len(received) == 20)
+    assert [r[0] for r in received] == [f"out-{k}" for k in range(1, 21)]
+    # KV events on every second step: seq counts the non-empty batches, in order.
+    assert [r[1] for r in received] == [k // 2 for k in range(1, 21)]
+    assert wakeups == [engine._deliver]
+    await engine.stop()
+
+
+async def test_a_failing_output_handler_does_not_lose_the_next_steps(caplog):
+    received = []
+
+    def on_outputs(outputs, events, seq) -> None:
+        if outputs[0] == "out-1":
+            raise RuntimeError("handler bug")
+        received.append(outputs[0])
+
+    engine = EngineLoop(CountingCore(num_steps=3), asyncio.get_running_loop(), on_outputs)
+    engine.start()
+    await wait_for(lambda: len(received) == 2)
+    assert received == ["out-2", "out-3"]
+    assert "handler bug" in caplog.text
+    await engine.stop()
+
+
+@pytest.mark.parametrize("changed", [False, True])
+async def test_the_load_tuple_is_replaced_only_when_a_number_changes(changed):
+    core = CountingCore(num_steps=0)
+    engine = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events, seq: None)
+    before = engine.load
+    assert engine.stats == engine_stats(core)
+    if changed:
+        core.scheduler.num_waiting = 3
+    engine.start()
+    await engine.call(lambda c: None)  # a command: the load is taken again after it
+    assert (engine.load is before) is not changed
+    assert engine.stats == engine_stats(core)
+    assert engine.stats.num_waiting == (3 if changed else 0)
+    await engine.stop()
+
+
+# -- KV event batches as wire bytes ---------------------------------------------------------------------------
+
+
+def test_kv_event_batch_bytes_are_the_models():
+    from deepinfer.engine.block_pool import AllCleared, Removed, Stored
+    from deepinfer.protocol import KvEvent, KvEventBatch, KvEventKind, KvTier
+    from deepinfer.worker.kv_event_wire import encode_kv_event_batch
+
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    events = [Stored([a, b], None), Stored([c], b), Removed([a]), Stored([a], None, tier="host"),
+              Removed([b], tier="host"), AllCleared()]
+    model = KvEventBatch(worker_id="decode-0", seq=7, ts=1733030000.25, epoch="e1", events=[
+        KvEvent(event_kind=KvEventKind.STORED, block_hashes=[a, b]),
+        KvEvent(event_kind=KvEventKind.STORED, block_hashes=[c], parent_hash=b),
+        KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=[a]),
+        KvEvent(event_kind=KvEventKind.STORED, block_hashes=[a], tier=KvTier.HOST),
+        KvEvent(event_kind=KvEventKind.REMOVED, block_hashes=[b], tier=KvTier.HOST),
+        KvEvent(event_kind=KvEventKind.ALL_CLEARED),
+    ])
+    wire = encode_kv_event_batch("decode-0", 7, events, 1733030000.25, "e1")
+    assert wire == model.to_bytes()
+    assert KvEventBatch.from_bytes(wire) == model
