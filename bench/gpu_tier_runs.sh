@@ -26,7 +26,7 @@ for s in "$@"; do
         tests) step gpu-tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_host_tier_gpu.py ;;
         copy) step host-tier-copy 90 python3 bench/host_tier_copy.py --out "$OUT/host-tier-copy.json" ;;
         ttft) tiers kv-tiers-ttft 450 --modes recompute,host,store --prompts 2 ;;
-        multiturn) tiers kv-tiers-multiturn 330 --modes tiers-off,tiers-on ;;
+        multiturn) tiers kv-tiers-multiturn 200 --modes tiers-off,tiers-on --mt-pool-tokens 16384 ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
