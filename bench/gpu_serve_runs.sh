@@ -3,7 +3,7 @@
 # wheels it installs first). Each variant: bench/serve.py under a time limit, its JSON and log under $OUT.
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated |
-#         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64
+#         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -38,6 +38,8 @@ for variant in "$@"; do
         trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
         nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
+        hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
+            --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         *) echo "unknown variant $variant" >&2 ;;
     esac
 done

@@ -46,8 +46,8 @@ class EngineArgs:
     #: KV budget in bytes; None = from gpu_memory_utilization on a GPU; on the CPU room for 8 full-length
     #: sequences, at most 1 GiB.
     kv_cache_bytes: int | None = None
-    #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); None = 8 GiB on a CUDA
-    #: device, off on others; 0 = off. An explicit value turns it on on any device (CPU tests).
+    #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); None or 0 = off, on every
+    #: device (opt-in until its cost on the serving path is measured apart: docs/kvstore.md, "The host tier").
     kv_host_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.

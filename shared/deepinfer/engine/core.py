@@ -44,9 +44,6 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 #: How long an engine with only host-tier copies in flight sleeps between polls.
 HOST_COPY_POLL_S = 0.0002
 
-#: Host-memory KV tier of an engine on a CUDA device when kv_host_cache_bytes is unset.
-DEFAULT_CUDA_KV_HOST_CACHE_BYTES = 8 << 30
-
 
 class EngineCore:
     """Loads a model, plans its KV cache and runs the continuous-batching loop."""
@@ -313,9 +310,7 @@ class EngineCore:
                    free + cached - headroom)
 
     def _make_host_tier(self) -> HostTier | None:
-        budget = self.args.kv_host_cache_bytes
-        if budget is None:
-            budget = DEFAULT_CUDA_KV_HOST_CACHE_BYTES if self.device.type == "cuda" else 0
+        budget = self.args.kv_host_cache_bytes or 0
         if budget == 0 or not self.args.enable_prefix_caching:
             return None
         if self.args.tensor_parallel_size > 1:  # rank 0's cache holds only its share of the KV heads
