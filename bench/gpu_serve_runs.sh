@@ -6,10 +6,7 @@
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-stack/*.whl
-export PYTHONPATH=/tmp/site:$PWD/shared:$PWD PATH=/tmp/site/bin:$PATH
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # Fail in a second, not after a start timeout, when the carried wheels miss something the services import.
 python3 -c "import services.gateway.main, services.decode.main, services.prefill.main, services.scheduler.main" || exit 1

@@ -5,10 +5,7 @@
 #     bench/gpu_tier_runs.sh STEP...      # STEP: tests | copy | ttft | multiturn
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-stack/*.whl
-export PYTHONPATH=/tmp/site:$PWD/shared:$PWD PATH=/tmp/site/bin:$PATH
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+source bench/device_env.sh
 step() {  # NAME LIMIT_S COMMAND...
     local name=$1 limit=$2; shift 2
     local started=$SECONDS

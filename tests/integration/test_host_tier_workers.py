@@ -17,20 +17,17 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.protocol import (
-    DecodeAccepted,
-    DecodeRequest,
-    DecodeStatus,
     KvEventBatch,
     KvTier,
     SamplingParams,
     SnapshotPage,
     SnapshotRequest,
-    TokenBatch,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
+from deepinfer.testing.streams import decode_locally
 from services.decode.handler import DecodeHandler
 from services.scheduler.kv_index import KvIndex, PrefixMatch
 
@@ -69,24 +66,7 @@ def reference(tiny_dir) -> list[int]:
 
 async def generate(bus, model: str, prompt: list[int], request_id: str):
     """Decode worker "dec-h" computes a prompt: (tokens, the first chunk)."""
-    chunks: list = []
-    done = asyncio.Event()
-
-    async def on_batch(batch: TokenBatch, msg) -> None:
-        for chunk in batch.chunks:
-            if chunk.request_id == request_id:
-                chunks.append(chunk)
-                if chunk.finish_reason is not None:
-                    done.set()
-
-    sub = await bus.subscribe(subjects.tokens(model, GATEWAY), on_batch, message_type=TokenBatch)
-    accepted = await bus.request(subjects.decode(model, "dec-h"), DecodeRequest(
-        request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=prompt, sampling=GREEDY),
-        DecodeAccepted, timeout_s=30)
-    assert accepted.status is DecodeStatus.ACCEPTED, accepted
-    await asyncio.wait_for(done.wait(), 30)
-    await sub.unsubscribe()
-    return [t for c in chunks for t in c.token_ids], chunks[0]
+    return await decode_locally(bus, model, "dec-h", GATEWAY, request_id, prompt, GREEDY)
 
 
 async def test_an_evicted_prompt_comes_back_from_the_host_tier_and_the_router_learns_it(

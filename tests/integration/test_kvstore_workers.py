@@ -27,19 +27,16 @@ from deepinfer.dataplane.frames import LENGTH_PREFIX_BYTES, FrameLimits, FrameOp
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.protocol import (
-    DecodeAccepted,
-    DecodeRequest,
-    DecodeStatus,
     KvStoreHeartbeat,
     PrefillRequest,
     PrefillResult,
     SamplingParams,
-    TokenBatch,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
+from deepinfer.testing.streams import decode_locally
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
 
@@ -185,24 +182,7 @@ async def start_worker(handler_cls, settings_cls, nats_server, tiny_dir, tmp_pat
 
 async def generate(bus, model: str, decode_id: str, request_id: str):
     """A decode worker computes PROMPT itself (no KV handle): (tokens, the first chunk)."""
-    chunks: list = []
-    done = asyncio.Event()
-
-    async def on_batch(batch: TokenBatch, msg) -> None:
-        for chunk in batch.chunks:
-            if chunk.request_id == request_id:
-                chunks.append(chunk)
-                if chunk.finish_reason is not None:
-                    done.set()
-
-    sub = await bus.subscribe(subjects.tokens(model, GATEWAY), on_batch, message_type=TokenBatch)
-    accepted = await bus.request(subjects.decode(model, decode_id), DecodeRequest(
-        request_id=request_id, gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=GREEDY),
-        DecodeAccepted, timeout_s=30)
-    assert accepted.status is DecodeStatus.ACCEPTED, accepted
-    await asyncio.wait_for(done.wait(), 30)
-    await sub.unsubscribe()
-    return [t for c in chunks for t in c.token_ids], chunks[0]
+    return await decode_locally(bus, model, decode_id, GATEWAY, request_id, PROMPT, GREEDY)
 
 
 def metric(handler, name: str, **labels) -> float:
