@@ -184,7 +184,9 @@ def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, bl
     assert local[2:] == [None, None]  # the store is asked only for blocks 2 and 3
     for held, computed in zip(local[:2], stored[:2], strict=True):  # the same KV (computed in another batch shape)
         assert np.allclose(np.frombuffer(held, np.float32), np.frombuffer(computed, np.float32), atol=1e-5)
-    assert finish_load(core, plan, [*local[:2], *stored[2:]])
+    assert finish_load(core, plan, [*local[:2], *stored[2:]], num_host_blocks=2)
+    request = core.scheduler.requests["p"]
+    assert (request.num_host_cached_tokens, request.num_store_cached_tokens) == (8, 8)  # 2 blocks of 4 each
     assert run(core)["p"] == reference["p"]
 
 

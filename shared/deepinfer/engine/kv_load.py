@@ -55,9 +55,10 @@ def start_load(
     return LoadPlan(request_id, plan[0], plan[1])
 
 
-def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes]) -> bool:
+def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes], num_host_blocks: int = 0) -> bool:
     """Write the loaded payloads into the plan's blocks and let the request run; False (and recompute) when the
-    payloads do not fit the cache. A request aborted meanwhile no longer owns those blocks: nothing is written."""
+    payloads do not fit the cache. `num_host_blocks` of them were read from the host tier (reported as host
+    tokens, the rest as store tokens). A request aborted meanwhile no longer owns those blocks: nothing is written."""
     if plan.request_id not in core.scheduler.loading:
         return False
     try:
@@ -66,7 +67,7 @@ def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes]) -> 
         log.warning("store payloads for %s do not fit (%s): recomputing", plan.request_id, exc)
         core.scheduler.finish_loading(plan.request_id, loaded=False)
         return False
-    core.scheduler.finish_loading(plan.request_id, loaded=True)
+    core.scheduler.finish_loading(plan.request_id, loaded=True, num_host_blocks=num_host_blocks)
     return True
 
 

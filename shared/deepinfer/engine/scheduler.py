@@ -268,10 +268,10 @@ class Scheduler:
         self.num_added += 1
         return len(computed_blocks), [block.block_id for block in new]
 
-    def finish_loading(self, request_id: str, loaded: bool, tier: str = "store") -> None:
-        """`loaded`: the blocks hold the KV loaded from `tier` ("store" or "host"), cached now, and the request runs
-        from its first token not loaded; else the new blocks are dropped unused and it waits to be recomputed.
-        Ignored for an aborted request."""
+    def finish_loading(self, request_id: str, loaded: bool, tier: str = "store", num_host_blocks: int = 0) -> None:
+        """`loaded`: the blocks hold the KV loaded from `tier` ("store" or "host"; a store load's `num_host_blocks`
+        came from the host tier), cached now, and the request runs from its first token not loaded; else the new
+        blocks are dropped unused and it waits to be recomputed. Ignored for an aborted request."""
         request = self.loading.pop(request_id, None)
         if request is None:
             return
@@ -286,7 +286,8 @@ class Scheduler:
         if tier == "host":
             request.num_host_cached_tokens = num_loaded - request.num_cached_tokens
         else:
-            request.num_store_cached_tokens = num_loaded - request.num_cached_tokens
+            request.num_host_cached_tokens = num_host_blocks * self.config.block_size
+            request.num_store_cached_tokens = num_loaded - request.num_cached_tokens - request.num_host_cached_tokens
         request.num_cached_tokens = request.num_computed_tokens = num_loaded
         self.kv_manager.cache_blocks(request, num_loaded)
         request.status = RequestStatus.RUNNING

@@ -164,7 +164,8 @@ class StoreTier:
             await self.engine.call(lambda core: fail_load(core, plan.request_id))
             return
         self._remember(hashes)  # held by the store: once cached here, not written behind again
-        loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads))
+        num_host = len(hashes) - len(missing)
+        loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads, num_host))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
             self.m_load_s.observe(time.perf_counter() - started)
