@@ -59,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
 def service_point(args, stack, base_url: list[str], model: str, concurrency: int) -> dict:
     """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
     num_requests = args.num_requests or max(4 * concurrency, 16)
-    # 16 clients a process by default, at most half the cores (the services need the rest).
+    # 8 clients a process by default, at most half the cores (the services need the rest).
     procs = args.client_procs or max(1, min(math.ceil(concurrency / 8), (os.cpu_count() or 2) // 2))
     # Warm-up at this concurrency: the first steps of a new batch width compile kernels and capture graphs
     # (a stall of up to ~1 s seen at 64 on an H200), which must not land in the measured window.
