@@ -73,3 +73,14 @@ def test_pins_must_balance_and_events_can_be_off():
     assert pool.take_events() == []
     with pytest.raises(ValueError):
         HostPool(0)
+
+
+def test_a_load_records_how_long_the_tier_kept_each_block():
+    now = [100.0]
+    pool = HostPool(4, clock=lambda: now[0])
+    fill(pool, [h(1), h(2)])  # written at t=100
+    now[0] = 130.0
+    pool.unpin(pool.pin([h(1)]))  # read at t=130: kept 30 s
+    now[0] = 190.0
+    pool.unpin(pool.pin([h(1), h(2)]))  # h(1) last used at 130, h(2) written at 100
+    assert list(pool.hit_ages) == [30.0, 60.0, 90.0]

@@ -206,3 +206,20 @@ def test_write_behind_exports_blocks_evicted_from_the_device_from_their_host_slo
         run(core)
     assert all(core.scheduler.block_pool.get_cached_block(h) is None for h in hashes)  # gone from the device
     assert export_cached(core, hashes) == (hashes, on_device)  # still written behind, from the host tier
+
+
+def test_the_worker_metrics_report_host_tier_hit_ages(tiny_dir, block_bytes):
+    from prometheus_client import CollectorRegistry
+
+    from deepinfer.worker.host_tier_metrics import HostTierMetrics
+
+    core = engine(tiny_dir, block_bytes)
+    registry = CollectorRegistry()
+    metrics = HostTierMetrics(registry, core.host_tier)
+    evict_p(core)
+    core.add_request("p", P, GREEDY)
+    run(core)
+    metrics.update()
+    assert registry.get_sample_value("deepinfer_worker_host_tier_hit_age_seconds_count") == 4  # P's 4 blocks
+    assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
+    assert not core.host_tier.pool.hit_ages  # taken by the metrics

@@ -13,19 +13,23 @@ with none, reserve() answers None and counts a skipped offload.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 
 from deepinfer.engine.block_pool import KvCacheEvent, Removed, Stored
 
 #: The tier name in KV events and cached_tokens_by_tier.
 HOST_TIER = "host"
+#: Hit ages kept until the metrics take them (a bound: nobody reading them never grows memory).
+MAX_PENDING_HIT_AGES = 4096
 
 
 class HostPool:
     """num_slots block slots: hash → slot index (LRU order), pins, and the host tier's KV events."""
 
-    def __init__(self, num_slots: int, enable_events: bool = True) -> None:
+    def __init__(self, num_slots: int, enable_events: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
@@ -36,6 +40,11 @@ class HostPool:
         self._writing: dict[bytes, int] = {}
         self._slot_hash: list[bytes | None] = [None] * num_slots
         self._pins = [0] * num_slots
+        self._clock = clock
+        #: When each slot's block was last used (written, or read by a load).
+        self._last_use = [0.0] * num_slots
+        #: Seconds since its previous use of every block a load read, oldest first (taken by the metrics).
+        self.hit_ages: deque[float] = deque(maxlen=MAX_PENDING_HIT_AGES)
         self._events: list[KvCacheEvent] = []
         self.num_evictions = 0
         self.num_skipped = 0
@@ -78,6 +87,7 @@ class HostPool:
             assert block_hash is not None and self._writing.pop(block_hash) == slot, f"slot {slot} not written"
             self._pins[slot] -= 1
             self._index[block_hash] = slot
+            self._last_use[slot] = self._clock()
             stored.append(block_hash)
         if stored and self.enable_events:
             self._events.append(Stored(stored, None, tier=HOST_TIER))
@@ -92,11 +102,13 @@ class HostPool:
 
     def pin(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Pin held blocks for a load (most recently used now); their slots, in order."""
-        slots = []
+        slots, now = [], self._clock()
         for block_hash in block_hashes:
             slot = self._index[block_hash]
             self._index.move_to_end(block_hash)
             self._pins[slot] += 1
+            self.hit_ages.append(now - self._last_use[slot])
+            self._last_use[slot] = now
             slots.append(slot)
         return slots
 

@@ -11,7 +11,15 @@ from deepinfer.telemetry.logging import (
     request_context,
     setup_logging,
 )
-from deepinfer.telemetry.metrics import LATENCY_BUCKETS_S, counter, gauge, histogram, new_registry, render
+from deepinfer.telemetry.metrics import (
+    HIT_AGE_BUCKETS_S,
+    LATENCY_BUCKETS_S,
+    counter,
+    gauge,
+    histogram,
+    new_registry,
+    render,
+)
 from deepinfer.telemetry.tracing import (
     TelemetryError,
     extract_trace_context,
@@ -21,6 +29,7 @@ from deepinfer.telemetry.tracing import (
 )
 
 __all__ = [
+    "HIT_AGE_BUCKETS_S",
     "LATENCY_BUCKETS_S",
     "SENSITIVE_FIELDS",
     "InternalServer",

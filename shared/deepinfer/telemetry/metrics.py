@@ -19,6 +19,19 @@ NAMESPACE = "deepinfer"
 
 #: Latency buckets in seconds, 1 ms .. 60 s (TTFT, inter-token latency, request/reply round trips).
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Seconds since a hit block's previous use: 1 s .. a week (the default TTL is 72 h).
+HIT_AGE_BUCKETS_S = (
+    1.0,
+    10.0,
+    60.0,
+    600.0,
+    3600.0,
+    6 * 3600.0,
+    24 * 3600.0,
+    48 * 3600.0,
+    72 * 3600.0,
+    168 * 3600.0,
+)
 
 #: Token-count buckets (prompt lengths, cached tokens), 16 .. 128k.
 TOKEN_BUCKETS = tuple(float(16 * 2**i) for i in range(14))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from deepinfer.engine.host_tier import HostTier
-from deepinfer.telemetry import counter, gauge, histogram
+from deepinfer.telemetry import HIT_AGE_BUCKETS_S, counter, gauge, histogram
 
 #: (metric name, documentation, how to read it from the tier): counters, as running totals.
 _COUNTERS = (
@@ -34,6 +34,9 @@ class HostTierMetrics:
         self._seen = [0] * len(self._counters)
         self.m_load_s = histogram(registry, "worker_host_tier_load_seconds",
                                   "A host-tier load: issue to completion seen at a step's start.")
+        self.m_hit_age = histogram(registry, "worker_host_tier_hit_age_seconds",
+                                   "Seconds since a loaded block's previous use (how long the tier kept it).",
+                                   buckets=HIT_AGE_BUCKETS_S)
         self.m_used = gauge(registry, "worker_host_tier_used_bytes", "Bytes of host slots in use.")
         gauge(registry, "worker_host_tier_capacity_bytes", "Bytes of the host tier.").set(tier.capacity_bytes)
 
@@ -47,4 +50,7 @@ class HostTierMetrics:
         load_seconds = self.tier.stats.load_seconds
         while load_seconds:
             self.m_load_s.observe(load_seconds.popleft())
+        hit_ages = self.tier.pool.hit_ages
+        while hit_ages:
+            self.m_hit_age.observe(max(0.0, hit_ages.popleft()))
         self.m_used.set(self.tier.used_bytes)

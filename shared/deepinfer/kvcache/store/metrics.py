@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from deepinfer.kvcache.store.disk import OpenReport
 from deepinfer.kvcache.store.scan import CorruptReason
-from deepinfer.telemetry import counter, gauge, histogram
+from deepinfer.telemetry import HIT_AGE_BUCKETS_S, counter, gauge, histogram
 
 #: Per-block and per-call latencies: 10 us (a RAM hit) .. 1 s (a large fsync'd batch).
 STORE_LATENCY_BUCKETS_S = (
@@ -32,19 +32,6 @@ STORE_LATENCY_BUCKETS_S = (
     0.1,
     0.25,
     1.0,
-)
-#: Seconds since a hit block's previous use: 1 s .. a week (the default TTL is 72 h).
-HIT_AGE_BUCKETS_S = (
-    1.0,
-    10.0,
-    60.0,
-    600.0,
-    3600.0,
-    6 * 3600.0,
-    24 * 3600.0,
-    48 * 3600.0,
-    72 * 3600.0,
-    168 * 3600.0,
 )
 
 
