@@ -222,4 +222,5 @@ def test_the_worker_metrics_report_host_tier_hit_ages(tiny_dir, block_bytes):
     metrics.update()
     assert registry.get_sample_value("deepinfer_worker_host_tier_hit_age_seconds_count") == 4  # P's 4 blocks
     assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
+    assert registry.get_sample_value("deepinfer_worker_host_tier_offload_seconds_count") > 0
     assert not core.host_tier.pool.hit_ages  # taken by the metrics

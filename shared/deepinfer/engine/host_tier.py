@@ -54,6 +54,8 @@ class HostTierStats:
     failed_loads: int = 0
     #: Seconds of each completed load (issue → seen complete), drained by the worker's histogram.
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    #: Seconds from issuing an offload to seeing its copy complete, until the metrics take them.
+    offload_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 @dataclass
@@ -203,6 +205,7 @@ class HostTier:
         while self._offloads and (self._offloads[0].event is None or self._offloads[0].event.query()):
             copy = self._offloads.popleft()
             self.pool.commit(copy.slots)
+            self.stats.offload_seconds.append(time.perf_counter() - copy.started_s)
             self.block_pool.free_blocks(reversed(copy.blocks))
 
     def take_events(self) -> list[KvCacheEvent]:

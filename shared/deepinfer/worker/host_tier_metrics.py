@@ -34,6 +34,8 @@ class HostTierMetrics:
         self._seen = [0] * len(self._counters)
         self.m_load_s = histogram(registry, "worker_host_tier_load_seconds",
                                   "A host-tier load: issue to completion seen at a step's start.")
+        self.m_offload_s = histogram(registry, "worker_host_tier_offload_seconds",
+                                     "A host-tier offload: issue to completion seen at a step's start.")
         self.m_hit_age = histogram(registry, "worker_host_tier_hit_age_seconds",
                                    "Seconds since a loaded block's previous use (how long the tier kept it).",
                                    buckets=HIT_AGE_BUCKETS_S)
@@ -50,6 +52,9 @@ class HostTierMetrics:
         load_seconds = self.tier.stats.load_seconds
         while load_seconds:
             self.m_load_s.observe(load_seconds.popleft())
+        offload_seconds = self.tier.stats.offload_seconds
+        while offload_seconds:
+            self.m_offload_s.observe(offload_seconds.popleft())
         hit_ages = self.tier.pool.hit_ages
         while hit_ages:
             self.m_hit_age.observe(max(0.0, hit_ages.popleft()))
