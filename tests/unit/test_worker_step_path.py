@@ -169,16 +169,16 @@ async def test_a_failing_output_handler_does_not_lose_the_next_steps(caplog):
 
 
 @pytest.mark.parametrize("changed", [False, True])
-async def test_the_load_tuple_is_replaced_only_when_a_number_changes(changed):
+async def test_the_load_is_replaced_only_when_a_number_changes(changed):
     core = CountingCore(num_steps=0)
     engine = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events, seq: None)
-    before = engine.load
+    before = engine.stats
     assert engine.stats == engine_stats(core)
     if changed:
         core.scheduler.num_waiting = 3
     engine.start()
     await engine.call(lambda c: None)  # a command: the load is taken again after it
-    assert (engine.load is before) is not changed
+    assert (engine.stats is before) is not changed
     assert engine.stats == engine_stats(core)
     assert engine.stats.num_waiting == (3 if changed else 0)
     await engine.stop()

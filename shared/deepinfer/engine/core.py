@@ -15,6 +15,7 @@ from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.host_tier import HostTier
+from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
@@ -317,7 +318,7 @@ class EngineCore:
             logger.info("host KV tier off: tensor_parallel_size > 1")
             return None
         kv_caches = self.runner.kv_caches
-        num_slots = budget // HostTier.slot_nbytes(kv_caches)
+        num_slots = budget // block_nbytes(kv_caches)  # a slot is one block of every layer
         if num_slots == 0:
             logger.warning("host KV tier off: kv_host_cache_bytes=%d holds no block", budget)
             return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
-from deepinfer.engine.host_pool import HOST_TIER, HostPool
+from deepinfer.engine.host_pool import HostPool
 from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
@@ -94,11 +94,6 @@ class HostTier:
         self.stats = HostTierStats()
         block_pool.track_cached = True
 
-    @staticmethod
-    def slot_nbytes(kv_caches: Sequence[torch.Tensor]) -> int:
-        """Bytes of one host slot (one block of every layer)."""
-        return block_nbytes(kv_caches)
-
     @property
     def capacity_bytes(self) -> int:
         """Bytes of the pinned pool."""
@@ -160,7 +155,7 @@ class HostTier:
                 self._end_load(scheduler, request_id, copy, loaded=True)
 
     def _end_load(self, scheduler: Scheduler, request_id: str, copy: _Copy, loaded: bool) -> None:
-        scheduler.finish_loading(request_id, loaded=loaded, tier=HOST_TIER)
+        scheduler.finish_loading(request_id, loaded=loaded, num_host_blocks=len(copy.blocks))
         self.pool.unpin(copy.slots)
         self.block_pool.free_blocks(reversed(copy.blocks))
         if loaded:

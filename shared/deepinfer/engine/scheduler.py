@@ -15,7 +15,8 @@ n > 1: add one Request per sequence with the same prompt. A sibling shares a blo
 computed it (blocks enter the prefix cache in update()); siblings admitted in the same step share nothing yet.
 
 Store and host-tier loads: add_loading_request holds a request's blocks in WAITING_FOR_REMOTE_KVS (never scheduled;
-others run); finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count in max_num_seqs.
+others run); finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count
+in max_num_seqs.
 
 The engine loop: `out = scheduler.schedule(); sampled = runner.execute(out); updates = scheduler.update(out, sampled)`.
 abort_requests() is called between steps, never between schedule() and the runner's execute().
@@ -268,10 +269,10 @@ class Scheduler:
         self.num_added += 1
         return len(computed_blocks), [block.block_id for block in new]
 
-    def finish_loading(self, request_id: str, loaded: bool, tier: str = "store", num_host_blocks: int = 0) -> None:
-        """`loaded`: the blocks hold the KV loaded from `tier` ("store" or "host"; a store load's `num_host_blocks`
-        came from the host tier), cached now, and the request runs from its first token not loaded; else the new
-        blocks are dropped unused and it waits to be recomputed. Ignored for an aborted request."""
+    def finish_loading(self, request_id: str, loaded: bool, num_host_blocks: int = 0) -> None:
+        """`loaded`: the blocks hold the loaded KV (`num_host_blocks` of them from the host tier, the rest from the
+        store), cached now, and the request runs from its first token not loaded; else the new blocks are dropped
+        unused and it waits to be recomputed. Ignored for an aborted request."""
         request = self.loading.pop(request_id, None)
         if request is None:
             return
@@ -283,11 +284,8 @@ class Scheduler:
             self.waiting.insert(position, request)
             return
         num_loaded = len(self.kv_manager.get_blocks(request)) * self.config.block_size
-        if tier == "host":
-            request.num_host_cached_tokens = num_loaded - request.num_cached_tokens
-        else:
-            request.num_host_cached_tokens = num_host_blocks * self.config.block_size
-            request.num_store_cached_tokens = num_loaded - request.num_cached_tokens - request.num_host_cached_tokens
+        request.num_host_cached_tokens = num_host_blocks * self.config.block_size
+        request.num_store_cached_tokens = num_loaded - request.num_cached_tokens - request.num_host_cached_tokens
         request.num_cached_tokens = request.num_computed_tokens = num_loaded
         self.kv_manager.cache_blocks(request, num_loaded)
         request.status = RequestStatus.RUNNING

@@ -10,8 +10,8 @@ KV events are numbered here too (`seq` +1 per non-empty batch), so a snapshot cu
 thread names exactly the events it includes.
 
 What this thread does besides `core.step()` is in series with the device, so it is kept to a few µs a step:
-commands are drained only when one is queued, the load numbers are a tuple replaced only when they change
-(`stats` builds the dataclass when read), and steps wait in a queue behind one `call_soon_threadsafe` wakeup:
+commands are drained only when one is queued, the load numbers (`stats`, a named tuple) are replaced only when
+they change, and steps wait in a queue behind one `call_soon_threadsafe` wakeup:
 while the event loop has not run it yet, further steps join the queue without waking it again (each wakeup is
 a self-pipe write here and a GIL handoff there).
 """
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import engine_load
+from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,10 @@ class EngineLoop:
         #: Seq of the last KV event batch handed to on_outputs (engine thread only).
         self.kv_events_seq = 0
         self.error: BaseException | None = None
-        #: Load numbers (EngineStats' fields, in order) as of the last step or command: a tuple the engine thread
-        #: replaces when they change (never mutates), so heartbeats read them without waiting for a long step (a
-        #: big prefill can take seconds on a CPU) and a reader sees a change as a new object.
-        self.load: tuple[int, ...] = engine_load(core)
+        #: Load numbers as of the last step or command: replaced by the engine thread when they change (never
+        #: mutated), so heartbeats read them without waiting for a long step (a big prefill can take seconds on a
+        #: CPU) and a reader sees a change as a new object.
+        self.stats: EngineStats = engine_stats(core)
         #: Steps whose outputs the event loop has not taken yet, and whether a wakeup for them is scheduled.
         self._ready: deque[tuple[list[EngineOutput], list[KvCacheEvent], int]] = deque()
         self._wakeup_scheduled = False
@@ -96,11 +96,6 @@ class EngineLoop:
     def stopping(self) -> bool:
         """True once stop() was called."""
         return self._stopping
-
-    @property
-    def stats(self) -> EngineStats:
-        """The load as EngineStats (built when read, not every step)."""
-        return EngineStats(*self.load)
 
     @property
     def alive(self) -> bool:
@@ -140,9 +135,9 @@ class EngineLoop:
         return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block), host
 
     def _update_load(self) -> None:
-        load = engine_load(self.core)
-        if load != self.load:
-            self.load = load
+        stats = engine_stats(self.core)
+        if stats != self.stats:
+            self.stats = stats
 
     def _dispatch(self, outputs: list[EngineOutput], events: list[KvCacheEvent]) -> None:
         """Queue one step for the event loop; wake it only if no wakeup is scheduled already. (The flag is

@@ -103,8 +103,8 @@ class WorkerRuntime:
         self._published_load = (0, 0, 0)
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
-        #: The engine's load tuple last compared with the published load.
-        self._checked_load: tuple[int, ...] | None = None
+        #: The engine's load last compared with the published load.
+        self._checked_load: EngineStats | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
         self._gauges = {
             name: gauge(registry, f"worker_{name}", doc)
@@ -339,14 +339,14 @@ class WorkerRuntime:
     def _heartbeat_on_load_change(self) -> None:
         """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
         checked after every step and every engine command (an abort leaves no step to follow it). The engine
-        replaces its load tuple only when a number changes: a step that changed nothing costs one identity check."""
+        replaces its load only when a number changes: a step that changed nothing costs one identity check."""
         if self.engine is None or self._load_heartbeat_pending or self._heartbeat_task is None:  # not started, closed
             return
-        load = self.engine.load
+        load = self.engine.stats
         if load is self._checked_load:
             return
         self._checked_load = load
-        if (load[0], load[1], load[5]) == self._published_load:  # running, waiting, admitted
+        if (load.num_running, load.num_waiting, load.num_added) == self._published_load:
             return
         self._load_heartbeat_pending = True
         delay_s = max(0.0, self._last_heartbeat_s + LOAD_CHANGE_HEARTBEAT_S - time.monotonic())
