@@ -163,7 +163,7 @@ class StoreTier:
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
             await self.engine.call(lambda core: fail_load(core, plan.request_id))
             return
-        self._remember(hashes)  # held by the store: once cached here, not written behind again
+        self._remember(missing)  # held by the store: once cached here, not written behind again
         num_host = len(hashes) - len(missing)
         loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads, num_host))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
