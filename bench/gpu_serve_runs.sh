@@ -13,9 +13,11 @@ python3 -c "import services.gateway.main, services.decode.main, services.prefill
 run() {  # NAME LIMIT_S ARGS...
     local name=$1 limit=$2; shift 2
     local started=$SECONDS
-    timeout "$limit" python3 bench/serve.py --device cuda --max-tokens 256 --out "$OUT/$name.json" "$@" \
-        > "$OUT/$name.log" 2>&1
+    timeout "$limit" python3 bench/serve.py --device cuda --max-tokens 256 --out "$OUT/$name.json" \
+        --log-dir "/tmp/$name-logs" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc $? in $((SECONDS - started)) s"
+    # Triton compiles on a request's path (deepinfer.kernels.compile_watch): each one is a stalled step.
+    grep -h "Triton compiled" /tmp/"$name"-logs/*.log 2>/dev/null | cut -c1-300 | tee "$OUT/$name-compiles.log" | head -5
     grep -A6 "^service vs offline" "$OUT/$name.log" || tail -5 "$OUT/$name.log"
 }
 for variant in "$@"; do

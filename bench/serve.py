@@ -156,7 +156,7 @@ def start_stack(args, model: str):
     if args.trace:
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env |= dict(item.split("=", 1) for item in args.env)
-    stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900,
+    stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
                   num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode)
     stack.start()
     stack.wait_ready()
@@ -271,6 +271,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: removed)")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--offline-threads", type=int, default=1,
                         help="torch threads offline on the CPU (default 1: what each worker gets on 2 cores)")

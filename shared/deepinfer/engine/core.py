@@ -19,9 +19,9 @@ from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
-from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
-from deepinfer.kernels import get_ops, resolve_accelerator
+from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
@@ -61,6 +61,8 @@ class EngineCore:
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
+        #: Triton compiles of this process (each one after the start is logged: a step waited for it).
+        self.compiles = compile_watch.install()
         if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
             from deepinfer.executor.start import start_tensor_parallel
 
@@ -95,18 +97,8 @@ class EngineCore:
                 enable_kv_events=args.enable_kv_events,
             )
         )
-        self.runner = ModelRunner(
-            model,
-            self._allocate_kv_caches(),
-            block_size=args.block_size,
-            vocab_size=self.model_config.vocab_size,
-            device=self.device,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            use_cuda_graphs=not args.enforce_eager and self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1,
-            batch_invariant=args.batch_invariant,
-        )
+        with self.compiles.starting():  # CUDA graph capture and warm-up compile the kernels
+            self.runner = self._make_runner(model)
         #: The host-memory KV tier (None = off).
         self.host_tier = self._make_host_tier()
         #: Async scheduling: the step launched last and not updated yet.
@@ -116,6 +108,27 @@ class EngineCore:
             self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
             args.block_size, self.kv_plan.num_tokens, self.max_model_len,
         )
+
+    def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
+        """The runner over freshly allocated KV caches; on one CUDA device with its CUDA graphs captured and its
+        eager path warmed up (no Triton compile left for a request's step to wait on)."""
+        args = self.args
+        single_cuda = self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1
+        runner = ModelRunner(
+            model,
+            self._allocate_kv_caches(),
+            block_size=args.block_size,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            use_cuda_graphs=single_cuda and not args.enforce_eager,
+            batch_invariant=args.batch_invariant,
+        )
+        if single_cuda:
+            runner.warm_up(warm_up_query_lens(args.max_num_batched_tokens, self.max_model_len))
+        return runner
 
     # -- requests -----------------------------------------------------------------------------------------------
     def add_request(

@@ -34,6 +34,7 @@ from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
 from deepinfer.sampling.metadata import SamplingMetadata
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
 #: takes its largest query tile (it picks min(largest, next_pow2(max_query_len)), largest <= 128).
 _INVARIANT_MIN_QUERY_LEN = 128
+#: One warm-up forward per query tile of the prefill attention kernel (16, 32, 64, 128 rows).
+_TILE_QUERY_LENS = (16, 32, 64, 128)
+
+
+def warm_up_query_lens(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """The lengths `ModelRunner.warm_up` forwards: one per prefill query tile, and the largest step (its MoE row
+    blocks), none past max_model_len."""
+    return sorted({min(n, max_model_len) for n in (*_TILE_QUERY_LENS, max_num_batched_tokens)})
 
 
 class ModelRunner:
@@ -96,6 +105,35 @@ class ModelRunner:
                 batch_invariant=batch_invariant, capture_context=self._linear_mode(),
             )
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self, query_lens: Sequence[int]) -> None:
+        """One eager forward of a single sequence per length in `query_lens`, then the sampler (greedy and
+        top-k/top-p rows): Triton compiles the eager path's variants (the prefill kernel's query tile, MoE
+        row blocks) here and not in a step a request waits on (see `deepinfer.kernels.compile_watch`).
+        Writes no KV (every slot -1; the rows read the null block 0) and leaves no row in the block table."""
+        table = BlockTable(1, self.block_table.max_blocks_per_seq)
+        hidden = None
+        for q_len in query_lens:
+            blocks = [0] * -(-q_len // self.block_size)
+            scheduled = ScheduledRequest("warm-up", [0] * q_len, 0, q_len, blocks, sample=True, is_new=True)
+            batch = build_host_batch([scheduled], table, self.block_size)
+            batch.slot_mapping[:] = [-1] * q_len
+            inputs = self.stager.stage(batch, table)
+            if self.batch_invariant:  # as forward(invariant_prefill=True): always the largest query tile
+                inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
+            with self._linear_mode():
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if hidden is None:
+            return
+        with self._linear_mode():
+            logits = self.model.compute_logits(hidden[-2:])
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.95, top_k=50)]
+        params = params[: logits.shape[0]]
+        meta = SamplingMetadata.build(params, positions=[1] * len(params), seeds=[0] * len(params),
+                                      prompt_token_ids=[[0]] * len(params), output_token_ids=[[]] * len(params),
+                                      vocab_size=logits.shape[-1], device=self.device)
+        self.sampler(logits, meta).token_ids.tolist()
 
     def _linear_mode(self) -> contextlib.AbstractContextManager:
         """Where linears run through the batch-invariant matmul (a no-op context outside that mode)."""

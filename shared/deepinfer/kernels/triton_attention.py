@@ -57,7 +57,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "partition_size", "num_seqs", "num_partitions"])
 def _decode_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -128,7 +128,7 @@ def _decode_kernel(
         tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_seqs", "num_partitions"])
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_ot, stride_oh, partition_size, num_seqs, num_heads, num_partitions,
@@ -156,7 +156,7 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,

@@ -28,7 +28,7 @@ BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 8, 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_wn, stride_wk, stride_cm, stride_cn,

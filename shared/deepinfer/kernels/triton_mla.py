@@ -30,7 +30,7 @@ MAX_PARTITION = 512
 MAX_PARTITIONS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "partition_size", "num_seqs", "num_partitions"])
 def _mla_decode_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co,

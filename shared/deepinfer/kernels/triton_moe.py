@@ -38,7 +38,7 @@ def _block_rows(sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs, TOP_K: tl.
     return expert, pair_ids.to(tl.int64), valid, tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     act_ptr, hidden_ptr, w13_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     stride_ht, stride_we, stride_wn, stride_at, num_pairs, num_experts, hidden_size, inter_size,
@@ -78,7 +78,7 @@ def _gate_up_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     pair_out_ptr, act_ptr, w2_ptr, topk_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr,
     stride_at, stride_we, stride_wn, stride_pt, num_pairs, num_experts, hidden_size, inter_size,
@@ -134,7 +134,7 @@ def align_pairs_to_blocks(
     return sorted_pair_ids, block_expert_ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(
     topk_ids_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_pairs, num_experts, num_blocks,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,

@@ -144,6 +144,10 @@ class WorkerRuntime:
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         if self.core.host_tier is not None:
             self.host_tier_metrics = HostTierMetrics(self._registry, self.core.host_tier)
+        compiles = self.core.compiles
+        gauge(self._registry, "worker_kernel_compiles_serving",
+              "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
+              ).set_function(lambda: compiles.serving_compiles)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
         self.engine.after_command = self._heartbeat_on_load_change
         self.engine.start()
