@@ -33,16 +33,17 @@ def model_dir(tmp_path_factory):
     return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
-def engine(model_dir, host_blocks: int, async_scheduling: bool = False):
+def engine(model_dir, host_blocks: int, async_scheduling: bool = False, dtype: str = "float32",
+           device_blocks: int = DEVICE_BLOCKS):
     from deepinfer.engine.args import EngineArgs
     from deepinfer.engine.core import EngineCore
 
-    probe = EngineArgs(model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128,
+    probe = EngineArgs(model=str(model_dir), block_size=BLOCK_SIZE, dtype=dtype, max_model_len=128,
                        kv_cache_bytes=64 << 20, kv_host_cache_bytes=0, progress=False)
     per_block = EngineCore(probe).kv_plan.bytes_per_block
     return EngineCore(EngineArgs(
-        model=str(model_dir), block_size=BLOCK_SIZE, dtype="float32", max_model_len=128, progress=False,
-        kv_cache_bytes=DEVICE_BLOCKS * per_block, kv_host_cache_bytes=host_blocks * per_block,
+        model=str(model_dir), block_size=BLOCK_SIZE, dtype=dtype, max_model_len=128, progress=False,
+        kv_cache_bytes=device_blocks * per_block, kv_host_cache_bytes=host_blocks * per_block,
         async_scheduling=async_scheduling))
 
 
@@ -134,3 +135,33 @@ def test_offloads_hold_their_device_blocks_until_the_copy_completed(model_dir):
                 assert all(block.ref_cnt > 0 and block.prev_free is None for block in copy.blocks)
     assert sum(checks) > 0
     assert not tier.busy and pool.num_free_blocks == DEVICE_BLOCKS - 1
+
+
+def test_bf16_a_host_load_gives_the_text_of_a_device_prefix_hit(model_dir):
+    """In bfloat16 a prompt computed over 96 cached tokens need not give the text of its computation from scratch
+    (other kernels, other rounding); it must give the text of a device prefix hit of those 96 tokens: the host tier
+    brings back the very bytes."""
+    from deepinfer.sampling.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def send(core, request_id):
+        core.add_request(request_id, P, greedy)
+        outputs = []
+        while core.has_unfinished_requests():
+            outputs += [out for out in core.step() if out.request_id == request_id]
+        return [t for out in outputs for t in out.new_token_ids], outputs[0]
+
+    roomy = engine(model_dir, 0, dtype="bfloat16", device_blocks=64)
+    send(roomy, "first")
+    hit, first_out = send(roomy, "hit")
+    assert (first_out.num_cached_tokens, first_out.num_host_cached_tokens) == (96, 0)
+
+    core = engine(model_dir, HOST_BLOCKS, dtype="bfloat16")
+    send(core, "p0")
+    for i, filler in enumerate(FILLERS):
+        core.add_request(f"f{i}", filler, greedy)
+        run(core)
+    loaded, first_out = send(core, "p")
+    assert (first_out.num_cached_tokens, first_out.num_host_cached_tokens) == (96, 96)
+    assert loaded == hit
