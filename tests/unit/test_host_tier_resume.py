@@ -105,7 +105,13 @@ def reference(tiny_dir) -> dict[str, list[int]]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_preempted_request_resumes_from_the_host_tier_while_another_runs(
         tiny_dir, block_bytes, reference, async_scheduling):
+    from prometheus_client import CollectorRegistry
+
+    from deepinfer.worker.host_tier_metrics import HostTierMetrics
+
     core = engine(tiny_dir, DEVICE_BLOCKS * block_bytes, HOST_BLOCKS * block_bytes, async_scheduling)
+    registry = CollectorRegistry()
+    metrics = HostTierMetrics(registry, core.host_tier)
     steps = record(core)
     tokens, usage = run(core)
 
@@ -125,7 +131,10 @@ def test_a_preempted_request_resumes_from_the_host_tier_while_another_runs(
     # b's 4 blocks past its device block (the last holds its first output token), loaded; its admission (and
     # c's, d's) found nothing in the host tier: the 6 misses are theirs (d: 2 blocks, b: 4).
     assert (stats.hit_blocks, stats.loaded_blocks, stats.failed_loads, stats.miss_blocks) == (4, 4, 0, 6)
-    assert len(stats.load_seconds) == 1
+    metrics.update()  # what the worker exports
+    assert registry.get_sample_value("deepinfer_worker_host_tier_hit_blocks_total") == 4
+    assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
+    assert registry.get_sample_value("deepinfer_worker_host_tier_load_seconds_count") == 1
     # The client's usage stays that of b's admission: nothing was cached then.
     assert usage["b"] == (0, 0)
     assert not core.host_tier.busy and not core.scheduler.loading

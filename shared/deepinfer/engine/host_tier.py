@@ -127,12 +127,17 @@ class HostTier:
         _, num_device_tokens = scheduler.kv_manager.get_computed_blocks(request)
         num_device = num_device_tokens // block_size
         num_host = self.pool.num_leading_hits(hashes[num_device:])
-        self.stats.miss_blocks += len(hashes) - num_device - num_host
+        num_misses = len(hashes) - num_device - num_host
+        # A resume is looked up at every step that admits until it is admitted: its misses count once, as it loads.
+        if request.num_preemptions == 0:
+            self.stats.miss_blocks += num_misses
         if num_host == 0:
             return False
         plan = scheduler.add_loading_request(request, num_device + num_host)
         if plan is None:
             return False
+        if request.num_preemptions:
+            self.stats.miss_blocks += num_misses
         first_block, block_ids = plan
         slots = self.pool.pin(hashes[first_block : first_block + len(block_ids)])
         blocks = [self.block_pool.blocks[i] for i in block_ids]
