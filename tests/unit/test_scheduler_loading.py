@@ -1,6 +1,7 @@
 """The loading state (KV from the kvcache store): a request waits in WAITING_FOR_REMOTE_KVS holding its blocks while
 the others keep running, then runs only its tokens not loaded; a failed load recomputes and never serves the
-blocks it was filling. Driven by test_scheduler's FakeRunner (a paged cache of token ids), step by step."""
+blocks it was filling; a preempted request resumes through it (Scheduler.resume_loader). Driven by test_scheduler's
+FakeRunner (a paged cache of token ids), step by step."""
 
 from __future__ import annotations
 
@@ -110,3 +111,44 @@ def test_nothing_to_load_or_no_room_leaves_the_scheduler_unchanged():
     small.schedule()  # g holds 7 of the 8 usable blocks
     assert small.add_loading_request(make_request("h", PROMPT_B, 1.0), 3) is None
     assert set(small.requests) == {"g"} and not small.loading
+
+
+def test_a_preempted_request_is_offered_to_the_resume_loader_at_the_head_of_the_queue():
+    # test_preemption_by_recompute's run (b preempted in step 3; a evicts b's tail block in step 7, finishes in
+    # step 10), with a lower tier that holds every block b computed: b resumes by loading its tail block.
+    config = make_config(num_blocks=6, max_model_len=20)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    prompt_a, prompt_b = list(range(100, 107)), list(range(300, 307))
+    scheduler.add_request(make_request("a", prompt_a, 0.0, max_tokens=10))
+    scheduler.add_request(make_request("b", prompt_b, 1.0, max_tokens=10))
+    b = scheduler.requests["b"]
+    offers, plans = [], []
+
+    def resume_loader(request) -> bool:
+        offers.append((len(runner.steps) + 1, request.request_id))
+        plan = scheduler.add_loading_request(request, len(request.block_hashes))
+        plans.append(plan)
+        return plan is not None
+
+    scheduler.resume_loader = resume_loader
+    for _ in range(11):
+        out, _ = run_step(scheduler, runner)
+    # Offered in every step that admits while b waits at the head; steps 4-6: its blocks are on the device (nothing
+    # to load); 7-10: a's decode took the tail block (before admission) and holds every other one (no room);
+    # 11: a finished, b loads its tail block past the device hit.
+    assert offers == [(step, "b") for step in range(4, 12)]
+    assert plans[:7] == [None] * 7 and plans[7] == (1, plans[7][1]) and len(plans[7][1]) == 1
+    assert scheduled(out) == {} and b.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not scheduler.waiting
+    check_invariants(scheduler)
+
+    scheduler.finish_loading("b", loaded=False)  # the copy failed: back in the queue as a preempted request
+    assert b.status is RequestStatus.PREEMPTED and list(scheduler.waiting) == [b]
+    check_invariants(scheduler)
+    first_block, block_ids = scheduler.add_loading_request(b, len(b.block_hashes))  # offered again: it loads
+    fill(runner, b.all_token_ids, first_block, block_ids)
+    scheduler.finish_loading("b", loaded=True, num_host_blocks=1)
+    out, updates = run_step(scheduler, runner)
+    assert scheduled(out) == {"b": (8, 1, True)}  # 7 prompt tokens and 2 outputs: the 9th is computed
+    assert (updates[0].num_cached_tokens, updates[0].num_host_cached_tokens) == (0, 0)  # its admission's usage
+    run_to_completion(scheduler, runner)
+    assert b.output_token_ids == reference_output(prompt_b, 10)  # read back through the loaded block

@@ -17,8 +17,8 @@ token too many for that request: update(N) finishes it and frees its blocks, upd
 A request whose pending tokens already reach max_tokens or max_model_len is not scheduled (update(N) ends it).
 A request preempted while its step is in flight keeps its placeholder; update() still appends that token.
 Mixed prefill+decode steps need nothing special: prefill chunks only feed known tokens (a request is never
-re-admitted while it holds a placeholder, since preemption steps admit nobody and update(N) runs before
-schedule(N+2)).
+re-admitted, nor resumed from the host tier, while it holds a placeholder, since preemption steps admit nobody
+and update(N) runs before schedule(N+2)).
 """
 
 from __future__ import annotations

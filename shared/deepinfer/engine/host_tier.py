@@ -10,6 +10,8 @@
         index_copy_ per layer (as kv_transfer.import_blocks) ─► event ─► at the start of a later step
         finish_loading(loaded=True): the request runs from its first token not loaded. A copy that cannot be
         issued → finish_loading(loaded=False): recomputed, never garbage.
+    resume (Scheduler.resume_loader): a preempted request at the head of the waiting queue, in a step that admits,
+        takes the same path (its full blocks, output tokens included, were written through when computed).
 
 Write-through and not a copy at eviction: a block is evicted when the step being scheduled needs it, so a copy
 then would sit on that step's critical path (vLLM's CPU offloading also stores at compute time).
@@ -115,8 +117,8 @@ class HostTier:
 
     # -- loads --------------------------------------------------------------------------------------------------
     def start_load(self, scheduler: Scheduler, request: Request) -> bool:
-        """Admit a new request whose prefix past the device hits is held here: loading state, copy issued.
-        False: nothing to load or no room (nothing changed; queue it with add_request)."""
+        """Admit a new request (or resume a preempted one) whose prefix past the device hits is held here: loading
+        state, copy issued. False: nothing to load or no room (nothing changed; queue a new one with add_request)."""
         block_size = scheduler.config.block_size
         request.bind_block_hashing(block_size, scheduler.config.model_fingerprint)
         if not scheduler.block_pool.enable_caching:
@@ -125,12 +127,17 @@ class HostTier:
         _, num_device_tokens = scheduler.kv_manager.get_computed_blocks(request)
         num_device = num_device_tokens // block_size
         num_host = self.pool.num_leading_hits(hashes[num_device:])
-        self.stats.miss_blocks += len(hashes) - num_device - num_host
+        num_misses = len(hashes) - num_device - num_host
+        # A resume is looked up at every step that admits until it is admitted: its misses count once, as it loads.
+        if request.num_preemptions == 0:
+            self.stats.miss_blocks += num_misses
         if num_host == 0:
             return False
         plan = scheduler.add_loading_request(request, num_device + num_host)
         if plan is None:
             return False
+        if request.num_preemptions:
+            self.stats.miss_blocks += num_misses
         first_block, block_ids = plan
         slots = self.pool.pin(hashes[first_block : first_block + len(block_ids)])
         blocks = [self.block_pool.blocks[i] for i in block_ids]

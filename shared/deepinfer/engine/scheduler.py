@@ -16,7 +16,7 @@ computed it (blocks enter the prefix cache in update()); siblings admitted in th
 
 Store and host-tier loads: add_loading_request holds a request's blocks in WAITING_FOR_REMOTE_KVS (never scheduled;
 others run); finish_loading runs it from its first unloaded token, or queues it to recompute. Loading requests count
-in max_num_seqs.
+in max_num_seqs. A preempted request at the head of the queue is first offered to resume_loader (the host tier).
 
 The engine loop: `out = scheduler.schedule(); sampled = runner.execute(out); updates = scheduler.update(out, sampled)`.
 abort_requests() is called between steps, never between schedule() and the runner's execute().
@@ -28,13 +28,14 @@ import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.engine.scheduler_loading import LoadingRequests
 from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
 
@@ -59,8 +60,9 @@ class _Step:
         self.preempted_request_ids.append(request.request_id)
 
 
-class Scheduler:
-    """Decides each step's batch over a block pool; owns the waiting queue and the running batch."""
+class Scheduler(LoadingRequests):
+    """Decides each step's batch over a block pool; owns the waiting queue and the running batch (loading state:
+    scheduler_loading)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -80,8 +82,9 @@ class Scheduler:
         self._held: dict[str, list[KVCacheBlock]] = {}
         #: Blocks of each request already sent to the runner; absent = the runner holds no row for it (is_new).
         self._num_sent_blocks: dict[str, int] = {}
-        #: Requests holding blocks while their KV loads from the store (never scheduled meanwhile).
-        self.loading: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # the loading state (scheduler_loading)
+        #: The host tier's lookup for a preempted request resuming: True when it took it (loading); None: recompute.
+        self.resume_loader: Callable[[Request], bool] | None = None
 
     @property
     def num_running(self) -> int:
@@ -248,50 +251,6 @@ class Scheduler:
         self._num_sent_blocks.pop(request.request_id, None)  # the runner gets the whole table at the next step
         return self.kv_manager.get_block_ids(request)[len(computed_blocks) :]
 
-    def add_loading_request(self, request: Request, num_stored_blocks: int) -> tuple[int, list[int]] | None:
-        """Hold a new request whose first `num_stored_blocks` full blocks are in the store: device hits reused, blocks
-        allocated for the stored ones past them. (index of the first block to load, block ids to fill); None: nothing
-        to load or no room, nothing changed (queue it with add_request)."""
-        request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
-        computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
-        max_blocks = min(num_stored_blocks, (request.num_tokens - 1) // self.config.block_size)
-        num_load_blocks = max_blocks - len(computed_blocks)
-        if num_load_blocks <= 0 or self._num_seqs() >= self.config.max_num_seqs:
-            return None
-        self._register(request)
-        new = self.kv_manager.allocate_slots(request, num_load_blocks * self.config.block_size, computed_blocks)
-        if new is None:
-            del self.requests[request.request_id], self._arrival_key[request.request_id]
-            return None
-        request.num_cached_tokens = num_hit_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.request_id] = request
-        self.num_added += 1
-        return len(computed_blocks), [block.block_id for block in new]
-
-    def finish_loading(self, request_id: str, loaded: bool, num_host_blocks: int = 0) -> None:
-        """`loaded`: the blocks hold the loaded KV (`num_host_blocks` of them from the host tier, the rest from the
-        store), cached now, and the request runs from its first token not loaded; else the new blocks are dropped
-        unused and it waits to be recomputed. Ignored for an aborted request."""
-        request = self.loading.pop(request_id, None)
-        if request is None:
-            return
-        if not loaded:
-            self.kv_manager.free(request)
-            request.status, request.num_cached_tokens = RequestStatus.WAITING, 0
-            key = self._arrival_key[request_id]
-            position = sum(1 for r in self.waiting if self._arrival_key[r.request_id] < key)
-            self.waiting.insert(position, request)
-            return
-        num_loaded = len(self.kv_manager.get_blocks(request)) * self.config.block_size
-        request.num_host_cached_tokens = num_host_blocks * self.config.block_size
-        request.num_store_cached_tokens = num_loaded - request.num_cached_tokens - request.num_host_cached_tokens
-        request.num_cached_tokens = request.num_computed_tokens = num_loaded
-        self.kv_manager.cache_blocks(request, num_loaded)
-        request.status = RequestStatus.RUNNING
-        request.first_scheduled_time = time.monotonic()
-        bisect.insort(self.running, request, key=lambda r: self._arrival_key[r.request_id])
-
     def _num_seqs(self) -> int:
         return len(self.running) + len(self.loading)
 
@@ -350,8 +309,14 @@ class Scheduler:
         step.drop(request)
 
     def _admit_waiting(self, step: _Step) -> None:
+        offered: list[Request] = []  # to resume_loader, once a step: one whose load failed is recomputed now
         while self.waiting and step.token_budget > 0 and self._num_seqs() < self.config.max_num_seqs:
             request = self.waiting[0]
+            resuming = self.resume_loader is not None and request.status is RequestStatus.PREEMPTED
+            if resuming and request not in offered:
+                offered.append(request)
+                if self.resume_loader(request):
+                    continue  # loading from the host tier (or failed to start: back at the head, recomputed)
             computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
             num_new_tokens = self._chunk_size(request, num_hit_tokens, step.token_budget)
             if self.kv_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
