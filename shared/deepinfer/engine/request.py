@@ -15,8 +15,9 @@ class RequestStatus(enum.Enum):
     """Where a request is in the scheduler."""
 
     WAITING = "waiting"
-    #: Holding blocks while their KV is loaded from the kvcache store (vLLM's WAITING_FOR_REMOTE_KVS): never
-    #: scheduled; Scheduler.finish_loading moves it to RUNNING (loaded) or WAITING (recompute).
+    #: Holding blocks while their KV is loaded from the host tier or the kvcache store (vLLM's
+    #: WAITING_FOR_REMOTE_KVS): never scheduled; Scheduler.finish_loading moves it to RUNNING (loaded) or back to
+    #: WAITING, or PREEMPTED for a resume (recomputed).
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"

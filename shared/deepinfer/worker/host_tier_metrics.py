@@ -10,9 +10,9 @@ from deepinfer.telemetry import HIT_AGE_BUCKETS_S, counter, gauge, histogram
 
 #: (metric name, documentation, how to read it from the tier): counters, as running totals.
 _COUNTERS = (
-    ("worker_host_tier_hit_blocks", "Prompt blocks past the device hits found in the host tier (loaded).",
+    ("worker_host_tier_hit_blocks", "Blocks past the device hits found in the host tier at admission or resume (loaded).",
      lambda t: t.stats.hit_blocks),
-    ("worker_host_tier_miss_blocks", "Prompt blocks past the device hits not in the host tier.",
+    ("worker_host_tier_miss_blocks", "Blocks past the device hits not in the host tier (at admission, or at a resume that loads).",
      lambda t: t.stats.miss_blocks),
     ("worker_host_tier_offloaded_blocks", "Blocks copied device → host.", lambda t: t.stats.offloaded_blocks),
     ("worker_host_tier_offloaded_bytes", "Bytes copied device → host.", lambda t: t.stats.offloaded_bytes),
