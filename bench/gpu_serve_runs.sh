@@ -4,6 +4,7 @@
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
+#         | default64-N | hosttier64-N (c=64 only, no offline: interleave them for an A/B, e.g. default64-1 hosttier64-1 ...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
@@ -13,7 +14,8 @@ python3 -c "import services.gateway.main, services.decode.main, services.prefill
 run() {  # NAME LIMIT_S ARGS...
     local name=$1 limit=$2; shift 2
     local started=$SECONDS
-    timeout "$limit" python3 bench/serve.py --device cuda --max-tokens 256 --out "$OUT/$name.json" \
+    # 8 rounds: a c=64 window of ~6 s (4 rounds gave ~3 s and +-15% between runs of one build)
+    timeout "$limit" python3 bench/serve.py --device cuda --max-tokens 256 --rounds 8 --out "$OUT/$name.json" \
         --log-dir "/tmp/$name-logs" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc $? in $((SECONDS - started)) s"
     # Triton compiles on a request's path (deepinfer.kernels.compile_watch): each one is a stalled step.
@@ -37,6 +39,9 @@ for variant in "$@"; do
         trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
         nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
+        default64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline ;;
+        hosttier64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
+            --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         *) echo "unknown variant $variant" >&2 ;;

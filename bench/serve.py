@@ -56,9 +56,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] if ordered else float("nan")
 
 
+def requests_per_point(args, concurrency: int) -> int:
+    """--num-requests, else --rounds per stream (at least 16)."""
+    return args.num_requests or max(args.rounds * concurrency, 16)
+
+
 def service_point(args, stack, base_url: list[str], model: str, concurrency: int) -> dict:
     """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
-    num_requests = args.num_requests or max(4 * concurrency, 16)
+    num_requests = requests_per_point(args, concurrency)
     # 8 clients a process by default, at most half the cores (the services need the rest).
     procs = args.client_procs or max(1, min(math.ceil(concurrency / 8), (os.cpu_count() or 2) // 2))
     # Warm-up at this concurrency: the first steps of a new batch width compile kernels and capture graphs
@@ -105,7 +110,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
 
     if not torch.cuda.is_available():
         torch.set_num_threads(args.offline_threads)
-    prompts = conversations(args.num_requests or max(4 * concurrency, 16))
+    prompts = conversations(requests_per_point(args, concurrency))
     llm = LLM(model, progress=False, max_num_seqs=concurrency, **engine_options)
     try:
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -259,7 +264,8 @@ def parse_args() -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--base-url", default=None, help="an already running stack (else one is started)")
     parser.add_argument("--sweep", default="1,4", help="comma-separated concurrencies (default 1,4)")
-    parser.add_argument("--num-requests", type=int, default=0, help="per point (default: 4 x concurrency, >= 16)")
+    parser.add_argument("--num-requests", type=int, default=0, help="per point (default: --rounds x concurrency, >= 16)")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per stream and point (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", default="httpx", choices=("httpx", "openai"))
     parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 8, at most half the cores)")
