@@ -166,15 +166,17 @@ class LLM:
         has computed the prompt, so they take its full blocks from the prefix cache instead of recomputing."""
         bar = tqdm(total=len(outputs), desc="Processed prompts", disable=not use_tqdm or len(outputs) < 2)
         remaining = {id(o): 0 for o in outputs}  # unfinished sequences per prompt
-        for output, _ in sequences.values():
+        siblings: dict[str, list[tuple[RequestOutput, _Sequence]]] = {}  # sequence 0's id -> siblings to submit
+        for output, seq in sequences.values():
             remaining[id(output)] += 1
+            if not seq.submitted:
+                siblings.setdefault(f"{output.request_id}-0", []).append((output, seq))
         while self.engine.has_unfinished_requests():
             for engine_output in self.engine.step():
                 output, seq = sequences[engine_output.request_id]
-                if seq.index == 0 and engine_output.new_token_ids:
-                    for entry in sequences.values():
-                        if entry[0] is output and not entry[1].submitted:
-                            self._submit(entry)
+                if siblings and engine_output.new_token_ids:
+                    for entry in siblings.pop(engine_output.request_id, ()):
+                        self._submit(entry)
                 if self._apply(seq, engine_output, output):
                     remaining[id(output)] -= 1
                     if remaining[id(output)] == 0:
