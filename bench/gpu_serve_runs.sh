@@ -4,7 +4,8 @@
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
-#         | default64-N | hosttier64-N (c=64 only, no offline: interleave them for an A/B, e.g. default64-1 hosttier64-1 ...)
+#         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
+#         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_env.sh
@@ -42,6 +43,8 @@ for variant in "$@"; do
         default64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline ;;
         hosttier64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
+        wgen64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
+            --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB --env DEEPINFER_DECODE_KV_STORE_WRITE_GENERATED=true ;;
         hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         *) echo "unknown variant $variant" >&2 ;;
