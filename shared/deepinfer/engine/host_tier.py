@@ -6,9 +6,8 @@
         reference until that event completed (polled at the start of a step), so it is never freed or reused
         before its copy is done, and no step waits for a copy.
     admission (EngineCore.add_request): device hits, then the following blocks held here ─► add_loading_request
-        (WAITING_FOR_REMOTE_KVS: the others keep running) ─► copy stream: pinned slots → one half of the
-        device staging ─► scatter stream: index_copy_ per layer (as kv_transfer.import_blocks) while the copy
-        stream fills the other half ─► event ─► at the start of a later step
+        (WAITING_FOR_REMOTE_KVS: the others keep running) ─► copy stream: pinned slots → device staging →
+        index_copy_ per layer (as kv_transfer.import_blocks) ─► event ─► at the start of a later step
         finish_loading(loaded=True): the request runs from its first token not loaded. A copy that cannot be
         issued → finish_loading(loaded=False): recomputed, never garbage.
     resume (Scheduler.resume_loader): a preempted request at the head of the waiting queue, in a step that admits,
@@ -89,7 +88,6 @@ class HostTier:
         self._host_typed = self._typed(self.host)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
-            self._scatter_stream = torch.cuda.Stream(self.device)  # loads: staging → cache blocks
             chunk = max(1, min(num_slots, STAGING_BYTES // self.block_nbytes))
             self._staging = torch.empty((chunk, self.block_nbytes), dtype=torch.uint8, device=self.device)
             self._staging_typed = self._typed(self._staging)
@@ -255,31 +253,16 @@ class HostTier:
             for layer, kv in enumerate(self.kv_caches):
                 kv.index_copy_(self._dim, index, self._host_typed[slot_index, layer].movedim(0, self._dim))
             return None
-        # Two halves of the staging buffer, pipelined: the copy stream brings half k+1 from the pinned slots while
-        # the scatter stream writes half k into the cache blocks, layer by layer.
-        copy_stream, scatter_stream = self.stream, self._scatter_stream
-        copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # as _on_copy_stream (offloads included)
-        scatter_stream.wait_stream(copy_stream)
-        half = max(1, self._staging.shape[0] // 2)
-        scattered: list[torch.cuda.Event | None] = [None, None]
-        for n, start in enumerate(range(0, len(block_ids), half)):
-            ids, base = block_ids[start : start + half], (n % 2) * half
-            with torch.cuda.stream(copy_stream):
-                if scattered[n % 2] is not None:
-                    copy_stream.wait_event(scattered[n % 2])
-                for first, host_first, count in _runs(slots[start : start + len(ids)]):
-                    self._staging[base + first : base + first + count].copy_(
-                        self.host[host_first : host_first + count], non_blocking=True)
-                copied = self._record(copy_stream)
-            with torch.cuda.stream(scatter_stream):
-                scatter_stream.wait_event(copied)
+        with self._on_copy_stream():
+            for start in range(0, len(block_ids), self._staging.shape[0]):
+                ids, chunk_slots = block_ids[start : start + self._staging.shape[0]], slots[start:]
+                for first, host_first, count in _runs(chunk_slots[: len(ids)]):
+                    self._staging[first : first + count].copy_(self.host[host_first : host_first + count],
+                                                               non_blocking=True)
                 index = self._device_index(ids)
-                staged = self._staging_typed[base : base + len(ids)]
                 for layer, kv in enumerate(self.kv_caches):
-                    kv.index_copy_(self._dim, index, staged[:, layer].movedim(0, self._dim))
-                scattered[n % 2] = self._record(scatter_stream)
-        copy_stream.wait_stream(scatter_stream)  # the next offload's gather reuses the staging buffer
-        return self._record(scatter_stream)
+                    kv.index_copy_(self._dim, index, self._staging_typed[: len(ids), layer].movedim(0, self._dim))
+            return self._record()
 
     def _on_copy_stream(self) -> torch.cuda.StreamContext:
         """Enter the copy stream, after everything the compute stream has been given so far (the step that
@@ -291,9 +274,9 @@ class HostTier:
         # From pinned memory, non_blocking: a pageable copy would make the engine thread wait for the stream.
         return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
-    def _record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    def _record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
-        event.record(self.stream if stream is None else stream)
+        event.record(self.stream)
         return event
 
 
