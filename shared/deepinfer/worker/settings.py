@@ -6,6 +6,7 @@ from deepinfer.config import WorkerSettings
 from deepinfer.engine.args import EngineArgs
 from deepinfer.protocol import SamplingParams as WireSamplingParams
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.seeds import draw_seed
 
 
 def engine_args(settings: WorkerSettings) -> EngineArgs:
@@ -37,5 +38,10 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
 
 
 def engine_sampling(wire: WireSamplingParams) -> SamplingParams:
-    """The engine's SamplingParams from the wire message (same field names, validated again here)."""
-    return SamplingParams(**wire.model_dump(exclude={"v"}))
+    """The engine's SamplingParams from the wire message (same field names, validated again here), with a seed
+    drawn here when the request set none: the engine would otherwise clone (and validate again) the params on
+    its thread, in series with the device, once per admitted request."""
+    fields = wire.model_dump(exclude={"v"})
+    if fields.get("seed") is None:
+        fields["seed"] = draw_seed()
+    return SamplingParams(**fields)
