@@ -25,6 +25,8 @@ processes), the admission (the `decode.admission` hop: received → reply sent) 
     to_sample   first scheduled → first token on the host (the step's outputs)
     to_loop     → the event loop took those outputs
     to_client   → its first TokenBatch received by the client
+    to_engine   client send → engine command ran (what the first token waits for)
+    client_reply  client send → reply received (the gateway's decode_admission hop)
     ttft        client send → first TokenBatch received
 
 Prints a table (p50 / p99 over every request of every burst, median over repeats) and one JSON line.
@@ -53,7 +55,8 @@ SEGMENTS = (("nats_in", "sent", "received"), ("task", "received", "started"), ("
             ("queue_wait", "queued", "run"), ("settle", "run", "settled"), ("resume", "settled", "resumed"),
             ("reply", "resumed", "replied"), ("admission", "received", "replied"),
             ("to_schedule", "run", "scheduled"), ("to_sample", "scheduled", "sampled"), ("to_loop", "sampled", "looped"),
-            ("to_client", "looped", "first_token"), ("ttft", "sent", "first_token"))
+            ("to_client", "looped", "first_token"), ("to_engine", "sent", "run"), ("client_reply", "sent", "client_reply"),
+            ("ttft", "sent", "first_token"))
 
 
 class FakeDevice:
