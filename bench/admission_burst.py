@@ -113,6 +113,8 @@ class Probe:
         self.num_schedules = 0
         #: Engine-thread CPU seconds spent running commands (reset per burst).
         self.command_cpu_s = 0.0
+        #: ... and wall seconds (the CPU time plus waits for the GIL).
+        self.command_wall_s = 0.0
         #: Requests whose add_request ran and whose command is not settled yet (engine thread appends).
         self._ran: deque[str] = deque()
         #: Requests admitted whose first output the engine thread / the event loop has not seen yet.
@@ -171,9 +173,11 @@ class Probe:
         run_commands = engine._run_commands
 
         def probed_run_commands(block):
-            cpu_s = time.thread_time()
+            cpu_s, wall_s = time.thread_time(), time.perf_counter()
             run_commands(block)
-            self.command_cpu_s += time.thread_time() - cpu_s
+            if not block:  # an idle engine's blocking wait is not work
+                self.command_cpu_s += time.thread_time() - cpu_s
+                self.command_wall_s += time.perf_counter() - wall_s
 
         engine.call, engine._settle, engine._run_commands = probed_call, probed_settle, probed_run_commands
         add_request = core.add_request
@@ -265,7 +269,7 @@ async def measure(server, model_dir: Path, args) -> dict:
         await asyncio.sleep(0.3)  # their prompts are in; the batch decodes
         quiet_cpu_s, quiet_s = await _loop_cpu(asyncio.sleep(0.5))  # the running batch's own loop work
         client_times: dict[str, dict[str, float]] = {}
-        loop_cpu_s, bursts_s, engine_cpu_s = 0.0, 0.0, 0.0
+        loop_cpu_s, bursts_s, engine_cpu_s, engine_wall_s = 0.0, 0.0, 0.0, 0.0
         profiler = cProfile.Profile() if args.profile is not None else None
         if profiler is not None:
             profiler.enable()  # this thread only: the event loop's work
@@ -273,9 +277,10 @@ async def measure(server, model_dir: Path, args) -> dict:
             command = {"burst": burst, "n": args.burst, "prompt_len": args.prompt_len, "gateway": GATEWAY}
             client.stdin.write(json.dumps(command) + "\n")
             client.stdin.flush()
-            probe.command_cpu_s = 0.0
+            probe.command_cpu_s = probe.command_wall_s = 0.0
             (line, cpu_s, wall_s) = await _loop_cpu(_read_line(client.stdout))
-            loop_cpu_s, bursts_s, engine_cpu_s = loop_cpu_s + cpu_s, bursts_s + wall_s, engine_cpu_s + probe.command_cpu_s
+            loop_cpu_s, bursts_s = loop_cpu_s + cpu_s, bursts_s + wall_s
+            engine_cpu_s, engine_wall_s = engine_cpu_s + probe.command_cpu_s, engine_wall_s + probe.command_wall_s
             client_times.update(json.loads(line))
             await asyncio.sleep(0.1)
         if profiler is not None:
@@ -292,6 +297,7 @@ async def measure(server, model_dir: Path, args) -> dict:
     # The loop's CPU beyond the running batch's (the quiet rate over the same time), per admission.
     result["loop_cpu_us_per_admission"] = 1e6 * (loop_cpu_s - quiet_cpu_s / quiet_s * bursts_s) / num_admitted
     result["engine_command_cpu_us_per_admission"] = 1e6 * engine_cpu_s / num_admitted
+    result["engine_command_wall_us_per_admission"] = 1e6 * engine_wall_s / num_admitted
     return result
 
 
@@ -413,8 +419,8 @@ def run(args) -> dict:
             "device_us_per_token": args.device_us_per_token, "async_scheduling": not args.sync,
             "first_schedule_steps": statistics.median(r["first_schedule_steps"] for r in runs),
             "loop_cpu_us_per_admission": round(statistics.median(r["loop_cpu_us_per_admission"] for r in runs), 1),
-            "engine_command_cpu_us_per_admission": round(statistics.median(
-                r["engine_command_cpu_us_per_admission"] for r in runs), 1),
+            **{key: round(statistics.median(r[key] for r in runs), 1)
+               for key in ("engine_command_cpu_us_per_admission", "engine_command_wall_us_per_admission")},
             "segments_ms": summarize(runs)}
 
 
@@ -424,7 +430,8 @@ def print_table(result: dict) -> None:
           f"async={result['async_scheduling']}); ms, median over {result['repeats']} runs of {result['bursts']} "
           f"bursts; schedule() calls from admission to its first sampling step: {result['first_schedule_steps']:.2f}")
     print(f"event-loop CPU per admission (beyond the running batch's): {result['loop_cpu_us_per_admission']} µs; "
-          f"engine-thread CPU running commands per admission: {result['engine_command_cpu_us_per_admission']} µs")
+          f"engine thread running commands, per admission: {result['engine_command_cpu_us_per_admission']} µs CPU, "
+          f"{result['engine_command_wall_us_per_admission']} µs wall")
     print(f"{'segment':<12} {'p50':>8} {'p99':>8}")
     for name, value in result["segments_ms"].items():
         print(f"{name:<12} {value['p50']:>8.2f} {value['p99']:>8.2f}")

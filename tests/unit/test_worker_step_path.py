@@ -4,7 +4,6 @@ in order behind one wakeup, and the load numbers are replaced only when they cha
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
 from types import SimpleNamespace
 
@@ -100,29 +99,6 @@ async def test_a_drain_past_its_deadline_cancels_the_waiting_coroutine():
     run_eagerly(tasks, waits_forever())
     assert not await tasks.drain(0.05)
     assert seen == ["cancelled"] and len(tasks) == 0
-
-
-async def test_in_its_own_context_a_coroutine_sets_and_resets_variables_without_leaking_them():
-    tasks, seen = BackgroundTasks("t"), []
-    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-    futures = [asyncio.get_running_loop().create_future() for _ in range(2)]
-
-    async def admit(name: str, future: asyncio.Future[None]) -> None:
-        token = request_id.set(name)
-        seen.append(("queued", name))
-        await future
-        seen.append(("resumed", request_id.get()))
-        request_id.reset(token)  # in the context that set it: no ValueError
-
-    for name, future in zip(("a", "b"), futures, strict=True):
-        run_eagerly(tasks, admit(name, future), context=contextvars.copy_context())
-        assert request_id.get() == "-"  # nothing leaked into the caller
-    assert seen == [("queued", "a"), ("queued", "b")]  # each ran to its first wait before run_eagerly returned
-    for future in reversed(futures):
-        future.set_result(None)
-    assert await tasks.drain(2.0)
-    assert sorted(seen[2:]) == [("resumed", "a"), ("resumed", "b")]  # each read its own value
-    assert tasks.num_failed == 0
 
 
 # -- EngineLoop ---------------------------------------------------------------------------------------------------

@@ -7,17 +7,11 @@ costs a Task and one more turn of the loop (another epoll call, another GIL hand
 for nothing:
 
     run_eagerly(tasks, bus.publish(subject, payload))   # done here, or held by `tasks` if it suspended
-
-A coroutine that sets context variables (a request's log context, its current span) runs in a context of its
-own (`context=contextvars.copy_context()`): every step of it runs there, the eager first one included, so
-nothing it sets leaks into the caller and a variable it sets before waiting is reset in the same context after.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -27,24 +21,21 @@ from deepinfer.tasks import BackgroundTasks
 log = logging.getLogger(__name__)
 
 
-def run_eagerly(tasks: BackgroundTasks, coro: Coroutine[Any, Any, Any], name: str | None = None,
-                context: contextvars.Context | None = None) -> None:
+def run_eagerly(tasks: BackgroundTasks, coro: Coroutine[Any, Any, Any], name: str | None = None) -> None:
     """Run `coro` up to its first suspension now; the rest (if any) runs as a task held by `tasks`. A failure
-    is logged and counted like a background task's, never raised to the caller. With `context`, every step of
-    `coro` runs in it (see the module docstring)."""
-    send = coro.send if context is None else functools.partial(context.run, coro.send)
+    is logged and counted like a background task's, never raised to the caller."""
     try:
-        waiting_on = send(None)
+        waiting_on = coro.send(None)
     except StopIteration:
         return
     except Exception as exc:
         tasks.num_failed += 1
         log.error("%s: %s failed: %s", tasks.owner, name or coro.__qualname__, exc, exc_info=exc)
         return
-    tasks.spawn(_resume(coro, waiting_on, context), name=name)
+    tasks.spawn(_resume(coro, waiting_on), name=name)
 
 
-async def _resume(coro: Coroutine[Any, Any, Any], waiting_on: Any, context: contextvars.Context | None) -> Any:
+async def _resume(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Any:
     """Drive a started coroutine as a Task would: wait for the future it yielded (None: a bare yield), then
     resume it (it reads the future's result or error itself); a cancellation of this task is thrown into it."""
     while True:
@@ -59,8 +50,7 @@ async def _resume(coro: Coroutine[Any, Any, Any], waiting_on: Any, context: cont
             cancelled = exc
         except Exception:  # noqa: S110 - the coroutine gets it from the future when resumed
             pass
-        step, value = (coro.throw, cancelled) if cancelled is not None else (coro.send, None)
         try:
-            waiting_on = step(value) if context is None else context.run(step, value)
+            waiting_on = coro.throw(cancelled) if cancelled is not None else coro.send(None)
         except StopIteration as stop:
             return stop.value

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import gc
 import logging
 import time
@@ -259,11 +258,7 @@ class WorkerRuntime:
     ) -> None:
         """Answer one request on its own task (a subscription's handlers run one at a time, and a prefill or a
         KV pull must not hold up the next): reply `answer()`, or `on_failure(error)` if it raised, so the
-        gateway is never left waiting. The whole is the hop `hop` (a span in the sender's trace).
-
-        The answer starts at once, in this turn of the loop and a context of its own (`run_eagerly`), and
-        becomes a task where it first waits: of a burst of requests, each one's engine command is queued before
-        the next message is even decoded, not after the whole burst has been dispatched."""
+        gateway is never left waiting. The whole is the hop `hop` (a span in the sender's trace)."""
 
         async def run() -> None:
             with request_context(request_id), self.hops.span(hop, request_id=request_id):
@@ -274,7 +269,7 @@ class WorkerRuntime:
                     reply = on_failure(error_detail(exc, f"{self.role.value} {hop} failed"))
                 await self.bus.reply(msg, reply)
 
-        run_eagerly(self.tasks, run(), name=f"{hop}-{request_id}", context=contextvars.copy_context())
+        self.tasks.spawn(run(), name=f"{hop}-{request_id}")
 
     async def flush(self, timeout_s: float) -> None:
         """Wait for background work (the last token batch, Release, KV-event publish) up to `timeout_s`."""
