@@ -184,6 +184,35 @@ async def test_the_load_is_replaced_only_when_a_number_changes(changed):
     await engine.stop()
 
 
+async def test_commands_queued_together_are_answered_behind_one_wakeup_in_order():
+    loop = asyncio.get_running_loop()
+    core, wakeups, after = CountingCore(num_steps=0), [], []
+    engine = EngineLoop(core, loop, lambda outputs, events, seq: None)
+    engine._loop = SimpleNamespace(create_future=loop.create_future, call_soon_threadsafe=lambda fn, *args: (
+        wakeups.append(fn), loop.call_soon_threadsafe(fn, *args)))
+    engine.after_command = lambda: after.append(engine.stats.num_waiting)
+    ran = []
+
+    def command(k: int):
+        def run(c):
+            ran.append(k)
+            c.scheduler.num_waiting = k
+            if k == 3:
+                raise ValueError("bad request 3")
+            return k * 10
+        return run
+
+    calls = [asyncio.ensure_future(engine.call(command(k))) for k in range(8)]
+    await asyncio.sleep(0)  # all 8 queued before the engine thread starts: it takes them in one drain
+    engine.start()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert ran == list(range(8))
+    assert [r if isinstance(r, int) else str(r) for r in results] == [0, 10, 20, "bad request 3", 40, 50, 60, 70]
+    assert wakeups == [engine._settle]
+    assert after == [7]  # the load-change check once, with the load the last command left
+    await engine.stop()
+
+
 # -- KV event batches as wire bytes ---------------------------------------------------------------------------
 
 

@@ -161,26 +161,34 @@ class EngineLoop:
                 log.exception("handling the outputs of an engine step failed")
 
     def _run_commands(self, block: bool) -> None:
+        """Run every queued command (those queued meanwhile too), then hand all their outcomes to the event loop
+        in one wakeup: a burst of admissions costs one self-pipe write and one GIL handoff, not one each (each
+        handoff let the loop run until its next syscall or the switch interval, with the engine waiting)."""
         try:
             item = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        while item is not None:
-            fn, future = item
-            try:
-                settle, outcome = _set_result, fn(self.core)
-            except Exception as exc:
-                settle, outcome = _set_exception, exc
-            self._update_load()  # the caller resumes with the load its command made
-            self._loop.call_soon_threadsafe(self._settle, settle, future, outcome)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        settled: list[tuple[Callable[[asyncio.Future[Any], Any], None], asyncio.Future[Any], Any]] = []
+        try:
+            while item is not None:
+                fn, future = item
+                try:
+                    settled.append((_set_result, future, fn(self.core)))
+                except Exception as exc:
+                    settled.append((_set_exception, future, exc))
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+        finally:  # even past a fatal error: the commands that ran are answered
+            self._update_load()  # the callers resume with the load their commands made
+            if settled:
+                self._loop.call_soon_threadsafe(self._settle, settled)
 
-    def _settle(self, settle: Callable[[asyncio.Future[Any], Any], None], future: asyncio.Future[Any],
-                outcome: Any) -> None:
-        settle(future, outcome)
+    def _settle(self, settled: list[tuple[Callable[[asyncio.Future[Any], Any], None], asyncio.Future[Any],
+                                          Any]]) -> None:
+        for settle, future, outcome in settled:
+            settle(future, outcome)
         if self.after_command is not None:
             self.after_command()
 

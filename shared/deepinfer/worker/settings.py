@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import random
+import secrets
+
 from deepinfer.config import WorkerSettings
 from deepinfer.engine.args import EngineArgs
 from deepinfer.protocol import SamplingParams as WireSamplingParams
@@ -36,6 +40,18 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
     )
 
 
+#: Seeds of requests that set none. A generator seeded once from the OS, not `secrets` per request: that is a
+#: getrandom syscall, and a syscall releases the GIL, which a busy worker's other thread then holds for up to the
+#: switch interval. Reseeded in a forked child, so two processes never draw the same seeds.
+_seeds = random.Random(secrets.randbits(128))
+os.register_at_fork(after_in_child=lambda: _seeds.seed(secrets.randbits(128)))
+
+
 def engine_sampling(wire: WireSamplingParams) -> SamplingParams:
-    """The engine's SamplingParams from the wire message (same field names, validated again here)."""
-    return SamplingParams(**wire.model_dump(exclude={"v"}))
+    """The engine's SamplingParams from the wire message (same field names, validated again here), with a seed
+    drawn here when the request set none: the engine would otherwise draw it and clone (and validate again) the
+    params on its thread, in series with the device, once per admitted request."""
+    fields = wire.model_dump(exclude={"v"})
+    if fields.get("seed") is None:
+        fields["seed"] = _seeds.getrandbits(63)
+    return SamplingParams(**fields)
