@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,8 @@ from deepinfer.tokenizer import Tokenizer  # noqa: E402
 MODEL = "bench"
 TOPICS = ["the ocean", "volcanoes", "the moon", "bees", "rivers", "deserts", "glaciers", "owls"]
 HOPS = ("tokenize", "route", "decode_admission")
+#: An SSE event carrying text (not the opening's empty content).
+CONTENT = re.compile(rb'"content":"[^"]')
 
 
 def prompt(i: int) -> list[dict[str, str]]:
@@ -73,7 +76,7 @@ async def read_stream(reader: asyncio.StreamReader, sent_s: float) -> float:
     while True:
         size = int((await reader.readuntil(b"\r\n")).strip(), 16)
         data = await reader.readexactly(size + 2)
-        if first_s is None and b'"content":"' in data and b'"content":""' not in data:
+        if first_s is None and CONTENT.search(data):
             first_s = time.perf_counter() - sent_s
         if size == 0:
             if first_s is None:
