@@ -124,8 +124,9 @@ def metric_sums(port: int) -> dict[str, tuple[float, float]]:
 class Rig:
     """nats-server, the stand-in workers and one gateway process."""
 
-    def __init__(self, gateway_root: Path, step_ms: float, log_dir: Path) -> None:
+    def __init__(self, gateway_root: Path, step_ms: float, log_dir: Path, extra_path: str = "") -> None:
         self.gateway_root, self.step_ms, self.log_dir = gateway_root, step_ms, log_dir
+        self.extra_path = extra_path
         self.nats = NatsServer()
         self.procs: list[subprocess.Popen] = []
 
@@ -134,7 +135,8 @@ class Rig:
         self.nats.start()
         model_dir = resolve_model(None, CommonSettings().model_cache_dir, False)
         token_ids = Tokenizer.from_dir(model_dir).encode(" the quick brown fox jumps over a lazy dog" * 4)
-        env = {**os.environ, "PYTHONPATH": f"{self.gateway_root / 'shared'}:{self.gateway_root}"}
+        extra = f":{self.extra_path}" if self.extra_path else ""
+        env = {**os.environ, "PYTHONPATH": f"{self.gateway_root / 'shared'}:{self.gateway_root}{extra}"}
         workers = subprocess.Popen(
             [sys.executable, str(ROOT / "bench/gateway_burst_workers.py"), self.nats.url, self.nats.token, MODEL,
              str(self.step_ms), ",".join(map(str, token_ids))], stdout=subprocess.PIPE, env=env, text=True)
@@ -204,7 +206,7 @@ async def measure_bursts(rig: Rig, n: int, rounds: int, max_tokens: int) -> dict
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the rig, measure every burst size, then streaming; stop the rig."""
-    rig = Rig(args.gateway_root.resolve(), args.step_ms, args.log_dir)
+    rig = Rig(args.gateway_root.resolve(), args.step_ms, args.log_dir, args.extra_path)
     rig.start()
     try:
         bursts = [await measure_bursts(rig, n, args.rounds, 1) for n in args.bursts]
@@ -217,7 +219,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stream["cpu_us_per_token"] = round((per_request - start_us) / (args.stream_tokens - 1), 2)
     finally:
         rig.stop()
-    return {"bench": "gateway_burst", "gateway_root": str(args.gateway_root), "step_ms": args.step_ms,
+    return {"bench": "gateway_burst", "gateway_root": str(args.gateway_root), "extra_path": args.extra_path,
+            "step_ms": args.step_ms,
             "bursts": bursts, "stream": stream}
 
 
@@ -246,6 +249,8 @@ def main() -> int:
     parser.add_argument("--stream-tokens", type=int, default=256, help="0: no streaming run")
     parser.add_argument("--step-ms", type=float, default=5.0, help="the stand-in decode worker's step")
     parser.add_argument("--gateway-root", type=Path, default=ROOT, help="a checkout whose gateway code runs")
+    parser.add_argument("--extra-path", default="", help="appended to the processes' PYTHONPATH (e.g. a dir with "
+                        "httptools, which uvicorn then uses instead of h11)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
