@@ -218,7 +218,8 @@ class Routes:
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
         request_id = f"{presenter.id_prefix}{uuid.uuid4().hex}"
         attributes = {"request_id": request_id, "route": presenter.route}
-        client_request_id = getattr(request.state, "client_request_id", None)
+        # scope["state"] is what request.state wraps; read as a dict, a missing key is no AttributeError raised
+        client_request_id = _scope_state(request).get("client_request_id")
         if client_request_id is not None:
             attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
@@ -268,7 +269,7 @@ class Routes:
         state = self.state
         if not state.accepting:
             raise overloaded("the server is shutting down", state.settings.retry_after_s)
-        tenant = getattr(request.state, "tenant", None)
+        tenant = _scope_state(request).get("tenant")
         if state.limits:
             state.limits.check_requests(tenant or "")  # before the body is read: a flood costs nothing more
         data, body_bytes = await read_json_sized(request, int(state.settings.max_request_bytes))
@@ -317,6 +318,11 @@ class Routes:
             rules=rules,
         )
         return body.stream, generation
+
+
+def _scope_state(request: Request) -> dict[str, Any]:
+    """What the middlewares put in the request's state (`request.state` is a view of this dict)."""
+    return request.scope.get("state") or {}
 
 
 async def off_loop_if(slow: bool, fn: Callable[..., T], *args: Any) -> T:

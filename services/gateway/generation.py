@@ -75,6 +75,8 @@ class Generation:
 
 async def start_choices(pipeline: RequestPipeline, requests: list[GenerateRequest]) -> list[RunningRequest]:
     """Start every choice; if one fails, cancel those that started and raise its error."""
+    if len(requests) == 1:  # the usual case: no task per choice, no extra turn of the loop
+        return [await pipeline.start(requests[0])]
     results = await asyncio.gather(*(pipeline.start(r) for r in requests), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
