@@ -219,7 +219,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stream["cpu_us_per_token"] = round((per_request - start_us) / (args.stream_tokens - 1), 2)
     finally:
         rig.stop()
-    return {"bench": "gateway_burst", "gateway_root": str(args.gateway_root), "extra_path": args.extra_path,
+    return {"bench": "gateway_burst", "label": args.label, "gateway_root": str(args.gateway_root),
+            "extra_path": args.extra_path,
             "step_ms": args.step_ms,
             "bursts": bursts, "stream": stream}
 
@@ -252,6 +253,7 @@ def main() -> int:
     parser.add_argument("--extra-path", default="", help="appended to the processes' PYTHONPATH (e.g. a dir with "
                         "httptools, which uvicorn then uses instead of h11)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--label", default="", help="a name for the run in the JSON line")
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
     result = asyncio.run(run(args))
