@@ -14,12 +14,13 @@ the internal port.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic_core
 from fastapi import FastAPI, Request
@@ -54,11 +55,26 @@ from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
 from services.gateway.recipe import ModelInfo, check_model, sampling_params, split_choices
+from services.gateway.structured import compiles_grammar
 from services.gateway.tokenizer_routes import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+#: Request bodies up to this size are templated and tokenized on the event loop (~1 µs per token: a 4 KiB body
+#: is ~1k tokens, ~1 ms of CPU); larger ones in a worker thread, so a 100k-token prompt never blocks the loop.
+INLINE_PROMPT_BYTES = 4096
+
+T = TypeVar("T")
+
+#: FastAPI's own OpenTelemetry (0.165 on): the gateway traces its requests itself (gateway.request and its hops),
+#: and FastAPI's check whether a global provider is set (three provider look-ups reading os.environ) cost every
+#: request ~2% of the gateway's CPU under a burst for spans it never made (deepinfer sets no global provider).
+_NO_FASTAPI_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
+)
 
 
 @dataclass
@@ -103,6 +119,11 @@ class SseResponse(StreamingResponse):
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object: 413 over `max_bytes` (checked while reading), 400 if not JSON."""
+    return (await read_json_sized(request, max_bytes))[0]
+
+
+async def read_json_sized(request: Request, max_bytes: int) -> tuple[dict[str, Any], int]:
+    """`read_json`, and the body's size in bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large(max_bytes)
@@ -119,7 +140,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
-    return data
+    return data, len(body)
 
 
 class Routes:
@@ -197,7 +218,8 @@ class Routes:
         deadline_s = time.monotonic() + self.state.settings.request_timeout_s
         request_id = f"{presenter.id_prefix}{uuid.uuid4().hex}"
         attributes = {"request_id": request_id, "route": presenter.route}
-        client_request_id = getattr(request.state, "client_request_id", None)
+        # scope["state"] is what request.state wraps; read as a dict, a missing key is no AttributeError raised
+        client_request_id = _scope_state(request).get("client_request_id")
         if client_request_id is not None:
             attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
@@ -247,21 +269,23 @@ class Routes:
         state = self.state
         if not state.accepting:
             raise overloaded("the server is shutting down", state.settings.retry_after_s)
-        tenant = getattr(request.state, "tenant", None)
+        tenant = _scope_state(request).get("tenant")
         if state.limits:
             state.limits.check_requests(tenant or "")  # before the body is read: a flood costs nothing more
-        data = await read_json(request, int(state.settings.max_request_bytes))
+        data, body_bytes = await read_json_sized(request, int(state.settings.max_request_bytes))
         body = presenter.parse(data)
         check_model(state.model, body.model)
         presenter.check(state.model, body, state.settings)
         with state.hops.span("tokenize"):
-            prompt_token_ids = await asyncio.to_thread(presenter.prompt_token_ids, state.model, body)
+            prompt_token_ids = await off_loop_if(
+                body_bytes > INLINE_PROMPT_BYTES, presenter.prompt_token_ids, state.model, body
+            )
         logprobs = presenter.logprobs(body)
         sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
         rules = None
         if any(getattr(body, name, None) is not None for name in ("response_format", "tools", "tool_choice")):
             with state.hops.span("grammar"):
-                rules = await asyncio.to_thread(presenter.output_rules, state.model, body)
+                rules = await off_loop_if(compiles_grammar(body), presenter.output_rules, state.model, body)
         if rules is not None:
             sampling = rules.apply(sampling)
         if state.limits:
@@ -296,6 +320,20 @@ class Routes:
         return body.stream, generation
 
 
+def _scope_state(request: Request) -> dict[str, Any]:
+    """What the middlewares put in the request's state (`request.state` is a view of this dict)."""
+    return request.scope.get("state") or {}
+
+
+async def off_loop_if(slow: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread when `slow`, else right here on the event loop: for a short prompt the thread
+    hop (a queue, a self-pipe wakeup, GIL hand-offs behind a busy loop) costs more than the work, and under a burst
+    each hop waits behind every other request's."""
+    if slow:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 def _with_headers(response: Response, headers: dict[str, str]) -> Response:
     """`response` with `headers` added (those it set itself, e.g. a 429's x-ratelimit-*, win)."""
     for name, value in headers.items():
@@ -319,7 +357,7 @@ def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(state: ApiState) -> FastAPI:
     """The API app over `state` (FastAPI's docs routes are off: the API surface is OpenAI's)."""
     routes = Routes(state)
-    app = FastAPI(title="DeepInfer gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="DeepInfer gateway", docs_url=None, redoc_url=None, openapi_url=None, **_NO_FASTAPI_TELEMETRY)
     app.state.api = state
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])

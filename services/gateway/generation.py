@@ -75,6 +75,8 @@ class Generation:
 
 async def start_choices(pipeline: RequestPipeline, requests: list[GenerateRequest]) -> list[RunningRequest]:
     """Start every choice; if one fails, cancel those that started and raise its error."""
+    if len(requests) == 1:  # the usual case: no task per choice, no extra turn of the loop
+        return [await pipeline.start(requests[0])]
     results = await asyncio.gather(*(pipeline.start(r) for r in requests), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
@@ -147,21 +149,26 @@ async def collect(generation: Generation) -> dict[str, Any] | None:
 
 
 async def stream_events(generation: Generation) -> AsyncIterator[str]:
-    """The presenter's SSE events: opening, one per delta, closing. A failure after the stream started is the
-    presenter's error events (OpenAI: `data: {"error": ...}` then [DONE])."""
+    """The presenter's SSE events: opening, those of each delta, closing; each item one body write (a socket send
+    and an ASGI send through every middleware): the opening goes with the first delta's events, and the closing
+    events (usage, [DONE]) in one. A failure after the stream started is the presenter's error events (OpenAI:
+    `data: {"error": ...}` then [DONE])."""
     status = 200
     formatter = generation.presenter.stream(generation)
     ending: list[str] = []
     write = _sse_writes(generation)
+    pending = ""  # the opening, until the first delta's events carry it
     try:
-        for event in formatter.opening():
-            yield event
+        pending = "".join(formatter.opening())
         async for delta in merged_deltas(generation):
             if delta.text:
                 generation.record.first_token()
-            for event in formatter.delta(delta):
+            events = formatter.delta(delta)
+            if events:
+                text = pending + "".join(events) if pending or len(events) > 1 else events[0]
+                pending = ""
                 started_s = time.monotonic()
-                yield event
+                yield text
                 write(started_s)
         ending = formatter.closing()
     except ApiError as exc:
@@ -176,8 +183,8 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
         ending = formatter.error(internal(generation.response_id))
     finally:
         generation.end(status)
-    for event in ending:
-        yield event
+    if pending or ending:
+        yield pending + "".join(ending)
 
 
 def _sse_writes(generation: Generation) -> Callable[[float], None]:

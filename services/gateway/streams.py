@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscription
@@ -16,12 +17,60 @@ from deepinfer.protocol import TokenBatch, TokenChunk
 logger = logging.getLogger(__name__)
 
 
+class ChunkQueue:
+    """One consumer's FIFO of chunks: asyncio.Queue's put_nowait / get_nowait / empty / qsize, and `wait` for the
+    next one with a timeout that costs one future and one timer (`asyncio.wait_for(queue.get(), t)` made a task
+    per call: per token per stream when the gateway keeps up)."""
+
+    def __init__(self) -> None:
+        self._items: deque[TokenChunk] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, chunk: TokenChunk) -> None:
+        """Queue `chunk` and wake the waiting consumer."""
+        self._items.append(chunk)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> TokenChunk:
+        """The oldest chunk (IndexError when empty)."""
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        """Whether no chunk is queued."""
+        return not self._items
+
+    def qsize(self) -> int:
+        """How many chunks are queued."""
+        return len(self._items)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until a chunk is queued (True) or `timeout_s` passed without one (False)."""
+        if self._items:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        return bool(self._items)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class RequestStream:
     """The TokenChunks of one request, in arrival order; close it when the request ends."""
 
     def __init__(self, owner: TokenStreams, request_id: str, num_previous_tokens: int | None = None) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self.queue = ChunkQueue()
         #: The output position the next chunk must start at (None: not checked until a chunk says).
         self.next_position = num_previous_tokens
         #: Why the chunks stopped being usable (a gap: a chunk lost in transit); later chunks are dropped.
@@ -53,13 +102,10 @@ class RequestStream:
         if self.queue.empty():
             if self.broken is not None:
                 return None
-            try:
-                first = await asyncio.wait_for(self.queue.get(), timeout_s)
-            except TimeoutError:
+            if not await self.queue.wait(timeout_s):
                 return None
-        else:  # chunks arrive a step's worth at a time: most gets need no timer
-            first = self.queue.get_nowait()
-        chunk = first
+        # chunks arrive a step's worth at a time: most gets need no timer
+        chunk = self.queue.get_nowait()
         while not self.queue.empty() and chunk.finish_reason is None and chunk.error is None:
             chunk = merge_chunks(chunk, self.queue.get_nowait())
         return chunk

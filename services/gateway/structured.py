@@ -54,6 +54,16 @@ class OutputRules:
         return None if self.grammar is None else model.grammars.matcher(self.grammar)
 
 
+def compiles_grammar(body: Any) -> bool:
+    """Whether `output_rules(model, body)` compiles a grammar (CPU work worth a thread): a JSON response_format or a
+    forced tool choice. The other cases (text, tools with auto or none) are a few dict lookups."""
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        return True
+    choice = getattr(body, "tool_choice", None)
+    return choice == "required" or isinstance(choice, NamedToolChoice)
+
+
 def output_rules(model: ModelInfo, body: ChatCompletionRequest | CompletionRequest) -> OutputRules | None:
     """The request's rules; ApiError (400, `param` named) for a schema or tool choice that cannot be enforced.
     Completions have response_format only."""

@@ -226,6 +226,25 @@ async def test_token_streams_demultiplex_one_subject():
     assert streams.num_open == 1
 
 
+async def test_a_waiting_get_wakes_on_the_next_chunk_and_leaves_no_timer_behind():
+    streams = TokenStreams(FakeBus(), MODEL, "gw-1")
+    stream = streams.open("r")
+    waiting = asyncio.create_task(stream.get(5.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    started = time.monotonic()
+    await streams.on_batch(TokenBatch(worker_id="d", step=0, chunks=[TokenChunk(request_id="r", token_ids=[4])]))
+    assert (await waiting).token_ids == [4] and time.monotonic() - started < 1.0
+    assert await stream.get(0.02) is None  # the first wait's 5 s timer is gone; this one expires on its own
+    cancelled = asyncio.create_task(stream.get(5.0))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await streams.on_batch(TokenBatch(worker_id="d", step=1, chunks=[TokenChunk(request_id="r", token_ids=[5])]))
+    assert (await stream.get(0.5)).token_ids == [5]  # a cancelled wait loses nothing
+
+
 async def test_a_lagging_stream_gets_every_queued_step_as_one_chunk():
     from deepinfer.protocol import ErrorCode, ErrorDetail, FinishReason, TokenLogprobs
 
