@@ -224,3 +224,21 @@ def test_the_worker_metrics_report_host_tier_hit_ages(tiny_dir, block_bytes):
     assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
     assert registry.get_sample_value("deepinfer_worker_host_tier_offload_seconds_count") > 0
     assert not core.host_tier.pool.hit_ages  # taken by the metrics
+
+
+def test_offloads_wait_for_a_batch_or_an_age_or_the_engine_going_idle(tiny_dir, block_bytes):
+    """(CUDA's batching, set on the CPU): blocks cached by a step wait until 8 are pending, 3 steps have passed,
+    or nothing is left to run; then one copy takes them all."""
+    core = engine(tiny_dir, block_bytes)
+    tier = core.host_tier
+    tier.offload_batch_blocks, tier.offload_max_steps = 8, 3
+    core.add_request("o", OTHER, GREEDY.clone(max_tokens=12))  # 8 tokens: 2 blocks cached by the first step
+    offloaded = []
+    for _ in range(4):
+        core.step()
+        offloaded.append(tier.stats.offloaded_blocks)
+    assert offloaded[:2] == [0, 0]  # pending: 2 blocks, under the batch
+    assert offloaded[2] >= 2  # three steps old: copied
+    core.add_request("p", P, GREEDY)  # 4 full blocks in its first step
+    run(core)  # the last step, with nothing left to run, flushes what waits
+    assert tier.stats.offloaded_blocks >= 2 + 4 and not tier._pending

@@ -240,7 +240,7 @@ class EngineCore:
             updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
             outputs = _engine_outputs(updates, sampled)
         if host_tier is not None:
-            host_tier.offload()
+            host_tier.offload(flush=not self.scheduler.has_unfinished_requests())
         return outputs
 
     def _step_async(self) -> list[EngineOutput]:

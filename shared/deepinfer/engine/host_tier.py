@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 
 #: Device staging buffer of the copy stream (blocks per gather / scatter round).
 STAGING_BYTES = 64 << 20
+#: On CUDA an offload waits for this many newly cached blocks, or OFFLOAD_MAX_STEPS steps, or the engine going
+#: idle, whichever comes first: its launches (an index upload, a gather per layer, a copy per run of slots, an
+#: event) are paid once per batch, not at every step that completes a block (the engine thread's time, in series
+#: with the device at small steps). A block waiting is not held: one evicted meanwhile is not offloaded.
+OFFLOAD_BATCH_BLOCKS = 32
+OFFLOAD_MAX_STEPS = 8
 
 
 @dataclass
@@ -93,6 +99,11 @@ class HostTier:
             self._staging_typed = self._typed(self._staging)
         self._offloads: deque[_Copy] = deque()
         self._loads: dict[str, _Copy] = {}
+        #: Newly cached blocks not offloaded yet, and the steps they have waited (CPU: offloaded at once).
+        self._pending: list[tuple[KVCacheBlock, bytes]] = []
+        self._pending_steps = 0
+        self.offload_batch_blocks, self.offload_max_steps = (OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS) if self.cuda \
+            else (1, 1)
         self.stats = HostTierStats()
         block_pool.track_cached = True
 
@@ -173,9 +184,18 @@ class HostTier:
             self.stats.failed_loads += 1
 
     # -- offloads -----------------------------------------------------------------------------------------------
-    def offload(self) -> None:
-        """After a step: copy the blocks that entered the device prefix cache (and are not held here) to host."""
-        newly_cached, self.block_pool.newly_cached = self.block_pool.newly_cached, []
+    def offload(self, flush: bool = False) -> None:
+        """After a step: copy the blocks that entered the device prefix cache (and are not held here) to host,
+        in batches (OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS); `flush`: now (the engine has nothing left to run)."""
+        self._pending += self.block_pool.newly_cached
+        self.block_pool.newly_cached = []
+        if not self._pending:
+            return
+        self._pending_steps += 1
+        if not flush and len(self._pending) < self.offload_batch_blocks and \
+                self._pending_steps < self.offload_max_steps:
+            return
+        newly_cached, self._pending, self._pending_steps = self._pending, [], 0
         blocks, slots = [], []
         for i, (block, block_hash) in enumerate(newly_cached):
             if block.block_hash != block_hash or block_hash in self.pool:
