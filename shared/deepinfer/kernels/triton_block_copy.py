@@ -80,16 +80,16 @@ def scatter_blocks(
 def _launch(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, rows: torch.Tensor,
             table: LayerTable | None, to_rows: bool) -> None:
     first = check_rows(kv_caches, block_ids, rows)
-    if table is None:
-        table = layer_table(kv_caches)
-    elif table.data_ptrs != tuple(kv.data_ptr() for kv in kv_caches) or table.offsets.device != first.device:
+    assert block_ids.is_contiguous(), "block_ids must be contiguous"
+    if table is not None and (table.data_ptrs != tuple(kv.data_ptr() for kv in kv_caches)
+                              or table.offsets.device != first.device):
         raise ValueError("the LayerTable was built for other caches")
     num_blocks = block_ids.shape[0]
     if num_blocks == 0:
         return
+    table = table if table is not None else layer_table(kv_caches)
     itemsize = first.element_size()
     words = _WORDS[itemsize]
-    assert block_ids.is_contiguous(), "block_ids must be contiguous"
     num_planes, plane_stride, block_stride, part = block_part(first)
     tile = min(TILE_BYTES // itemsize, triton.next_power_of_2(part))
     num_tiles = triton.cdiv(part, tile)
