@@ -1,8 +1,11 @@
-"""Host-tier copy GB/s on a GPU: HostTier's load (pinned slots → device staging → index_copy_ per layer) and
-offload (gather per layer → staging → pinned slots) of batches of blocks, beside a pinned `copy_` of the same
-bytes as one tensor, in the same run. Prints "no CUDA" and exits 0 without one.
+"""Host-tier copy GB/s on a GPU: HostTier's load (pinned slots → device staging → one scatter of every layer) and
+offload (one gather of every layer → staging → pinned slots) of batches of blocks, beside a pinned `copy_` of the
+same bytes as one tensor, in the same run. Prints "no CUDA" and exits 0 without one.
 
-    PYTHONPATH=shared:. python bench/host_tier_copy.py [--blocks 16 64 256] [--reps 10] [--out NAME.json]
+    PYTHONPATH=shared:. python bench/host_tier_copy.py [--blocks 16 64 256] [--reps 10] [--ops torch] [--out NAME.json]
+
+--ops torch times the torch twins of the block copies (one index_select / index_copy_ per layer, the copies before
+the Triton block copies) instead of the Triton kernels.
 
 Shape: llama-8b's KV (32 layers × K,V × 16 tokens × 8 KV heads × 128 × bf16 = 2 MiB per block). Device blocks and
 host slots are drawn at random (scattered, as in a running pool). Each figure is the median of --reps, timed from
@@ -48,6 +51,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--device-blocks", type=int, default=1024)
+    parser.add_argument("--ops", choices=["triton", "torch"], default="triton",
+                        help="the block copies: Triton kernels (one launch) or the torch twins (per layer)")
     parser.add_argument("--out", default=None, help="file name under bench/results/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -55,12 +60,14 @@ def main() -> int:
         return 0
     from deepinfer.engine.block_pool import BlockPool
     from deepinfer.engine.host_tier import HostTier
+    from deepinfer.kernels import get_ops
 
     device = torch.device("cuda")
     shape = (2, args.device_blocks, 16, 8, 128)
     kv_caches = [torch.randn(shape, dtype=torch.bfloat16, device=device) for _ in range(args.layers)]
     num_slots = max(args.blocks) * 2
-    tier = HostTier(kv_caches, num_slots, BlockPool(args.device_blocks, enable_kv_events=False))
+    ops = get_ops("cuda" if args.ops == "triton" else "cpu")  # "cpu": the torch twins (they run on any device)
+    tier = HostTier(kv_caches, num_slots, BlockPool(args.device_blocks, enable_kv_events=False), ops=ops)
     nbytes = tier.block_nbytes
     rng = random.Random(0)
     rows = [_row(tier, n, args.device_blocks, num_slots, args.reps, rng) for n in args.blocks]
@@ -71,7 +78,8 @@ def main() -> int:
               f"{r['load / pinned h2d']:>6} {r['offload GB/s']:>8} {r['pinned d2h GB/s']:>8} "
               f"{r['offload / pinned d2h']:>6}")
     result = {"bench": "host_tier_copy", "device": torch.cuda.get_device_name(), "block_nbytes": nbytes,
-              "layers": args.layers, "reps": args.reps, "rows": rows}
+              "layers": args.layers, "reps": args.reps, "block_copies": tier.ops.implementations()["gather_blocks"],
+              "rows": rows}
     print(json.dumps(result))
     if args.out:
         RESULTS_DIR.mkdir(exist_ok=True)

@@ -1,10 +1,12 @@
 """The host-memory KV tier on CUDA (copy stream, pinned slots, events): a prompt evicted from a small device pool
 comes back from the host tier with the tokens of a recompute, sync and async scheduling; no device block is handed
-out again while an offload still copies from it."""
+out again while an offload still copies from it; its copies (the one-launch Triton block copies, in staging
+chunks) move export_blocks' payload bytes exactly, both cache layouts, bf16 and fp32."""
 
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,46 @@ def test_bf16_a_host_load_gives_the_text_of_a_device_prefix_hit(model_dir):
     loaded, first_out = send(core, "p")
     assert (first_out.num_cached_tokens, first_out.num_host_cached_tokens) == (96, 96)
     assert loaded == hit
+
+
+def random_bits(shape, dtype, generator):
+    """A CUDA tensor of random bytes seen as dtype (NaN patterns included: the copies move bytes, not values)."""
+    numel = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel,), dtype=torch.uint8, device="cuda", generator=generator).view(dtype).view(
+        shape)
+
+
+def block_bytes(kv, block_id):
+    """One block's bytes of a K/V [2, NB, ...] or latent [NB, ...] cache (a view)."""
+    return (kv[:, block_id] if kv.dim() == 5 else kv[block_id]).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 64, 16, 2, 64), (64, 16, 576)], ids=["kv", "latent"])
+def test_the_tier_copies_move_the_payload_bytes_through_the_triton_kernels(monkeypatch, shape, dtype):
+    from deepinfer.engine import host_tier
+    from deepinfer.engine.block_pool import BlockPool
+    from deepinfer.engine.kv_transfer import block_nbytes, export_blocks, import_blocks
+    from deepinfer.kernels import triton_block_copy
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    kv_caches = [random_bits(shape, dtype, generator) for _ in range(4)]
+    padding_block = [block_bytes(kv, 0).clone() for kv in kv_caches]
+    monkeypatch.setattr(host_tier, "STAGING_BYTES", 7 * block_nbytes(kv_caches))  # chunks of 7 blocks
+    tier = host_tier.HostTier(kv_caches, 48, BlockPool(64, enable_kv_events=False))
+    assert tier.ops.gather_blocks is triton_block_copy.gather_blocks and tier._staging.shape[0] == 7
+    # the warm-up copied block 0 (padding) to the staging and back
+    assert all(torch.equal(block_bytes(kv, 0), before) for kv, before in zip(kv_caches, padding_block, strict=True))
+    rng = random.Random(0)
+    for n, slots in [(1, None), (7, None), (20, list(range(5, 25))), (40, None)]:  # 5..24: one run of slots
+        slots = slots or rng.sample(range(48), n)
+        block_ids = rng.sample(range(1, 64), n)
+        tier.copy_to_host(block_ids, slots).synchronize()
+        payloads = export_blocks(kv_caches, block_ids)
+        assert [tier.host[s].numpy().tobytes() for s in slots] == payloads, n
+        targets = rng.sample(range(1, 64), n)
+        expected = [kv.clone() for kv in kv_caches]
+        import_blocks(expected, targets, payloads)
+        tier.copy_to_device(slots, targets).synchronize()
+        assert all(torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
+                   for kv, want in zip(kv_caches, expected, strict=True)), n

@@ -1,13 +1,13 @@
 """The worker's host-memory KV tier: write-through offload of cached blocks, loads on a prefix hit.
 
     step N computes blocks ─ they enter the device prefix cache ─► offload (after update(N)):
-        copy stream waits an event of the compute stream; per layer one gather into a device staging buffer,
-        then non_blocking copies into the pinned host slots; an event; each device block holds an extra
-        reference until that event completed (polled at the start of a step), so it is never freed or reused
-        before its copy is done, and no step waits for a copy.
+        copy stream waits an event of the compute stream; one gather of every layer (ops.gather_blocks, one
+        launch) into a device staging buffer, then non_blocking copies into the pinned host slots; an event;
+        each device block holds an extra reference until that event completed (polled at the start of a step),
+        so it is never freed or reused before its copy is done, and no step waits for a copy.
     admission (EngineCore.add_request): device hits, then the following blocks held here ─► add_loading_request
         (WAITING_FOR_REMOTE_KVS: the others keep running) ─► copy stream: pinned slots → device staging →
-        index_copy_ per layer (as kv_transfer.import_blocks) ─► event ─► at the start of a later step
+        one scatter of every layer (ops.scatter_blocks, one launch) ─► event ─► at the start of a later step
         finish_loading(loaded=True): the request runs from its first token not loaded. A copy that cannot be
         issued → finish_loading(loaded=False): recomputed, never garbage.
     resume (Scheduler.resume_loader): a preempted request at the head of the waiting queue, in a step that admits,
@@ -36,6 +36,8 @@ from deepinfer.engine.host_pool import HostPool
 from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.kernels import KernelOps, compile_watch, get_ops
+from deepinfer.kernels.torch_block_copy import layer_table
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +82,24 @@ class _Copy:
 class HostTier:
     """Pinned host slots for one engine's KV caches, the copy stream and the copies in flight."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], num_slots: int, block_pool: BlockPool) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], num_slots: int, block_pool: BlockPool,
+                 ops: KernelOps | None = None) -> None:
         self.kv_caches = list(kv_caches)
         self.block_nbytes = block_nbytes(kv_caches)
         self.pool = HostPool(num_slots, block_pool.enable_kv_events)
         self.block_pool = block_pool
-        first = kv_caches[0]
-        self.device = first.device
-        self.cuda = first.device.type == "cuda"
-        self._dim = 0 if first.dim() == 3 else 1  # the block axis (latent caches: 0)
-        self._block_shape = [n for i, n in enumerate(first.shape) if i != self._dim]
+        self.device = kv_caches[0].device
+        self.cuda = self.device.type == "cuda"
+        #: gather_blocks / scatter_blocks: the one-launch Triton kernels on CUDA (the torch twins without Triton).
+        self.ops = ops if ops is not None else get_ops("cuda" if self.cuda else "cpu")
+        self._layers = layer_table(self.kv_caches)
         self.host = torch.empty((num_slots, self.block_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
-        self._host_typed = self._typed(self.host)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             chunk = max(1, min(num_slots, STAGING_BYTES // self.block_nbytes))
             self._staging = torch.empty((chunk, self.block_nbytes), dtype=torch.uint8, device=self.device)
-            self._staging_typed = self._typed(self._staging)
+            with compile_watch.install().starting():  # the kernels compile now, not in a step's offload
+                self._warm_up()
         self._offloads: deque[_Copy] = deque()
         self._loads: dict[str, _Copy] = {}
         #: Newly cached blocks not offloaded yet, and the steps they have waited (CPU: offloaded at once).
@@ -243,35 +246,28 @@ class HostTier:
         return out
 
     # -- copies -------------------------------------------------------------------------------------------------
-    def _typed(self, flat: torch.Tensor) -> torch.Tensor:
-        """[n, block_nbytes] uint8 → [n, num_layers, *block shape] in the cache dtype (a view)."""
-        dtype = self.kv_caches[0].dtype
-        return flat.view(dtype).view(flat.shape[0], len(self.kv_caches), *self._block_shape)
-
     def copy_to_host(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:
+        """Device blocks → host slots: per staging chunk one gather of every layer, then one copy per slot run."""
         if not self.cuda:
-            index = torch.tensor(block_ids, dtype=torch.long)
-            slot_index = torch.tensor(slots, dtype=torch.long)
-            for layer, kv in enumerate(self.kv_caches):
-                self._host_typed[slot_index, layer] = kv.index_select(self._dim, index).movedim(self._dim, 0)
+            rows = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8)
+            self.ops.gather_blocks(self.kv_caches, torch.tensor(block_ids, dtype=torch.long), rows, self._layers)
+            self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long), rows)
             return None
         with self._on_copy_stream():
             for start in range(0, len(block_ids), self._staging.shape[0]):
                 ids, chunk_slots = block_ids[start : start + self._staging.shape[0]], slots[start:]
-                index = self._device_index(ids)
-                for layer, kv in enumerate(self.kv_caches):
-                    self._staging_typed[: len(ids), layer].copy_(kv.index_select(self._dim, index).movedim(self._dim, 0))
+                self.ops.gather_blocks(self.kv_caches, self._device_index(ids), self._staging[: len(ids)],
+                                       self._layers)
                 for first, host_first, count in _runs(chunk_slots[: len(ids)]):
                     self.host[host_first : host_first + count].copy_(self._staging[first : first + count],
                                                                      non_blocking=True)
             return self._record()
 
     def copy_to_device(self, slots: list[int], block_ids: list[int]) -> torch.cuda.Event | None:
+        """Host slots → device blocks: per staging chunk one copy per slot run, then one scatter of every layer."""
         if not self.cuda:
-            index = torch.tensor(block_ids, dtype=torch.long)
-            slot_index = torch.tensor(slots, dtype=torch.long)
-            for layer, kv in enumerate(self.kv_caches):
-                kv.index_copy_(self._dim, index, self._host_typed[slot_index, layer].movedim(0, self._dim))
+            rows = self.host.index_select(0, torch.tensor(slots, dtype=torch.long))
+            self.ops.scatter_blocks(rows, self.kv_caches, torch.tensor(block_ids, dtype=torch.long), self._layers)
             return None
         with self._on_copy_stream():
             for start in range(0, len(block_ids), self._staging.shape[0]):
@@ -279,10 +275,17 @@ class HostTier:
                 for first, host_first, count in _runs(chunk_slots[: len(ids)]):
                     self._staging[first : first + count].copy_(self.host[host_first : host_first + count],
                                                                non_blocking=True)
-                index = self._device_index(ids)
-                for layer, kv in enumerate(self.kv_caches):
-                    kv.index_copy_(self._dim, index, self._staging_typed[: len(ids), layer].movedim(0, self._dim))
+                self.ops.scatter_blocks(self._staging[: len(ids)], self.kv_caches, self._device_index(ids),
+                                        self._layers)
             return self._record()
+
+    def _warm_up(self) -> None:
+        """Compile the block copies at start: block 0 (the padding block) to the staging and back, unchanged."""
+        with self._on_copy_stream():
+            padding = self._device_index([0])
+            self.ops.gather_blocks(self.kv_caches, padding, self._staging[:1], self._layers)
+            self.ops.scatter_blocks(self._staging[:1], self.kv_caches, padding, self._layers)
+        self.stream.synchronize()
 
     def _on_copy_stream(self) -> torch.cuda.StreamContext:
         """Enter the copy stream, after everything the compute stream has been given so far (the step that

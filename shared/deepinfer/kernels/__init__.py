@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from deepinfer.kernels import torch_mla, torch_moe, torch_ops
+from deepinfer.kernels import torch_block_copy, torch_mla, torch_moe, torch_ops
 from deepinfer.kernels.metadata import AttentionMetadata, build_attention_metadata
 
 __all__ = [
@@ -39,7 +39,7 @@ _ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops", "ascend": "deepi
 @dataclass(frozen=True)
 class KernelOps:
     """The ops a model calls; every field has the signature of its torch twin (`torch_ops`, `torch_mla`,
-    `torch_moe`); the DeepSeek ops default to their twins."""
+    `torch_moe`, `torch_block_copy`); the DeepSeek ops and the block copies default to their twins."""
 
     accelerator: str
     reshape_and_cache: Callable[..., None]
@@ -52,6 +52,8 @@ class KernelOps:
     mla_paged_attention: Callable[..., Any] = torch_mla.mla_paged_attention
     mla_cache_write: Callable[..., None] = torch_mla.mla_cache_write
     varlen_causal_attention: Callable[..., Any] = torch_mla.varlen_causal_attention
+    gather_blocks: Callable[..., None] = torch_block_copy.gather_blocks
+    scatter_blocks: Callable[..., None] = torch_block_copy.scatter_blocks
 
     def implementations(self) -> dict[str, str]:
         """Op name -> 'module.function' that implements it (for logs and start-up banners)."""
@@ -75,6 +77,8 @@ def _torch_twins(accelerator: str) -> KernelOps:
         mla_paged_attention=torch_mla.mla_paged_attention,
         mla_cache_write=torch_mla.mla_cache_write,
         varlen_causal_attention=torch_mla.varlen_causal_attention,
+        gather_blocks=torch_block_copy.gather_blocks,
+        scatter_blocks=torch_block_copy.scatter_blocks,
     )
 
 

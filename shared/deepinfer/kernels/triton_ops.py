@@ -11,6 +11,7 @@ from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.sdpa_varlen import varlen_causal_attention
 from deepinfer.kernels.triton_activation import silu_and_mul
 from deepinfer.kernels.triton_attention import paged_decode_attention, prefill_attention
+from deepinfer.kernels.triton_block_copy import gather_blocks, scatter_blocks
 from deepinfer.kernels.triton_cache import reshape_and_cache
 from deepinfer.kernels.triton_mla import mla_cache_write, mla_paged_attention
 from deepinfer.kernels.triton_moe import fused_moe
@@ -20,6 +21,7 @@ from deepinfer.kernels.triton_rotary import rotary_embedding
 __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
+    "gather_blocks",
     "mla_cache_write",
     "mla_paged_attention",
     "overrides",
@@ -27,6 +29,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "scatter_blocks",
     "silu_and_mul",
     "varlen_causal_attention",
 ]
@@ -59,4 +62,6 @@ def overrides() -> dict[str, Callable[..., Any]]:
         "mla_paged_attention": mla_paged_attention,
         "mla_cache_write": mla_cache_write,
         "varlen_causal_attention": varlen_causal_attention,
+        "gather_blocks": gather_blocks,
+        "scatter_blocks": scatter_blocks,
     }
