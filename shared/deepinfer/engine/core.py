@@ -98,10 +98,10 @@ class EngineCore:
                 enable_kv_events=args.enable_kv_events,
             )
         )
-        with self.compiles.starting():  # CUDA graph capture and warm-up compile the kernels
+        with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model)
-        #: The host-memory KV tier (None = off).
-        self.host_tier = self._make_host_tier()
+            #: The host-memory KV tier (None = off).
+            self.host_tier = self._make_host_tier()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
         logger.info(
