@@ -336,7 +336,7 @@ class EngineCore:
         if num_slots == 0:
             logger.warning("host KV tier off: kv_host_cache_bytes=%d holds no block", budget)
             return None
-        tier = HostTier(kv_caches, num_slots, self.scheduler.block_pool)
+        tier = HostTier(kv_caches, num_slots, self.scheduler.block_pool, ops=self.ops)
         # A preempted request resuming looks here too, as admission does (at the head of the queue, in schedule()).
         self.scheduler.resume_loader = functools.partial(tier.start_load, self.scheduler)
         logger.info("host KV tier: %d blocks (%.2f GiB)", num_slots, tier.capacity_bytes / (1 << 30))
