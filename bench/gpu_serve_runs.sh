@@ -2,7 +2,7 @@
 # The serving runs of one device session, as run on the GPU machine (see bench/device_wheels.sh for the
 # wheels it installs first). Each variant: bench/serve.py under a time limit, its JSON and log under $OUT.
 #
-#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b | split | aggregated |
+#     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b[64] | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -29,6 +29,7 @@ for variant in "$@"; do
         default-async) run default-async 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_ASYNC_SCHEDULING=true ;;
         default8b) run default8b 300 --random-model llama-8b --sweep 1,64 ;;
+        default8b64) run default8b64 200 --random-model llama-8b --sweep 64 ;;
         split) run split 330 --random-model llama-1b --sweep 1,64,256 ;;
         aggregated) run aggregated 230 --random-model llama-1b --sweep 1,64,256 --prefill 0 ;;
         aggregated-gil) run aggregated-gil 200 --random-model llama-1b --sweep 1,64,256 --prefill 0 --no-offline \
