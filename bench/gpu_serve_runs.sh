@@ -30,6 +30,7 @@ for variant in "$@"; do
             --env DEEPINFER_DECODE_ASYNC_SCHEDULING=true ;;
         default8b) run default8b 300 --random-model llama-8b --sweep 1,64 ;;
         default8b64) run default8b64 200 --random-model llama-8b --sweep 64 ;;
+        default2gpu) run default2gpu 200 --random-model llama-1b --sweep 1,64 ;;  # on 2 GPUs: prefill 0, decode 1
         split) run split 330 --random-model llama-1b --sweep 1,64,256 ;;
         aggregated) run aggregated 230 --random-model llama-1b --sweep 1,64,256 --prefill 0 ;;
         aggregated-gil) run aggregated-gil 200 --random-model llama-1b --sweep 1,64,256 --prefill 0 --no-offline \
