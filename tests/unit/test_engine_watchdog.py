@@ -24,6 +24,9 @@ class HangingCore:
         self.kv_plan = SimpleNamespace(num_blocks=8)
         self.steps = 0
 
+    def bind_thread(self) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return self.steps == 0
 

@@ -114,6 +114,9 @@ class CountingCore:
                                          block_pool=SimpleNamespace(num_free_blocks=7), take_kv_events=self.events)
         self.kv_plan = SimpleNamespace(num_blocks=8)
 
+    def bind_thread(self) -> None:
+        pass
+
     def events(self) -> list:
         return ["stored"] if self.steps % 2 == 0 else []
 

@@ -60,6 +60,7 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_dir(self.model_dir) if has_tokenizer else None
         self.generation_config = load_generation_config(self.model_dir)
         self.device = args.resolve_device()
+        self.bind_thread()
         self.dtype = args.resolve_dtype(self.device)
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
         #: Triton compiles of this process (each one after the start is logged: a step waited for it).
@@ -109,6 +110,12 @@ class EngineCore:
             self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
             args.block_size, self.kv_plan.num_tokens, self.max_model_len,
         )
+
+    def bind_thread(self) -> None:
+        """Make this engine's device the calling thread's current CUDA device (per thread): Triton launches its
+        kernels on the current device, so a thread stepping an engine on cuda:1 must call this first."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
         """The runner over freshly allocated KV caches; on one CUDA device with its CUDA graphs captured and its

@@ -105,6 +105,7 @@ class EngineLoop:
     def _run(self) -> None:
         core, commands = self.core, self._commands
         try:
+            core.bind_thread()
             while not self._stopping:
                 idle = not core.has_unfinished_requests()
                 if idle or not commands.empty():
