@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import pydantic_core
 from fastapi import FastAPI, Request
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -223,10 +222,12 @@ class Routes:
         if client_request_id is not None:
             attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
-        span = self.state.hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
+        # With the exporter none the tracer is a no-op one: no span object, nothing attached (Hops.current).
+        hops = self.state.hops
+        span = hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
         record = self.state.metrics.begin(presenter.route, span)
         headers = {"x-request-id": request_id}  # the client's own replaces it (RequestIdMiddleware)
-        with request_context(request_id), trace.use_span(span, end_on_exit=False):
+        with request_context(request_id), hops.current(span):
             try:
                 stream, generation = await self._start(request, presenter, request_id, record, deadline_s, headers)
             except ApiError as exc:
