@@ -26,8 +26,9 @@ import pydantic_core
 from fastapi import FastAPI, Request
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 import deepinfer
 from deepinfer.config import GatewaySettings
@@ -104,7 +105,25 @@ class ApiState:
 
 class SseResponse(StreamingResponse):
     """A StreamingResponse that always closes its generator, so a failed send (ASGI 2.4 disconnect) still
-    runs the generator's cleanup (Cancel to the workers) at once instead of at garbage collection."""
+    runs the generator's cleanup (Cancel to the workers) at once instead of at garbage collection.
+
+    It streams on the request's own task under every ASGI version. Starlette, under a server that speaks ASGI
+    < 2.4 (uvicorn says 2.3), runs the body in a task group beside a second task that only waits for the
+    client's disconnect: two tasks and a cancel scope per response. The gateway does not need it: a streaming
+    request checks for the disconnect itself every `poll_interval_s` (RunningRequest), and then ends the
+    generator, which cancels the request on the workers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream the body (then any background task), as Starlette does under ASGI 2.4."""
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None
+        if self.background is not None:
+            await self.background()
 
     async def stream_response(self, send: Send) -> None:
         """Stream, then close the body generator whatever happened."""
