@@ -56,16 +56,16 @@ class Hops:
         )
         self._by_hop: dict[str, Histogram] = {}  # labels() takes a lock and checks its arguments each call
 
-    @contextmanager
-    def span(self, hop: str, **attributes: Any) -> Iterator[Span]:
-        """Time the block as `hop`: a current span `<service>.<hop>` and one histogram observation."""
-        started_s = time.monotonic()
+    def span(self, hop: str, **attributes: Any) -> AbstractContextManager[Span]:
+        """Time the block as `hop`: a current span `<service>.<hop>` and one histogram observation (only the
+        observation, and INVALID_SPAN as the span, when not recording)."""
         if not self.recording:
-            try:
-                yield INVALID_SPAN
-            finally:
-                self._histogram(hop).observe(time.monotonic() - started_s)
-            return
+            return _Timed(self._histogram(hop))
+        return self._recorded(hop, attributes)
+
+    @contextmanager
+    def _recorded(self, hop: str, attributes: dict[str, Any]) -> Iterator[Span]:
+        started_s = time.monotonic()
         with self.tracer.start_as_current_span(f"{self.service}.{hop}", attributes=attributes or None) as span:
             try:
                 yield span
@@ -95,3 +95,20 @@ class Hops:
             f"{self.service}.{hop}", context=context, start_time=epoch_ns(start_s), attributes=attributes or None
         )
         span.end(end_time=epoch_ns(end_s))
+
+
+class _Timed:
+    """A hop's block when nothing records spans: one histogram observation of its duration."""
+
+    __slots__ = ("_histogram", "_started_s")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._started_s = 0.0
+
+    def __enter__(self) -> Span:
+        self._started_s = time.monotonic()
+        return INVALID_SPAN
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._histogram.observe(time.monotonic() - self._started_s)
