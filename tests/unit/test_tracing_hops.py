@@ -88,11 +88,23 @@ def test_an_exporting_service_still_records_and_propagates_its_hops(tmp_path: Pa
     provider.shutdown()
 
 
-def test_a_span_costs_microseconds_when_not_recorded():
+def test_a_hop_costs_its_histogram_observation_and_little_more_when_not_recorded():
     hops = Hops(setup_tracer_provider(CommonSettings(), "gateway").get_tracer("t"), new_registry(False), "gateway")
-    started = time.perf_counter()
-    for _ in range(2000):
+    child = hops.seconds.labels("route")
+
+    def best_us(block) -> float:  # the best of 5 runs of 2000: the least disturbed by other processes
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(2000):
+                block()
+            runs.append((time.perf_counter() - started) / 2000 * 1e6)
+        return min(runs)
+
+    def hop() -> None:
         with hops.span("route"):
             pass
-    per_span_us = (time.perf_counter() - started) / 2000 * 1e6
-    assert per_span_us < 200, per_span_us  # a request has about ten: far below a bus round trip (~500 µs)
+
+    observe_us, hop_us = best_us(lambda: child.observe(0.001)), best_us(hop)
+    # ~1.3 µs against ~0.8 on a 2-core CI box; a non-recording OpenTelemetry span per hop made it ~10
+    assert hop_us < observe_us + 4, (hop_us, observe_us)
