@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 
 import pydantic_core
 from fastapi import FastAPI, Request
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 import deepinfer
 from deepinfer.config import GatewaySettings
@@ -105,7 +105,25 @@ class ApiState:
 
 class SseResponse(StreamingResponse):
     """A StreamingResponse that always closes its generator, so a failed send (ASGI 2.4 disconnect) still
-    runs the generator's cleanup (Cancel to the workers) at once instead of at garbage collection."""
+    runs the generator's cleanup (Cancel to the workers) at once instead of at garbage collection.
+
+    It streams on the request's own task under every ASGI version. Starlette, under a server that speaks ASGI
+    < 2.4 (uvicorn says 2.3), runs the body in a task group beside a second task that only waits for the
+    client's disconnect: two tasks and a cancel scope per response. The gateway does not need it: a streaming
+    request checks for the disconnect itself every `poll_interval_s` (RunningRequest), and then ends the
+    generator, which cancels the request on the workers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream the body (then any background task), as Starlette does under ASGI 2.4."""
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None
+        if self.background is not None:
+            await self.background()
 
     async def stream_response(self, send: Send) -> None:
         """Stream, then close the body generator whatever happened."""
@@ -223,10 +241,12 @@ class Routes:
         if client_request_id is not None:
             attributes["client_request_id"] = client_request_id
         # The request's root span: every hop below, on every service, is in its trace; RequestRecord.end ends it.
-        span = self.state.hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
+        # With the exporter none the tracer is a no-op one: no span object, nothing attached (Hops.current).
+        hops = self.state.hops
+        span = hops.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes=attributes)
         record = self.state.metrics.begin(presenter.route, span)
         headers = {"x-request-id": request_id}  # the client's own replaces it (RequestIdMiddleware)
-        with request_context(request_id), trace.use_span(span, end_on_exit=False):
+        with request_context(request_id), hops.current(span):
             try:
                 stream, generation = await self._start(request, presenter, request_id, record, deadline_s, headers)
             except ApiError as exc:

@@ -35,12 +35,17 @@ class ChoiceOutput:
         self.checker = checker
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens)
         self.stop_checker = StopChecker(sampling.stop, sampling.include_stop_str_in_output)
-        self.text = ""
+        self._text_parts: list[str] = []  # joined when read: `text +=` per chunk copied the whole text each time
         self.logprobs: list[TokenLogprobs] = []
         self.num_output_tokens = 0
         self.num_cached_tokens: int | None = None
         self.cached_tokens_by_tier: dict[str, int] | None = None
         self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (every delta's text, in order)."""
+        return _joined(self._text_parts)
 
     def add(self, chunk: TokenChunk) -> ChoiceDelta:
         """Feed one chunk; the returned delta's text never ends in half a character or half a stop string."""
@@ -64,7 +69,8 @@ class ChoiceOutput:
         elif chunk.finish_reason is not None:
             delta.text += self.stop_checker.flush()
             delta.finish_reason = chunk.finish_reason.value
-        self.text += delta.text
+        if delta.text:
+            self._text_parts.append(delta.text)
         self.finish_reason = delta.finish_reason
         return delta
 
@@ -77,6 +83,13 @@ class ChoiceOutput:
                 raise worker_lost(f"the output broke the requested format at token {token_id}: {checker.error}")
         if chunk.finish_reason == "stop" and not checker.is_accepting:
             raise worker_lost("the output stopped before completing the requested format")
+
+
+def _joined(parts: list[str]) -> str:
+    """`parts` as one string, kept as the list's only part so the next read costs nothing."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -46,3 +46,59 @@ def test_fast_events_equal_the_pydantic_ones(presenter, include_usage: bool):
                 (event,) = events
                 assert event == reference(presenter, formatter, delta)
                 assert json.loads(event[len("data: "):])["choices"][0]["index"] == index
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_streamed_response_runs_on_the_requests_task_with_no_disconnect_listener(spec_version: str):
+    import asyncio
+
+    from services.gateway.app import SseResponse
+
+    caller = asyncio.current_task()
+    tasks, sent, closed = [], [], []
+
+    async def body():
+        try:
+            for text in ("a", "b"):
+                tasks.append(asyncio.current_task())
+                yield text
+        finally:
+            closed.append(True)
+
+    async def receive():
+        raise AssertionError("nothing waits on receive: the stream polls for the disconnect itself")
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}}
+    await SseResponse(body(), media_type="text/event-stream")(scope, receive, send)
+    assert tasks == [caller, caller] and closed == [True]
+    assert [m.get("body") for m in sent[1:]] == [b"a", b"b", b""]
+
+
+async def test_a_failed_send_ends_the_stream_and_closes_its_generator():
+    from starlette.requests import ClientDisconnect
+
+    from services.gateway.app import SseResponse
+
+    closed = []
+
+    async def body():
+        try:
+            while True:
+                yield "x"
+        finally:
+            closed.append(True)
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")
+
+    async def receive():
+        raise AssertionError("not called")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    with pytest.raises(ClientDisconnect):
+        await SseResponse(body(), media_type="text/event-stream")(scope, receive, send)
+    assert closed == [True]

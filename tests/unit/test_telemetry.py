@@ -12,6 +12,7 @@ import socket
 import httpx
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 from deepinfer.config import CommonSettings
 from deepinfer.telemetry import (
@@ -138,7 +139,9 @@ def test_registries_are_per_service():
 
 
 def test_tracing_propagates_traceparent():
-    tracer = setup_tracing(CommonSettings(), "gateway")
+    with setup_tracing(CommonSettings(), "gateway").start_as_current_span("route"):
+        assert "traceparent" not in inject_trace_headers({"x": "1"})  # exporter none: no span, no trace
+    tracer = TracerProvider().get_tracer("gateway")
     with tracer.start_as_current_span("route") as span:
         headers = inject_trace_headers({"x": "1"})
     assert headers["x"] == "1" and headers["traceparent"].startswith("00-")

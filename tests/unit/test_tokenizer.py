@@ -179,6 +179,23 @@ def test_incremental_detokenizer_equals_full_decode(ours, text, chunk):
     assert detokenizer.flush() == ""
 
 
+def test_output_text_is_every_delta_so_far_whenever_it_is_read(ours):
+    from deepinfer.protocol import SamplingParams, TokenChunk
+    from services.gateway.output import ChoiceOutput
+
+    output_ids = ours.encode("".join(STREAM_TEXTS), add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(ours, [])
+    choice = ChoiceOutput(0, ours, [], SamplingParams(max_tokens=None))
+    emitted, chosen = "", ""
+    for n, token_id in enumerate(output_ids):
+        emitted += detokenizer.step([token_id])
+        chosen += choice.add(TokenChunk(request_id="r", token_ids=[token_id])).text
+        if n % 7 == 0:  # read between steps: the pieces so far are joined, later ones appended after them
+            assert detokenizer.output_text == emitted and choice.text == chosen
+    assert detokenizer.output_text == emitted == ours.decode(output_ids)
+    assert choice.text == chosen == emitted
+
+
 def test_incremental_detokenizer_skips_special_tokens_and_flushes(ours):
     middle = ours.encode("Paris 🇫🇷", add_special_tokens=False)
     output_ids = [*middle, ours.eos_token_id]

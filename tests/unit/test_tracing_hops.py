@@ -1,15 +1,20 @@
 """Hop spans and histograms: the file exporter writes whole spans a reader can parse; with the default exporter
-(none) nothing is recorded, nothing is written, and per-token spans are never created."""
+(none) a hop is its histogram observation only: no span object, no context attached, nothing injected on a
+publish unless a caller's trace is current (which then passes through unchanged), nothing written."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import INVALID_SPAN
 
+from deepinfer.bus.envelope import TRACEPARENT, outgoing_headers
 from deepinfer.config import CommonSettings
-from deepinfer.telemetry import new_registry, setup_tracer_provider
+from deepinfer.telemetry import new_registry, setup_tracer_provider, setup_tracing
 from deepinfer.telemetry.hops import Hops, epoch_ns
 from deepinfer.telemetry.trace_file import read_spans
 
@@ -34,24 +39,72 @@ def test_file_exporter_writes_parented_spans_a_reader_parses(tmp_path: Path):
     assert registry.get_sample_value("deepinfer_prefill_hop_seconds_count", {"hop": "request"}) == 1
 
 
-def test_default_exporter_records_nothing_but_still_propagates(tmp_path: Path):
+def test_default_exporter_records_nothing_and_a_hop_creates_no_span(tmp_path: Path):
     common = CommonSettings(data_dir=tmp_path)
     assert common.otel_exporter == "none"
     provider = setup_tracer_provider(common, "gateway")
-    hops = Hops(provider.get_tracer("t"), new_registry(False), "gateway")
-    with hops.span("route") as span:
-        assert not span.is_recording()  # callers skip per-token spans on this
-        assert span.get_span_context().is_valid  # a traceparent still goes out: an exporting peer can join
-        assert trace.get_current_span() is span
+    registry = new_registry(False)
+    hops = Hops(provider.get_tracer("t"), registry, "gateway")
+    assert not hops.recording
+    before = otel_context.get_current()
+    with hops.span("route", worker_id="w") as span:
+        assert span is INVALID_SPAN and not span.is_recording()  # no span object: callers skip per-token spans
+        assert otel_context.get_current() is before  # nothing attached
+        assert outgoing_headers(None) is None  # no trace context, so a publish injects none
+    hops.record("queue", 1.0, 1.5)
+    root = provider.get_tracer("t").start_span("gateway.request")
+    assert root is INVALID_SPAN
+    with hops.current(root):
+        assert otel_context.get_current() is before
     provider.shutdown()
     assert not (tmp_path / "traces").exists() and list(tmp_path.iterdir()) == []
+    # the histogram still counts every hop
+    assert registry.get_sample_value("deepinfer_gateway_hop_seconds_count", {"hop": "route"}) == 1
+    assert registry.get_sample_value("deepinfer_gateway_hop_seconds_sum", {"hop": "queue"}) == 0.5
 
 
-def test_a_span_costs_microseconds_when_not_recorded():
+def test_with_the_exporter_off_a_callers_trace_passes_through_a_hop_unchanged():
+    caller = TracerProvider().get_tracer("caller")  # an exporting service upstream
+    hops = Hops(setup_tracing(CommonSettings(), "decode"), new_registry(False), "decode")
+    with caller.start_as_current_span("gateway.decode_admission") as sent:
+        headers = outgoing_headers(None)
+    assert headers is not None and f"{sent.get_span_context().span_id:016x}" in headers[TRACEPARENT]
+    token = otel_context.attach(propagate.extract(headers))  # what the bus does for a received message
+    try:
+        with hops.span("admission"):
+            assert outgoing_headers({"x": "1"}) == {"x": "1", **headers}  # the caller's traceparent, as it came
+    finally:
+        otel_context.detach(token)
+
+
+def test_an_exporting_service_still_records_and_propagates_its_hops(tmp_path: Path):
+    provider = setup_tracer_provider(CommonSettings(otel_exporter="file", otel_file_dir=tmp_path), "gateway")
+    hops = Hops(provider.get_tracer("t"), new_registry(False), "gateway")
+    assert hops.recording
+    with hops.span("route") as span:
+        assert span.is_recording() and trace.get_current_span() is span
+        headers = outgoing_headers(None)
+    assert headers is not None and f"{span.get_span_context().span_id:016x}" in headers[TRACEPARENT]
+    provider.shutdown()
+
+
+def test_a_hop_costs_its_histogram_observation_and_little_more_when_not_recorded():
     hops = Hops(setup_tracer_provider(CommonSettings(), "gateway").get_tracer("t"), new_registry(False), "gateway")
-    started = time.perf_counter()
-    for _ in range(2000):
+    child = hops.seconds.labels("route")
+
+    def best_us(block) -> float:  # the best of 5 runs of 2000: the least disturbed by other processes
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(2000):
+                block()
+            runs.append((time.perf_counter() - started) / 2000 * 1e6)
+        return min(runs)
+
+    def hop() -> None:
         with hops.span("route"):
             pass
-    per_span_us = (time.perf_counter() - started) / 2000 * 1e6
-    assert per_span_us < 200, per_span_us  # a request has about ten: far below a bus round trip (~500 µs)
+
+    observe_us, hop_us = best_us(lambda: child.observe(0.001)), best_us(hop)
+    # ~1.3 µs against ~0.8 on a 2-core CI box; a non-recording OpenTelemetry span per hop made it ~10
+    assert hop_us < observe_us + 4, (hop_us, observe_us)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate
 
 from deepinfer.bus.errors import MessageDecodeError, PayloadTooLarge
 from deepinfer.bus.interface import Handler, IncomingMsg, M
@@ -29,9 +29,14 @@ def encode_payload(message: Message | bytes) -> bytes:
 
 
 def outgoing_headers(headers: Mapping[str, str] | None) -> dict[str, str] | None:
-    """Caller headers plus the current OpenTelemetry context (`traceparent`, `tracestate`); None if empty."""
+    """Caller headers plus the current OpenTelemetry context (`traceparent`, `tracestate`); None if empty.
+
+    The context is injected only when it holds a valid span context (or baggage): with the exporter none and no
+    caller's trace, nothing is current, so a publish costs no propagator call and sends no headers."""
     carrier: dict[str, str] = dict(headers) if headers else {}
-    propagate.inject(carrier)
+    context = otel_context.get_current()
+    if context and (trace.get_current_span(context).get_span_context().is_valid or baggage.get_all(context)):
+        propagate.inject(carrier, context)
     return carrier or None
 
 
@@ -66,8 +71,17 @@ async def dispatch(
     message_type: type[Message] | None,
     logger: logging.Logger,
 ) -> None:
-    """Run `handler` on one message inside the sender's trace context; log (never raise) its failures."""
-    token = otel_context.attach(propagate.extract(msg.headers or {}))
+    """Run `handler` on one message inside the sender's trace context; log (never raise) its failures.
+
+    A message without headers carries no trace context: the handler runs in an empty one, attached only if the
+    subscription's task inherited a non-empty one (so the common untraced message costs no attach/detach)."""
+    headers = msg.headers
+    if headers:
+        token = otel_context.attach(propagate.extract(headers))
+    elif otel_context.get_current():
+        token = otel_context.attach(otel_context.Context())
+    else:
+        token = None
     try:
         message = msg.data if message_type is None else decode(msg.subject, msg.data, message_type)
         await handler(message, msg)
@@ -76,7 +90,8 @@ async def dispatch(
     except Exception:
         logger.exception("handler %s failed on a message on %s", _name(handler), msg.subject)
     finally:
-        otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
 
 
 def _name(handler: Handler) -> str:

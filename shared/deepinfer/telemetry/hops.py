@@ -6,23 +6,26 @@
         ...
     hops.record("queue", added_s, scheduled_s)     # a hop measured afterwards, from time.monotonic() readings
 
-Spans follow the tracer (non-recording when the exporter is none); the histogram always counts, so a hop's
-cost is visible in /metrics without tracing. Per-token work (a span per token batch or SSE write) belongs
-behind `span.is_recording()`: it has no histogram.
+The histogram always counts, so a hop's cost is visible in /metrics without tracing. Spans follow the tracer:
+with the exporter none (a no-op tracer, `records_spans` false) a hop is its histogram observation and nothing
+else: no span object, no context attached, so a caller's trace context stays current through it (and a publish
+inside carries it on). Per-token work (a span per token batch or SSE write) belongs behind
+`span.is_recording()`: it has no histogram.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from opentelemetry.context import Context
-from opentelemetry.trace import NoOpTracer, Span, Tracer
-from prometheus_client import CollectorRegistry
+from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, Tracer, use_span
+from prometheus_client import CollectorRegistry, Histogram
 
 from deepinfer.telemetry.metrics import histogram
+from deepinfer.telemetry.tracing import records_spans
 
 #: Hop latencies: 50 µs .. 60 s (a bus round trip is ~0.5 ms, a prefill up to seconds).
 HOP_BUCKETS_S = (
@@ -44,29 +47,68 @@ class Hops:
 
     def __init__(self, tracer: Tracer | None, registry: CollectorRegistry, service: str) -> None:
         self.tracer = tracer or NoOpTracer()
+        #: False with the exporter none: hops then make no spans (INVALID_SPAN stands in where one is asked for).
+        self.recording = records_spans(self.tracer)
         self.service = service
         self.seconds = histogram(
             registry, f"{service}_hop_seconds", f"Time per hop of a request inside the {service}.", ["hop"],
             buckets=HOP_BUCKETS_S,
         )
+        self._by_hop: dict[str, Histogram] = {}  # labels() takes a lock and checks its arguments each call
+
+    def span(self, hop: str, **attributes: Any) -> AbstractContextManager[Span]:
+        """Time the block as `hop`: a current span `<service>.<hop>` and one histogram observation (only the
+        observation, and INVALID_SPAN as the span, when not recording)."""
+        if not self.recording:
+            return _Timed(self._histogram(hop))
+        return self._recorded(hop, attributes)
 
     @contextmanager
-    def span(self, hop: str, **attributes: Any) -> Iterator[Span]:
-        """Time the block as `hop`: a current span `<service>.<hop>` and one histogram observation."""
+    def _recorded(self, hop: str, attributes: dict[str, Any]) -> Iterator[Span]:
         started_s = time.monotonic()
         with self.tracer.start_as_current_span(f"{self.service}.{hop}", attributes=attributes or None) as span:
             try:
                 yield span
             finally:
-                self.seconds.labels(hop).observe(time.monotonic() - started_s)
+                self._histogram(hop).observe(time.monotonic() - started_s)
+
+    def _histogram(self, hop: str) -> Histogram:
+        child = self._by_hop.get(hop)
+        if child is None:
+            child = self._by_hop[hop] = self.seconds.labels(hop)
+        return child
+
+    def current(self, span: Span) -> AbstractContextManager[Span]:
+        """`span` (a root started with `self.tracer`) current while the block runs; with no recording, nothing
+        is attached (the span is a no-op tracer's)."""
+        return use_span(span, end_on_exit=False) if self.recording else nullcontext(span)
 
     def record(
         self, hop: str, start_s: float, end_s: float, context: Context | None = None, **attributes: Any
     ) -> None:
         """A hop already measured (monotonic seconds): the histogram, and a span under `context` (else the
         current one)."""
-        self.seconds.labels(hop).observe(max(0.0, end_s - start_s))
+        self._histogram(hop).observe(max(0.0, end_s - start_s))
+        if not self.recording:
+            return
         span = self.tracer.start_span(
             f"{self.service}.{hop}", context=context, start_time=epoch_ns(start_s), attributes=attributes or None
         )
         span.end(end_time=epoch_ns(end_s))
+
+
+class _Timed:
+    """A hop's block when nothing records spans: one histogram observation of its duration."""
+
+    __slots__ = ("_histogram", "_started_s")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._started_s = 0.0
+
+    def __enter__(self) -> Span:
+        self._started_s = time.monotonic()
+        return INVALID_SPAN
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._histogram.observe(time.monotonic() - self._started_s)

@@ -1,7 +1,9 @@
 """OpenTelemetry traces: one tracer provider per service, W3C traceparent carried in NATS headers.
 
-With `otel_exporter=none` (the default) spans are never recorded (sampler ALWAYS_OFF): a span costs the creation
-of a non-recording object and ids that still propagate, so a service that does export joins the same trace.
+With `otel_exporter=none` (the default) the provider's tracers are OpenTelemetry's no-op tracers: a hop makes no
+span object and attaches no context (`deepinfer.telemetry.hops`), and a publish adds a `traceparent` only when a
+valid span context is current (`deepinfer.bus.envelope`). So a non-exporting service starts no trace of its own,
+while a trace that reaches it (a caller's `traceparent` on a message) passes through it unchanged to what it calls.
 Code that would open a span per token checks `span.is_recording()` first. Every exporter records every span
 (ALWAYS_ON, not parent-based: a non-exporting caller does not switch recording off downstream).
 """
@@ -21,7 +23,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import NoOpTracer, NoOpTracerProvider, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from deepinfer.config import CommonSettings
@@ -32,11 +34,19 @@ class TelemetryError(RuntimeError):
     """Telemetry was configured in a way this installation cannot honour."""
 
 
-def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerProvider:
+class UnexportedTracerProvider(NoOpTracerProvider):
+    """The provider of `otel_exporter=none`: its tracers are no-op tracers, and there is nothing to flush."""
+
+    def shutdown(self) -> None:
+        """Nothing was recorded."""
+
+
+def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerProvider | UnexportedTracerProvider:
     """A provider exporting as `common.otel_exporter` says; call `shutdown()` on it when the service stops."""
-    sampler = ALWAYS_OFF if common.otel_exporter == "none" else ALWAYS_ON
+    if common.otel_exporter == "none":
+        return UnexportedTracerProvider()
     resource = Resource.create({"service.name": f"deepinfer-{service_name}"})
-    provider = TracerProvider(resource=resource, sampler=sampler)
+    provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
     if common.otel_exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     elif common.otel_exporter == "otlp":
@@ -50,6 +60,11 @@ def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerPr
 def setup_tracing(common: CommonSettings, service_name: str) -> Tracer:
     """A tracer for `service_name`; exporter none (spans dropped) unless configured."""
     return setup_tracer_provider(common, service_name).get_tracer(f"deepinfer.{service_name}")
+
+
+def records_spans(tracer: Tracer) -> bool:
+    """Whether `tracer` can record a span: False for a no-op tracer (exporter none) or one that samples nothing."""
+    return not isinstance(tracer, NoOpTracer) and getattr(tracer, "sampler", None) is not ALWAYS_OFF
 
 
 def _otlp_exporter(endpoint: str | None) -> SpanExporter:

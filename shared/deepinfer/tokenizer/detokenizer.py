@@ -30,9 +30,18 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = list(prompt_token_ids)
         self.skip_special_tokens = skip_special_tokens
         self.output_token_ids: list[int] = []
-        self.output_text = ""
+        #: The text emitted so far, in pieces (`output_text` joins them): a `str +=` per step copied it all.
+        self._text_parts: list[str] = []
         self._prefix_offset = 0
         self._read_offset = 0
+
+    @property
+    def output_text(self) -> str:
+        """All the text emitted so far."""
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append new output ids; return the text they completed ("" while a character is incomplete)."""
@@ -58,5 +67,5 @@ class IncrementalDetokenizer:
     def _advance(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.output_token_ids)
-        self.output_text += delta
+        self._text_parts.append(delta)
         return delta
