@@ -18,6 +18,7 @@ behind). Per block written in the window:
     engine   the engine thread's time in the commands it runs between steps (in the window only write-behind's
              export: before this change a copy of each payload, now pins of host slots), wall and thread CPU;
     loop     the event loop thread's CPU in the window, on minus off (has, put encode and send, metrics);
+    process  the worker process's CPU in the window (every thread: engine, loop, writer threads), on minus off;
     kvcache  the shard process's CPU in the window, on minus off.
 
 And per run: the step period (p50 / p99: the inter-token latency of every request), the blocks written and dropped.
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -97,12 +99,18 @@ class CommandClock:
 
 
 def _requests(run: int, concurrency: int, max_tokens: int):
+    """The run's requests: a first token of its own, so no block of another run's is held by the store already."""
     from deepinfer.protocol import DecodeRequest, SamplingParams
 
     return [DecodeRequest(request_id=f"r{run}-{i}", gateway_id=GATEWAY,
-                          prompt_token_ids=[(7 * i + 13 * k + 101 * run) % 300 + 3 for k in range(PROMPT_LEN)],
+                          prompt_token_ids=[301 + run, *((7 * i + 13 * k) % 300 + 3 for k in range(PROMPT_LEN - 1))],
                           sampling=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
             for i in range(concurrency)]
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _metric(handler, name: str, **labels) -> float:
@@ -158,8 +166,10 @@ async def measure(server, shard_pid: int, model_dir: Path, cache_dir: Path, run:
         accepted = await asyncio.gather(*(handler.decode(r) for r in _requests(run, concurrency, max_tokens)))
         assert all(a.error is None for a in accepted), next(a.error for a in accepted if a.error)
         loop_start = await start_mark
+        process_start = _process_cpu_s()
         shard_start, written_start = cpu_seconds({"s": shard_pid})["s"], _metric(handler, "worker_store_written_blocks_total")
         loop_end = await end_mark
+        process_end = _process_cpu_s()
         shard_end, written_end = cpu_seconds({"s": shard_pid})["s"], _metric(handler, "worker_store_written_blocks_total")
         while len(clock.starts) <= first + steps:
             await asyncio.sleep(0.001)
@@ -179,6 +189,7 @@ async def measure(server, shard_pid: int, model_dir: Path, cache_dir: Path, run:
             "engine_cmd_wall_us": 1e6 * engine_wall,
             "engine_cmd_cpu_us": 1e6 * engine_cpu,
             "loop_cpu_us": 1e6 * sum(e - s for s, e in zip(loop_start, loop_end, strict=True)),
+            "process_cpu_us": 1e6 * (process_end - process_start),
             "shard_cpu_us": 1e6 * (shard_end - shard_start),
             "step_period_p50_us": 1e6 * statistics.median(periods),
             "step_period_p99_us": 1e6 * sorted(periods)[int(0.99 * len(periods))],
@@ -267,6 +278,7 @@ def per_block(runs: dict[bool, list[dict]]) -> dict:
             "engine_wall_us": on["engine_cmd_wall_us"] / blocks,
             "engine_cpu_us": on["engine_cmd_cpu_us"] / blocks,
             "loop_cpu_us": (on["loop_cpu_us"] - off["loop_cpu_us"]) / blocks,
+            "process_cpu_us": (on["process_cpu_us"] - off["process_cpu_us"]) / blocks,
             "shard_cpu_us": (on["shard_cpu_us"] - off["shard_cpu_us"]) / blocks,
             "step_p50_us_off": off["step_period_p50_us"], "step_p50_us_on": on["step_period_p50_us"],
             "step_p99_us_off": off["step_period_p99_us"], "step_p99_us_on": on["step_period_p99_us"],
