@@ -1,10 +1,13 @@
 """BlockingPutClient (a writer thread's puts over a blocking socket) against a real DataPlaneServer over a KvStore on
 127.0.0.1: blocks put from read-only views are served back whole to the async client; a connection the server closed
-while idle is reconnected; a wrong secret, a refused put and a dead peer raise the data plane's errors."""
+while idle is reconnected; a wrong secret, a refused put and a dead peer raise the data plane's errors. And
+KvStoreClient.put on its writer threads: a cancelled put returns only once its payloads were sent; a dead shard is
+forgotten."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -16,7 +19,9 @@ from deepinfer.dataplane import (
     ServerTimeouts,
 )
 from deepinfer.dataplane.blocking import BlockingPutClient
+from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.kvcache.store import KvStore, StoreSettings
+from deepinfer.protocol import KvStoreHeartbeat
 from tests.kvstore_harness import LAYOUT, MiB, hashes, payload
 
 pytestmark = pytest.mark.integration
@@ -76,3 +81,44 @@ async def test_a_wrong_secret_a_refused_put_and_a_dead_peer_raise(store):
     with pytest.raises(DataPlaneConnectionError):
         await asyncio.to_thread(BlockingPutClient(address, SECRET, timeout_s=5).put_blocks, LAYOUT, hashes("c"),
                                 [payload("c")])
+
+
+def _client_of(server: DataPlaneServer) -> KvStoreClient:
+    client = KvStoreClient(SECRET, timeout_s=5, shard_lease_s=600)
+    client.shards.observe(KvStoreHeartbeat(shard="s0", data_plane_address=server.address, internal_address="",
+                                           ts=time.time()))
+    return client
+
+
+async def test_a_store_put_runs_on_a_writer_thread_and_a_cancelled_one_returns_once_sent(store):
+    server = DataPlaneServer(store, secret=SECRET)
+    await server.start()
+    client = _client_of(server)
+    try:
+        names = NAMES[:8]
+        assert await client.put(LAYOUT, hashes(*names), [payload(n, 1 << 20) for n in names]) == 8
+        assert store.has_blocks(LAYOUT, hashes(*names)) == [True] * 8
+        late = [f"late-{i}" for i in range(32)]
+        put = asyncio.create_task(client.put(LAYOUT, hashes(*late), [payload(n, 1 << 20) for n in late]))
+        await asyncio.sleep(0.01)
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        # The caller gets control back only once the thread stopped reading the payloads: the put was whole.
+        assert store.has_blocks(LAYOUT, hashes(*late)) == [True] * 32
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_store_put_to_a_dead_shard_raises_and_forgets_it(store):
+    server = DataPlaneServer(store, secret=SECRET)
+    await server.start()
+    client = _client_of(server)
+    await server.close()
+    try:
+        with pytest.raises(DataPlaneConnectionError):
+            await client.put(LAYOUT, hashes("a"), [payload("a")])
+        assert not client.has_shards()  # its blocks are misses until it heartbeats again
+    finally:
+        await client.close()

@@ -61,6 +61,7 @@ class BlockingPutClient:
         self._key = secret_key(secret)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._closed = False
         self._next_correlation_id = 1
 
     def put_blocks(self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> None:
@@ -78,7 +79,12 @@ class BlockingPutClient:
                 self._request([encode_header(request, self.limits), *chunk], request)
 
     def close(self) -> None:
-        """Close the socket (a later put reconnects); a put blocked on it in another thread fails at once."""
+        """Close for good: a put blocked in another thread fails at once, a later one raises."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the socket after a failure (the next put reconnects)."""
         sock, self._sock = self._sock, None
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -93,10 +99,10 @@ class BlockingPutClient:
             if reply.num_blocks:
                 raise FrameError(f"{self.address} answered a put with {reply.num_blocks} blocks")
         except TimeoutError as exc:
-            self.close()
+            self._drop()
             raise DataPlaneTimeout(f"put on {self.address} took over {self.timeout_s:g} s") from exc
         except BaseException:
-            self.close()
+            self._drop()
             raise
         self.metrics.requests += 1
         self.metrics.bytes_sent += request.payload_bytes
@@ -114,7 +120,7 @@ class BlockingPutClient:
                     sock.sendall(buffer)
                 prefix = _recv_exactly(sock, LENGTH_PREFIX_BYTES)
             except ConnectionError as exc:
-                self.close()
+                self._drop()
                 if reused and attempt == 0:
                     continue
                 raise DataPlaneConnectionError(f"{self.address} closed the connection: {exc!r}") from exc
@@ -127,6 +133,8 @@ class BlockingPutClient:
     def _connection(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        if self._closed:
+            raise DataPlaneConnectionError(f"the put client of {self.address} is closed")
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         except TimeoutError:
