@@ -210,3 +210,32 @@ def test_the_tier_copies_move_the_payload_bytes_through_the_triton_kernels(monke
         tier.copy_to_device(slots, targets).synchronize()
         assert all(torch.equal(kv.view(torch.uint8), want.view(torch.uint8))
                    for kv, want in zip(kv_caches, expected, strict=True)), n
+
+
+def test_write_behind_reads_pinned_host_slots_holding_the_device_bytes(model_dir):
+    """Write-behind's payloads on CUDA: views of the pinned slots (the batched offload's copies), equal to the device
+    export of the same blocks, and left alone by later offloads until released."""
+    from deepinfer.engine.kv_load import pin_cached
+    from deepinfer.engine.kv_transfer import export_blocks
+    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.sampling.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core = engine(model_dir, host_blocks=8)
+    core.add_request("p0", P, greedy)
+    run(core)  # going idle flushes the pending offload; the steps go on until its copy completed
+    hashes = hash_blocks(P, BLOCK_SIZE, core.fingerprint, "")[:6]
+    pool = core.scheduler.block_pool
+    expected = export_blocks(core.runner.kv_caches, [pool.get_cached_block(h).block_id for h in hashes])
+    cached = pin_cached(core, hashes)
+    assert cached.block_hashes == hashes and [bytes(p) for p in cached.payloads] == expected
+    for i, filler in enumerate(FILLERS):  # 7 blocks each through the 2 slots left unpinned
+        core.add_request(f"f{i}", filler, greedy)
+        run(core)
+    assert [core.host_tier.pool.lookup(h) for h in hashes] == cached.slots
+    assert [bytes(p) for p in cached.payloads] == expected  # never rewritten while pinned
+    slots = cached.slots
+    cached.release()
+    core.add_request("o", OTHER, greedy)
+    run(core)  # its first step unpins them
+    assert not any(core.host_tier.pool.is_pinned(slot) for slot in slots)

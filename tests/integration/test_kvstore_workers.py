@@ -287,3 +287,38 @@ async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_serve
         await proxy.close()
         shard.send_signal(signal.SIGTERM)
         shard.wait(30)
+
+
+async def test_with_the_host_tier_the_answer_is_written_behind_from_its_slots_and_the_next_turn_loads_it(
+        nats_server, bus, tiny_dir, tmp_path, reference):
+    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
+    workers = []
+    next_turn = [*PROMPT, *reference, 33, 44, 55]  # the conversation goes on: its previous answer, a new question
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    core.add_request("t2", next_turn, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    expected = [t for _ in iter(core.has_unfinished_requests, False) for out in core.step() for t in out.new_token_ids]
+    try:
+        model = CommonSettings(model=str(tiny_dir)).model_token
+        first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-g",
+                                   address, kv_host_cache_bytes=1 << 20, kv_store_write_generated=True)
+        workers.append(first)
+        assert first.runtime.core.host_tier is not None
+        tokens, _ = await generate(bus, model, "dec-g", "r7")
+        assert tokens == reference
+        # 21 prompt tokens and 8 generated, 28 of them computed: 7 full blocks, the answer's 2 included, each
+        # written from its host slot once the host tier held it.
+        await written_behind(first, 7)
+        await first.runtime.store.flush(10)
+        assert metric(first, "worker_store_written_blocks_total") == 7
+
+        second = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-h",
+                                    address)
+        workers.append(second)
+        tokens, chunk = await decode_locally(bus, model, "dec-h", GATEWAY, "r8", next_turn, GREEDY)
+        assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 28}
+        assert tokens == expected  # the KV read from the host slots is the computed KV
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+        await proxy.close()
+        shard.send_signal(signal.SIGTERM)
+        shard.wait(30)

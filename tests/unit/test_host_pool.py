@@ -84,3 +84,15 @@ def test_a_load_records_how_long_the_tier_kept_each_block():
     now[0] = 190.0
     pool.unpin(pool.pin([h(1), h(2)]))  # h(1) last used at 130, h(2) written at 100
     assert list(pool.hit_ages) == [30.0, 60.0, 90.0]
+
+
+def test_a_write_behind_pin_keeps_a_slot_without_making_it_a_use():
+    pool = HostPool(2, clock=lambda: 5.0)
+    fill(pool, [h(1), h(2)])
+    slots = pool.pin_held([h(1), h(9)])
+    assert slots == [0, None] and pool.is_pinned(0)  # h(9) is not held: nothing pinned for it
+    assert pool.block_hashes() == [h(1), h(2)] and not pool.hit_ages  # no LRU move, no hit age: not a load
+    assert pool.reserve(h(3)) == 1 and pool.lookup(h(1)) == 0  # h(1) is older but pinned: h(2) is evicted
+    pool.commit([1])
+    pool.unpin([0])
+    assert pool.reserve(h(4)) == 0 and pool.lookup(h(1)) is None  # unpinned: evicted like any other

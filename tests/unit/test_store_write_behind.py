@@ -48,3 +48,18 @@ def test_only_prompt_blocks_are_written_behind_by_default():
         asyncio.run(store.add_request("r", prompt, SamplingParams(max_tokens=8)))
         store.on_stored(hashes)  # the prompt's two full blocks, then two of generated tokens
         assert list(store._queue) == expected
+
+
+def test_with_the_host_tier_blocks_are_written_once_its_slots_hold_them():
+    from deepinfer.engine.block_pool import Stored
+
+    hashes = hash_blocks(list(range(1, 17)), BLOCK, FINGERPRINT, "")
+    events = [Stored(hashes[:2], None), Stored(hashes[2:], None, tier="host")]
+    store = tier(kv_store_write_generated=True)
+    store.on_kv_events(events)
+    assert list(store._queue) == hashes[:2]  # no host tier: the device's cache events
+    store = tier(kv_store_write_generated=True)
+    store.engine = AddOnly()
+    store.engine.core = SimpleNamespace(**{**vars(AddOnly.core), "host_tier": object()})
+    store.on_kv_events(events)
+    assert list(store._queue) == hashes[2:]  # host tier on: its slots are what write-behind reads

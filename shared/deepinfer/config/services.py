@@ -280,7 +280,8 @@ class WorkerSettings(ServiceSettings):
     )
     kv_store_write_generated: bool = Field(
         False, description="Also write behind the blocks of generated tokens, not only prompt blocks (LMCache's "
-        "save_decode_cache): every 16 generated tokens then cost a device-to-host copy on the engine thread.",
+        "save_decode_cache). With the host tier on they are sent from its pinned slots (no copy on the engine "
+        "thread); without it each write-behind round gathers its blocks from the device on the engine thread.",
     )
     kv_store_shard_lease_s: float = Field(
         3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."

@@ -5,6 +5,7 @@ A slot's life (its bytes live in deepinfer.engine.host_tier's pinned tensor):
     free ─ reserve(hash) ─► writing (pinned, not indexed) ─ commit ─► indexed (LRU) ─ reserve(other) evicts ─► ...
                                                          └ abort ─► free
     indexed ─ pin (a load reads it) ─► pinned ─ unpin ─► indexed
+    indexed ─ pin_held (write-behind reads it off the engine thread) ─► pinned ─ unpin ─► indexed
 
 Only indexed slots are hits, so a block is found only once its device→host copy completed; a pinned slot (being
 written, or read by a load) is never evicted or reused. A full pool evicts its least recently used unpinned slot;
@@ -112,8 +113,19 @@ class HostPool:
             slots.append(slot)
         return slots
 
+    def pin_held(self, block_hashes: Sequence[bytes]) -> list[int | None]:
+        """Pin the held ones among block_hashes for a reader that is not a load (write-behind): no LRU change, no
+        use recorded. Their slots, None for blocks not held; unpin() the slots when done."""
+        slots: list[int | None] = []
+        for block_hash in block_hashes:
+            slot = self._index.get(block_hash)
+            if slot is not None:
+                self._pins[slot] += 1
+            slots.append(slot)
+        return slots
+
     def unpin(self, slots: Sequence[int]) -> None:
-        """A load finished reading these slots."""
+        """A load (or write-behind) finished reading these slots."""
         for slot in slots:
             assert self._pins[slot] > 0, f"slot {slot} is not pinned"
             self._pins[slot] -= 1

@@ -16,7 +16,9 @@
 Write-through and not a copy at eviction: a block is evicted when the step being scheduled needs it, so a copy
 then would sit on that step's critical path (vLLM's CPU offloading also stores at compute time).
 
-A host slot is one block in export_blocks' payload format (layer-major), so a slot is also a ready store payload.
+A host slot is one block in export_blocks' payload format (layer-major), so a slot is also a ready store payload:
+write-behind pins the slots it writes (`pin_views`, engine thread, no copy) and sends their read-only views from
+the event loop; `release` (any thread) queues the unpin, done by the engine thread at its next step.
 On the CPU (the tier forced on by an explicit kv_host_cache_bytes, for tests) copies run synchronously but a load
 goes through the same loading state. All methods run on the engine thread.
 """
@@ -94,6 +96,10 @@ class HostTier:
         self.ops = ops if ops is not None else get_ops("cuda" if self.cuda else "cpu")
         self._layers = layer_table(self.kv_caches)
         self.host = torch.empty((num_slots, self.block_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        #: The pinned pool's bytes, read-only: write-behind's views of pinned slots (no copy).
+        self._host_bytes = memoryview(self.host.numpy().reshape(-1)).toreadonly()
+        #: Slot lists write-behind is done reading (appended by any thread; unpinned on the engine thread).
+        self._released: deque[list[int]] = deque()
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             chunk = max(1, min(num_slots, STAGING_BYTES // self.block_nbytes))
@@ -168,7 +174,9 @@ class HostTier:
         return True
 
     def poll(self, scheduler: Scheduler) -> None:
-        """At the start of a step: finish the copies that completed (never waits for one)."""
+        """At the start of a step: finish the copies that completed (never waits for one); unpin what write-behind
+        released."""
+        self.unpin_released()
         self._finish_offloads()
         for request_id, copy in list(self._loads.items()):
             if copy.event is None or copy.event.query():
@@ -244,6 +252,24 @@ class HostTier:
             slot = self.pool.lookup(block_hash)
             out.append(None if slot is None else self.host[slot].numpy().tobytes())
         return out
+
+    def pin_views(self, block_hashes: Sequence[bytes]) -> tuple[list[int | None], list[memoryview | None]]:
+        """(slot, read-only view of its bytes) of each block held here, None for the others: pinned, so neither
+        evicted nor rewritten until `release(slots)`; the views are payloads (export_blocks' format), uncopied,
+        readable from any thread meanwhile. O(1) per block: a lookup, a pin, a slice."""
+        self.unpin_released()
+        slots, size, data = self.pool.pin_held(block_hashes), self.block_nbytes, self._host_bytes
+        return slots, [None if slot is None else data[slot * size : (slot + 1) * size] for slot in slots]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Any thread: done with the views of these pinned slots (unpinned at the engine thread's next step)."""
+        if slots:
+            self._released.append(list(slots))  # deque.append / popleft are atomic: no lock
+
+    def unpin_released(self) -> None:
+        """Engine thread: unpin the slots released since the last call."""
+        while self._released:
+            self.pool.unpin(self._released.popleft())
 
     # -- copies -------------------------------------------------------------------------------------------------
     def copy_to_host(self, block_ids: list[int], slots: list[int]) -> torch.cuda.Event | None:

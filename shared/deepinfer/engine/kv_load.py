@@ -5,6 +5,7 @@ export of cached blocks for write-behind. The network side lives in deepinfer.wo
     (the worker fetches the payloads; the engine keeps stepping the other requests meanwhile)
     finish_load  payloads → import into those blocks → the request runs from its first token not loaded
     fail_load    the fetch failed or timed out → the blocks are dropped unused, the prompt is recomputed
+    pin_cached   write-behind: the payloads of cached blocks to put (host slots pinned, no copy) → release()
 
 All of these touch scheduler state and KV tensors: call them on the engine thread, between steps.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from deepinfer.dataplane.frames import BytesLike
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.host_tier import HostTier
 from deepinfer.engine.kv_transfer import export_blocks, import_blocks
 from deepinfer.sampling.params import SamplingParams
 
@@ -91,3 +94,34 @@ def export_cached(core: EngineCore, block_hashes: Sequence[bytes]) -> tuple[list
     device_ids = [ref for _, ref in found if isinstance(ref, int)]
     exported = iter(export_blocks(core.runner.kv_caches, device_ids) if device_ids else ())
     return [h for h, _ in found], [ref if isinstance(ref, bytes) else next(exported) for _, ref in found]
+
+
+@dataclass
+class CachedPayloads:
+    """Blocks to write behind: `payloads` are read-only views of pinned host slots (or, with no host tier, copies
+    exported from the device), valid until `release()` (any thread: the engine thread unpins at its next step)."""
+
+    block_hashes: list[bytes]
+    payloads: list[BytesLike]
+    slots: list[int] = field(default_factory=list)
+    host_tier: HostTier | None = None
+
+    def release(self) -> None:
+        """Done reading the payloads (idempotent)."""
+        if self.host_tier is not None:
+            self.host_tier.release(self.slots)
+        self.slots, self.payloads = [], []
+
+
+def pin_cached(core: EngineCore, block_hashes: Sequence[bytes]) -> CachedPayloads:
+    """The blocks still cached, in order, for write-behind; the others are left out. With the host tier: only the
+    blocks it holds, each slot pinned and handed out as a view (a lookup and a pin per block: no copy, no device
+    work on the engine thread); a block not (or no longer) held there is left out, never gathered from the device.
+    Without it: export_cached's device export (one gather, and a device→host copy the engine thread waits for)."""
+    host_tier = core.host_tier
+    if host_tier is None:
+        kept, payloads = export_cached(core, block_hashes)
+        return CachedPayloads(kept, list(payloads))
+    slots, views = host_tier.pin_views(block_hashes)
+    held = [(h, slot, view) for h, slot, view in zip(block_hashes, slots, views, strict=True) if view is not None]
+    return CachedPayloads([h for h, _, _ in held], [v for _, _, v in held], [s for _, s, _ in held], host_tier)

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import DEVICE_TIER, KvCacheEvent, Stored
+from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
@@ -332,8 +332,7 @@ class WorkerRuntime:
         if outputs:
             self.on_outputs(outputs)
         if events and self.store is not None:
-            self.store.on_stored([h for event in events if isinstance(event, Stored) and event.tier == DEVICE_TIER
-                                  for h in event.block_hashes])
+            self.store.on_kv_events(events)
         if events:
             batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
             run_eagerly(self.tasks, self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch),

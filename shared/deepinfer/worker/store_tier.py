@@ -7,10 +7,12 @@
                        of the plan are read from the host tier, the rest ─ get (load_timeout_s) ─► finish_load:
                        runs from its first token not loaded
                        a failed or late get ─► fail_load: recomputed, the blocks never served
-    write-behind  prompt blocks entering the prefix cache (the step's Stored events; generated blocks too with
-                kv_store_write_generated) ─► bounded queue (full: dropped,
-                counted) ─► background task: has → export the missing ones on the engine thread between steps
-                (still cached; evicted ones are dropped, counted) → put to their shards
+    write-behind  prompt blocks entering the cache (generated blocks too with kv_store_write_generated): with
+                the host tier, its Stored events (the block's host slot is written); without, the device's
+                ─► bounded queue (full: dropped, counted) ─► background task: has → on the engine thread between
+                steps, the missing ones still cached: host tier on, their slots pinned and read-only views of
+                them handed out (no copy, no device work); off, exported from the device (evicted ones are
+                dropped, counted) → put to their shards from the views (event loop) → the slots released
 
 Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.kvcache.hashing that the gateway and
 scheduler use. With no live shard, or `kv_store` off, nothing here touches the network.
@@ -29,8 +31,10 @@ from prometheus_client import CollectorRegistry
 
 from deepinfer.bus import MessageBus
 from deepinfer.config import WorkerSettings
+from deepinfer.engine.block_pool import DEVICE_TIER, KvCacheEvent, Stored
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.kv_load import LoadPlan, export_cached, fail_load, finish_load, start_load
+from deepinfer.engine.host_pool import HOST_TIER
+from deepinfer.engine.kv_load import LoadPlan, fail_load, finish_load, pin_cached, start_load
 from deepinfer.engine.outputs import EngineOutput
 from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.kvcache.hashing import hash_blocks
@@ -173,8 +177,17 @@ class StoreTier:
             self.m_loaded_bytes.inc(sum(len(p) for p, held in zip(payloads, local, strict=True) if held is None))
 
     # -- write-behind -------------------------------------------------------------------------------------------
+    def on_kv_events(self, events: Sequence[KvCacheEvent]) -> None:
+        """A step's KV events (event loop): the blocks that became writable behind. With the host tier, those its
+        offload stored (written behind from their pinned slots, never gathered from the device); without it,
+        those that entered the device prefix cache."""
+        tier = DEVICE_TIER if self.engine.core.host_tier is None else HOST_TIER
+        hashes = [h for event in events if isinstance(event, Stored) and event.tier == tier for h in event.block_hashes]
+        if hashes:
+            self.on_stored(hashes)
+
     def on_stored(self, block_hashes: Sequence[bytes]) -> None:
-        """Blocks that just entered the device prefix cache (event loop; never blocks)."""
+        """Blocks that just became writable behind (event loop; never blocks)."""
         if not self.client.has_shards():
             return
         limit, any_block = self.settings.kv_store_write_queue_blocks, self.settings.kv_store_write_generated
@@ -213,16 +226,21 @@ class StoreTier:
         missing = [h for h, held in zip(hashes, present, strict=True) if not held]
         if not missing:
             return
-        kept, payloads = await self.engine.call(lambda core: export_cached(core, missing))
+        cached = await self.engine.call(lambda core: pin_cached(core, missing))
+        kept = cached.block_hashes
         if len(kept) < len(missing):
             self.m_dropped.labels("evicted").inc(len(missing) - len(kept))
         if not kept:
             return
-        started = time.perf_counter()
-        await self.client.put(self.layout_id, kept, payloads)
+        try:
+            num_bytes = sum(memoryview(p).nbytes for p in cached.payloads)
+            started = time.perf_counter()
+            await self.client.put(self.layout_id, kept, cached.payloads)
+        finally:  # sent, failed or cancelled: the engine thread unpins the host slots at its next step
+            cached.release()
         self.m_write_s.observe(time.perf_counter() - started)
         self.m_written_blocks.inc(len(kept))
-        self.m_written_bytes.inc(sum(len(p) for p in payloads))
+        self.m_written_bytes.inc(num_bytes)
         self._remember(kept)
 
     def _remember(self, hashes: Sequence[bytes], known: OrderedDict[bytes, None] | None = None) -> None:

@@ -4,6 +4,8 @@ that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcac
     blocks ─ group_by_shard(hashes, live shards) ─► one data-plane request per shard, all shards concurrently
                                                    (reads and writes on separate connections: a write-behind put
                                                    never queues a load behind it)
+    put: on writer threads (one per shard at a time), over blocking sockets: the blocks' bytes go from the
+         caller's buffers (write-behind: views of pinned host slots) to the kernel, no copy, not on the loop
 
 A shard that is down, slow or gone turns its blocks into misses for `has` (never an error); `get` is all or
 nothing like the data plane and raises, so the caller recomputes. Methods run on the event loop.
@@ -15,16 +17,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer import subjects
 from deepinfer.bus import MessageBus, Subscriptions
 from deepinfer.dataplane import DataPlaneClient, DataPlaneConnectionError, DataPlaneError
+from deepinfer.dataplane.blocking import BlockingPutClient
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.kvcache.client.shards import Shard, ShardSet
 from deepinfer.kvcache.rendezvous import group_by_shard
 from deepinfer.protocol import KvStoreHeartbeat
 
 log = logging.getLogger(__name__)
+
+#: Writer threads: puts to this many shards run at once.
+PUT_THREADS = 4
 
 
 class StoreUnavailable(DataPlaneError):
@@ -40,6 +47,8 @@ class KvStoreClient:
         self.timeout_s = timeout_s
         self.shards = shards or ShardSet(shard_lease_s)
         self._clients: dict[tuple[str, str], DataPlaneClient] = {}
+        self._putters: dict[str, BlockingPutClient] = {}
+        self._put_threads = ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvstore-put")
         self._subscriptions: Subscriptions | None = None
 
     async def start(self, bus: MessageBus) -> None:
@@ -56,6 +65,10 @@ class KvStoreClient:
         for client in clients:
             with contextlib.suppress(Exception):
                 await client.close()
+        putters, self._putters = list(self._putters.values()), {}
+        for putter in putters:
+            putter.close()
+        self._put_threads.shutdown(wait=False, cancel_futures=True)
 
     def has_shards(self) -> bool:
         """True while at least one shard is live."""
@@ -92,16 +105,29 @@ class KvStoreClient:
         return [p for p in payloads if p is not None]
 
     async def put(self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> int:
-        """Store blocks on their shards; the number of blocks sent. Raises on the first failed shard."""
+        """Store blocks on their shards; the number of blocks sent. Raises on the first failed shard. Each
+        shard's put runs on a writer thread (each socket operation bounded by timeout_s there) and is waited for
+        even when this call is cancelled: the payloads are read until it returns."""
         groups = self._groups(block_hashes)
         if block_hashes and not groups:
             raise StoreUnavailable("no live kvcache shard")
+        loop = asyncio.get_running_loop()
 
         async def send(shard: Shard, indexes: list[int]) -> None:
-            await self._client(shard, "write").put_blocks(
-                layout_id, [block_hashes[i] for i in indexes], [payloads[i] for i in indexes])
+            putter = self._putters.get(shard.data_plane_address)
+            if putter is None:
+                putter = BlockingPutClient(shard.data_plane_address, self.secret, self.timeout_s)
+                self._putters[shard.data_plane_address] = putter
+            await loop.run_in_executor(self._put_threads, putter.put_blocks, layout_id,
+                                       [block_hashes[i] for i in indexes], [payloads[i] for i in indexes])
 
-        await self._each_shard(groups, send, fail_quietly=False)
+        sends = asyncio.gather(*(send(shard, indexes) for shard, indexes in groups.items()), return_exceptions=True)
+        try:
+            results = await asyncio.shield(sends)
+        except asyncio.CancelledError:
+            await sends  # the threads still read the payloads: return only once they are done
+            raise
+        self._raise_first(list(groups), results, fail_quietly=False)
         return len(block_hashes)
 
     # -- internals ----------------------------------------------------------------------------------------------
@@ -115,6 +141,10 @@ class KvStoreClient:
         results = await asyncio.gather(
             *(asyncio.wait_for(work(shard, groups[shard]), self.timeout_s) for shard in shards),
             return_exceptions=True)
+        self._raise_first(shards, results, fail_quietly=fail_quietly)
+
+    def _raise_first(self, shards: list[Shard], results: list, *, fail_quietly: bool) -> None:
+        """Forget the shards whose connection failed; raise the first error unless fail_quietly."""
         first_error: BaseException | None = None
         for shard, result in zip(shards, results, strict=True):
             if not isinstance(result, BaseException):
