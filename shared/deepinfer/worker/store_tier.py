@@ -320,10 +320,11 @@ async def load_staged(
 
     try:
         for first in range(0, len(hashes), pool.chunk_blocks):
-            if imports and imports[-1].done() and not imports[-1].result():
-                break
             num_rows = min(pool.chunk_blocks, len(hashes) - first)
             chunk = await pool.acquire()
+            if any(t.done() and (t.exception() is not None or not t.result()) for t in imports):
+                pool.release(chunk)  # an import refused (the request left) or failed: no more gets
+                break
             try:
                 await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
                                      local[first : first + num_rows], chunk.views[:num_rows])
