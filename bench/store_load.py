@@ -13,7 +13,7 @@ runs there, FIFO) with CPU caches of that shape. Each rep loads every block once
              reusable staging pool ─► engine thread: import_rows (one scatter_blocks of every layer) while the
              loop receives the next chunk; the engine thread's work is O(chunks)
 
-Columns: lookup (has), get (loop: wall of the receives; loop CPU: the event-loop thread's CPU time over the load,
+Columns: lookup (has), get (wall of the receives; staged: of the whole pipeline, the imports overlapped with it; loop CPU: the event-loop thread's CPU time over the load,
 checksums included; checksum: xxh3-64 of the same bytes timed alone), engine (the engine thread's busy time:
 staging allocation, memcpy, scatter), total (lookup → imported). Medians of --reps. What only a GPU measures (the
 pinned allocation's cost, the H2D copy and its overlap with the receive) is not here: on the CPU the "device"
