@@ -20,6 +20,7 @@ from deepinfer.dataplane import (
     DataPlaneConnectionError,
     DataPlaneServer,
     DataPlaneTimeout,
+    FrameError,
     FrameHeader,
     FrameOp,
     LeaseExpired,
@@ -362,3 +363,31 @@ async def test_export_serve_pull_import_is_bitwise_equal(secret):
     import_blocks(dst, dst_ids, payloads)
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(a[:, src_ids].view(torch.int16), b[:, dst_ids].view(torch.int16))
+
+
+async def test_get_into_buffers_receives_in_place_and_checks_every_block(secret):
+    provider = InMemoryBlockProvider()
+    block_ids = [10, 11, 12, 13]
+    payloads = _blocks(4, 256 * 1024, seed=5)  # past the stream's staging: straight from the socket
+    provider.add_lease("req-1", block_ids, payloads)
+    rows = bytearray(4 * 256 * 1024)
+    views = [memoryview(rows)[i * 256 * 1024 : (i + 1) * 256 * 1024] for i in range(4)]
+    async with serving(provider, secret) as server:
+        async with DataPlaneClient(server.address, secret, max_blocks_per_request=3) as client:
+            got = await client.get_blocks("req-1", block_ids, into=views)  # two frames: 3 + 1 blocks
+            assert [g.obj for g in got] == [rows] * 4 and bytes(rows) == b"".join(payloads)
+            with pytest.raises(FrameError, match="buffer of 1000"):
+                await client.get_blocks("req-1", block_ids[:1], into=[memoryview(bytearray(1000))])
+            with pytest.raises(ValueError, match="1 buffers for 2 blocks"):
+                await client.get_blocks("req-1", block_ids[:2], into=views[:1])
+            assert await client.get_blocks("req-1", block_ids[1:2]) == payloads[1:2]  # reconnected, in sync
+        proxy = CorruptingProxy(server.port, to_client=True, block_index=1)
+        address = await proxy.start()
+        try:
+            async with DataPlaneClient(address, secret) as client:
+                with pytest.raises(ChecksumError, match=r"block id 11 \(#1 of 4\)"):
+                    await client.get_blocks("req-1", block_ids, into=views)
+                await client.get_blocks("req-1", block_ids, into=views)
+                assert bytes(rows) == b"".join(payloads)
+        finally:
+            proxy.close()

@@ -4,6 +4,8 @@ scheduling; payloads that do not fit are refused and recomputed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -98,3 +100,57 @@ def test_payloads_that_do_not_fit_or_a_failed_load_recompute(tiny_dir, stored):
     first = fresh.step()[0]
     assert (first.num_cached_tokens, first.num_store_cached_tokens) == (0, 0)
     assert first.new_token_ids + run(fresh)["t"] == reference
+
+
+def _staged_chunks(core, payloads, chunk_blocks):
+    """A StagingPool for this engine's caches, and per chunk (first, rows) holding `payloads`."""
+    from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
+
+    pool = StagingPool(block_nbytes(core.runner.kv_caches), chunk_blocks, num_chunks=2, pin=False)
+    chunks = []
+    for first in range(0, len(payloads), chunk_blocks):
+        chunk = asyncio.run(pool.acquire())
+        part = payloads[first : first + chunk_blocks]
+        for view, payload in zip(chunk.views, part, strict=False):
+            view[:] = payload
+        chunks.append((first, chunk.rows[: len(part)]))
+    return pool, chunks
+
+
+def test_a_prefix_imported_chunk_by_chunk_gives_the_recomputed_tokens(tiny_dir, stored):
+    from deepinfer.engine.kv_load import complete_load, import_chunk
+
+    reference, hashes, payloads = stored
+    core = engine(tiny_dir)
+    core.add_request("other", OTHER, GREEDY)
+    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    pool, chunks = _staged_chunks(core, payloads, chunk_blocks=3)  # chunks of 3 and 1 blocks
+    tokens: dict[str, list[int]] = {}
+    for first, rows in chunks:  # steps between the chunks: the loading request is not scheduled, its blocks unseen
+        assert import_chunk(core, plan, first, rows, pool) == (True, None)
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert "r" not in tokens
+        assert core.scheduler.block_pool.get_cached_block(hashes[0]) is None  # cached only by complete_load
+    assert complete_load(core, plan)
+    first = core.step()
+    assert [o.num_store_cached_tokens for o in first if o.request_id == "r"] == [16]
+    for out in first:
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert run(core, tokens)["r"] == reference
+
+
+def test_an_aborted_load_writes_no_later_chunk(tiny_dir, stored):
+    from deepinfer.engine.kv_load import complete_load, import_chunk
+
+    reference, hashes, payloads = stored
+    core = engine(tiny_dir)
+    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    pool, chunks = _staged_chunks(core, payloads, chunk_blocks=2)
+    assert import_chunk(core, plan, *chunks[0], pool)[0]
+    core.abort_requests(["r"])  # its blocks are free again: another request may own them now
+    before = [kv.clone() for kv in core.runner.kv_caches]
+    assert import_chunk(core, plan, *chunks[1], pool) == (False, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, core.runner.kv_caches, strict=True))
+    assert not complete_load(core, plan)
+    assert core.scheduler.block_pool.num_free_blocks == core.kv_plan.num_blocks - 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +169,39 @@ def test_round_trip_on_device(dtype):
     torch.cuda.synchronize()
     for a, b in zip(src, dst, strict=True):
         assert torch.equal(_bits(a[:, src_ids]), _bits(b[:, dst_ids]))
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_import_rows_writes_what_import_blocks_writes(latent):
+    from deepinfer.engine.kv_transfer import StagingPool, import_rows
+    from deepinfer.kernels import get_ops
+
+    gen = torch.Generator().manual_seed(7)
+    shape = (9, 4, 24) if latent else (2, 9, 4, 2, 8)
+    source = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    payloads = export_blocks(source, [3, 1, 5])
+    by_blocks = [torch.zeros_like(kv) for kv in source]
+    by_rows = [torch.zeros_like(kv) for kv in source]
+    import_blocks(by_blocks, [6, 2, 8], payloads)
+    pool = StagingPool(block_nbytes(source), chunk_blocks=4, num_chunks=1, pin=False)
+    chunk = asyncio.run(pool.acquire())
+    for view, payload in zip(chunk.views, payloads, strict=False):
+        view[:] = payload
+    assert import_rows(by_rows, [6, 2, 8], chunk.rows[:3], get_ops("cpu")) is None  # CPU: done on return
+    for a, b in zip(by_blocks, by_rows, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert _bits(by_rows[0]).abs().sum() > 0
+
+
+def test_import_rows_refuses_wrong_rows_and_ids():
+    from deepinfer.engine.kv_transfer import import_rows
+    from deepinfer.kernels import get_ops
+
+    caches = _caches(2, 5, 4, 2, 8, torch.float32, seed=1)
+    rows = torch.zeros((2, block_nbytes(caches)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="rows must be"):
+        import_rows(caches, [1, 2, 3], rows, get_ops("cpu"))
+    with pytest.raises(ValueError, match="padding block"):
+        import_rows(caches, [0, 1], rows, get_ops("cpu"))
+    with pytest.raises(ValueError, match="duplicate"):
+        import_rows(caches, [2, 2], rows, get_ops("cpu"))

@@ -6,6 +6,9 @@ request at a time keeps recovery trivial: any failure mid-frame (timeout, connec
 bad frame) closes the connection and the next call reconnects, so a half-read stream is never reused. An
 error *reply* is a complete frame and leaves the connection usable. Use one client per peer; callers that
 want parallel streams to one peer make several clients.
+
+The connection is a BlockStream: a get's blocks are received straight into the caller's buffers (`into`, e.g.
+the rows of a staging pool) or into one buffer each, and each block's checksum is taken as it lands.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ from deepinfer.dataplane.frames import (
     FrameLimits,
     FrameOp,
     byte_view,
+    check_checksums,
+    checksum,
     frame_buffers,
     payload_fields,
     read_header,
-    read_payload,
-    verify_checksums,
     write_frame,
 )
 from deepinfer.dataplane.metrics import DataPlaneMetrics
+from deepinfer.dataplane.stream import BlockStream
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -72,8 +76,8 @@ class DataPlaneClient:
         self.metrics = DataPlaneMetrics()
         self._key = secret_key(secret)
         self._lock = asyncio.Lock()
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._reader: BlockStream | None = None
+        self._writer: BlockStream | None = None
         self._next_correlation_id = 1
 
     async def __aenter__(self) -> DataPlaneClient:
@@ -89,9 +93,12 @@ class DataPlaneClient:
         *,
         block_hashes: Sequence[bytes] = (),
         layout_id: str = "",
-    ) -> list[bytes]:
+        into: Sequence[memoryview] | None = None,
+    ) -> list[BytesLike]:
         """Pull blocks by owner-local id within the lease `request_id` and/or by hash, every checksum verified.
 
+        `into`: one writable buffer per block, of its exact size, that the block is received into (and returned
+        as); without it each block is a `bytes`. On any error the buffers hold unverified bytes: discard them.
         Raises LeaseExpired (lease unknown or ended), BlockNotFound, ChecksumError naming the block,
         DataPlaneTimeout, DataPlaneConnectionError, or DataPlaneError carrying the server's message.
         """
@@ -99,7 +106,9 @@ class DataPlaneClient:
         if block_ids and block_hashes and len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block_ids but {len(block_hashes)} block_hashes")
         num_blocks = len(block_ids) or len(block_hashes)
-        blocks: list[bytes] = []
+        if into is not None and len(into) != num_blocks:
+            raise ValueError(f"{len(into)} buffers for {num_blocks} blocks")
+        blocks: list[BytesLike] = []
         for start in range(0, num_blocks, self.max_blocks_per_request):
             end = start + self.max_blocks_per_request
             request = FrameHeader(
@@ -113,7 +122,7 @@ class DataPlaneClient:
             labels = [f"id {i}" for i in block_ids[start:end]] or [
                 f"hash {h.hex()}" for h in block_hashes[start:end]
             ]
-            reply, chunk = await self._request(request, [], labels)
+            reply, chunk = await self._request(request, [], labels, None if into is None else into[start:end])
             if len(chunk) != len(labels):
                 raise DataPlaneError(f"{self.address} sent {len(chunk)} blocks for {len(labels)} requested")
             blocks.extend(chunk)
@@ -167,20 +176,24 @@ class DataPlaneClient:
         return self._next_correlation_id - 1
 
     async def _request(
-        self, request: FrameHeader, payloads: Sequence[memoryview], labels: Sequence[str] | None
-    ) -> tuple[FrameHeader, list[bytes]]:
+        self,
+        request: FrameHeader,
+        payloads: Sequence[memoryview],
+        labels: Sequence[str] | None,
+        into: Sequence[memoryview] | None = None,
+    ) -> tuple[FrameHeader, list[BytesLike]]:
         """One round trip under the lock; the connection is dropped on anything but a complete reply."""
         buffers = frame_buffers(request, payloads, self.limits)  # FrameTooLarge before anything is sent
         async with self._lock:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    reply, blocks = await self._round_trip(buffers)
+                    reply, blocks, checksums = await self._round_trip(buffers, into)
                 if reply.correlation_id != request.correlation_id:
                     raise FrameError(
                         f"reply for request {reply.correlation_id}, expected {request.correlation_id}"
                     )
                 if labels is not None and reply.op == FrameOp.REPLY:
-                    verify_checksums(blocks, reply, labels)
+                    check_checksums(checksums, reply, labels)
             except BaseException as exc:
                 await self._drop()
                 if isinstance(exc, TimeoutError) and not isinstance(exc, DataPlaneError):
@@ -198,7 +211,9 @@ class DataPlaneClient:
             raise error_from_code(reply.error_code, f"{self.address}: {reply.error_message}")
         return reply, blocks
 
-    async def _round_trip(self, buffers: list[BytesLike]) -> tuple[FrameHeader, list[bytes]]:
+    async def _round_trip(
+        self, buffers: list[BytesLike], into: Sequence[memoryview] | None
+    ) -> tuple[FrameHeader, list[BytesLike], list[int]]:
         for attempt in range(2):
             reused = self._writer is not None
             reader, writer = await self._connection()
@@ -213,19 +228,20 @@ class DataPlaneClient:
                     continue
                 raise DataPlaneConnectionError(f"{self.address} closed the connection: {exc!r}") from exc
             try:
-                return reply, await read_payload(reader, reply)
+                return reply, *await _read_blocks(reader, reply, into)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 raise DataPlaneConnectionError(
                     f"{self.address} closed the connection mid-reply: {exc!r}"
                 ) from exc
         raise AssertionError("unreachable")
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connection(self) -> tuple[BlockStream, BlockStream]:
         if self._reader is not None and self._writer is not None and not self._reader.at_eof():
             return self._reader, self._writer
         await self._drop()
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+            _, stream = await asyncio.get_running_loop().create_connection(BlockStream, self.host, self.port)
+            reader = writer = stream
         except OSError as exc:
             raise DataPlaneConnectionError(
                 f"cannot connect to the data plane at {self.address}: {exc}"
@@ -249,3 +265,21 @@ class DataPlaneClient:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+async def _read_blocks(
+    stream: BlockStream, reply: FrameHeader, into: Sequence[memoryview] | None
+) -> tuple[list[BytesLike], list[int]]:
+    """The reply's blocks (into the caller's buffers when given) and each one's xxh3-64, taken as it lands."""
+    if reply.op != FrameOp.REPLY or into is None:
+        blocks: list[BytesLike] = [await stream.readexactly(size) for size in reply.sizes]
+        return blocks, [checksum(block) for block in blocks]
+    if len(reply.sizes) != len(into):
+        raise FrameError(f"reply carries {len(reply.sizes)} blocks for {len(into)} buffers")
+    checksums = []
+    for size, buffer in zip(reply.sizes, into, strict=True):
+        if size != buffer.nbytes:
+            raise FrameError(f"reply block of {size} bytes for a buffer of {buffer.nbytes}")
+        await stream.readinto(buffer)
+        checksums.append(checksum(buffer))
+    return list(into), checksums

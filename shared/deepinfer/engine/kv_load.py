@@ -4,6 +4,8 @@ export of cached blocks for write-behind. The network side lives in deepinfer.wo
     start_load   a new request → WAITING_FOR_REMOTE_KVS, blocks allocated for its stored prefix (or None)
     (the worker fetches the payloads; the engine keeps stepping the other requests meanwhile)
     finish_load  payloads → import into those blocks → the request runs from its first token not loaded
+    (staged: import_chunk per chunk of staging rows as it arrives, each only while the request still loads,
+    then complete_load; the blocks are cached only then, so a failed load never serves a partial prefix)
     fail_load    the fetch failed or timed out → the blocks are dropped unused, the prompt is recomputed
     pin_cached   write-behind: the payloads of cached blocks to put (host slots pinned, no copy) → release()
 
@@ -16,10 +18,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.host_tier import HostTier
-from deepinfer.engine.kv_transfer import export_blocks, import_blocks
+from deepinfer.engine.kv_transfer import StagingPool, export_blocks, import_blocks, import_rows
+from deepinfer.kernels.torch_block_copy import layer_table
 from deepinfer.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,34 @@ def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes], num
     except ValueError as exc:  # wrong count or size: the blocks stay unused, never served
         log.warning("store payloads for %s do not fit (%s): recomputing", plan.request_id, exc)
         core.scheduler.finish_loading(plan.request_id, loaded=False)
+        return False
+    core.scheduler.finish_loading(plan.request_id, loaded=True, num_host_blocks=num_host_blocks)
+    return True
+
+
+def import_chunk(core: EngineCore, plan: LoadPlan, first: int, rows: torch.Tensor, pool: StagingPool) -> tuple[
+        bool, torch.cuda.Event | None]:
+    """Write rows (verified payloads, in staging) into the plan's blocks [first, first + len(rows)): one
+    import_rows (O(1) launches). (False, None) when the request no longer loads (aborted: its blocks may belong to
+    another request now; nothing is written) or the rows do not fit; else (True, the event after which the rows
+    may be reused)."""
+    if plan.request_id not in core.scheduler.loading:
+        return False, None
+    kv_caches = core.runner.kv_caches
+    if pool.layers is None:
+        pool.layers = layer_table(kv_caches)
+    try:
+        return True, import_rows(kv_caches, plan.block_ids[first : first + rows.shape[0]], rows, core.ops,
+                                 pool.layers)
+    except ValueError as exc:
+        log.warning("store payloads for %s do not fit (%s): recomputing", plan.request_id, exc)
+        return False, None
+
+
+def complete_load(core: EngineCore, plan: LoadPlan, num_host_blocks: int = 0) -> bool:
+    """Every chunk of the plan was imported (import_chunk): the blocks are cached and the request runs. False
+    when it was aborted meanwhile."""
+    if plan.request_id not in core.scheduler.loading:
         return False
     core.scheduler.finish_loading(plan.request_id, loaded=True, num_host_blocks=num_host_blocks)
     return True

@@ -12,28 +12,39 @@ Payload of one block (layer-major), raw little-endian bytes of the cache dtype (
 
 i.e. a C-order [num_layers, 2, block_size, num_kv_heads, head_dim] array.
 
+A store load lands its payloads in a StagingPool's rows (reused; pinned on CUDA, so no per-load cudaHostAlloc and
+no memcpy after the receive) and `import_rows` moves a chunk of rows into its blocks: one host→device copy and
+one scatter_blocks of every layer (one launch on CUDA), so the engine thread's work per load is O(chunks).
+
 Latent (MLA) caches are [num_blocks, block_size, latent_dim] per layer; a block's payload is then the C-order
 [num_layers, block_size, latent_dim] array (KvLayout.latent_dim set, kv_layout "latent").
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from deepinfer.dataplane.buffers import prefault
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.dataplane.layout import LayoutMismatch, check_layout
+from deepinfer.kernels import KernelOps
+from deepinfer.kernels.torch_block_copy import LayerTable
 from deepinfer.protocol.kv import KvLayout
 
 __all__ = [
     "LayoutMismatch",
+    "StagingChunk",
+    "StagingPool",
     "block_nbytes",
     "check_layout",
     "export_blocks",
     "import_blocks",
+    "import_rows",
     "kv_layout_of",
 ]
 
@@ -158,3 +169,86 @@ def import_blocks(
     on_device = typed.to(first.device, non_blocking=pin)
     for layer, kv in enumerate(kv_caches):
         kv.index_copy_(dim, index, on_device[:, layer].movedim(0, dim))
+
+
+def import_rows(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], rows: torch.Tensor, ops: KernelOps,
+    table: LayerTable | None = None,
+) -> torch.cuda.Event | None:
+    """Write rows [n, block nbytes] (uint8 on the host, export_blocks' format; pinned on CUDA) into these block
+    ids: one host→device copy and one ops.scatter_blocks of every layer, on the current stream (so the steps after
+    it see the blocks). On CUDA the event after which the rows may be reused (None: done already). ValueError for
+    a wrong shape or block id."""
+    first = _check_caches(kv_caches)
+    nbytes = block_nbytes(kv_caches)
+    if rows.dtype != torch.uint8 or tuple(rows.shape) != (len(block_ids), nbytes):
+        raise ValueError(f"rows must be [{len(block_ids)}, {nbytes}] uint8, got {tuple(rows.shape)} {rows.dtype}")
+    if not block_ids:
+        return None
+    for block_id in block_ids:
+        if not 1 <= int(block_id) < first.shape[_block_dim(first)]:
+            raise ValueError(f"block id {block_id} outside the cache (block 0 is the padding block)")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"duplicate block ids in {list(block_ids)}")
+    cuda = first.device.type == "cuda"
+    ids = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
+    if not cuda:
+        ops.scatter_blocks(rows, kv_caches, ids, table)
+        return None
+    # Both copies from pinned memory, non_blocking: the engine thread only issues them.
+    on_device = rows.to(first.device, non_blocking=True)
+    ops.scatter_blocks(on_device, kv_caches, ids.pin_memory().to(first.device, non_blocking=True), table)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class StagingChunk:
+    """chunk_blocks rows of one block each: `rows` [chunk_blocks, block nbytes] uint8, and one writable
+    memoryview per row (what a get receives into)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        flat = rows.numpy()
+        self.views = [memoryview(flat[i]) for i in range(rows.shape[0])]
+        #: Set by the last import from these rows (CUDA): the rows are reused only once it has completed.
+        self.done: torch.cuda.Event | None = None
+
+
+class StagingPool:
+    """Reusable staging for store loads: num_chunks chunks of chunk_blocks rows of block_nbytes, allocated once
+    (pinned with `pin`: on CUDA that allocation costs ~0.1-0.5 s per GiB, paid here once instead of per load;
+    elsewhere their pages are mapped now), lent one chunk at a time (event loop: `acquire` / `release`).
+
+    A load holds at most a chunk or two, whatever its size, so one load's next chunk is received while the
+    engine thread imports the previous one. `layers`: the caches' LayerTable, built by the engine thread."""
+
+    def __init__(self, block_nbytes: int, chunk_blocks: int, num_chunks: int, pin: bool) -> None:
+        if block_nbytes <= 0 or chunk_blocks <= 0 or num_chunks <= 0:
+            raise ValueError("block_nbytes, chunk_blocks and num_chunks must be positive")
+        self.block_nbytes, self.chunk_blocks = block_nbytes, chunk_blocks
+        self._free: asyncio.Queue[StagingChunk] = asyncio.Queue()
+        for _ in range(num_chunks):
+            rows = torch.empty((chunk_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
+            if not pin:
+                prefault(rows.data_ptr(), rows.numel())
+            self._free.put_nowait(StagingChunk(rows))
+        self.layers: LayerTable | None = None
+
+    async def acquire(self) -> StagingChunk:
+        """A free chunk (waits for one), its last import from it complete."""
+        chunk = await self._free.get()
+        if chunk.done is not None and not chunk.done.query():
+            done = chunk.done
+            try:
+                await asyncio.to_thread(done.synchronize)
+            except BaseException:
+                self._free.put_nowait(chunk)
+                raise
+        chunk.done = None
+        return chunk
+
+    def release(self, chunk: StagingChunk, done: torch.cuda.Event | None = None) -> None:
+        """Give a chunk back; `done`: the event after which its rows are no longer read (CUDA)."""
+        chunk.done = done
+        self._free.put_nowait(chunk)

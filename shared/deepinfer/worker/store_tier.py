@@ -3,10 +3,11 @@
     admission   hashes of the request's full blocks past those the device or the host tier holds ─ has
                 (lookup_timeout_s) ─► n stored (a leading run)
                 n = 0: EngineCore.add_request (a host-tier hit loads there)
-                n > 0: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others); the host-held blocks
-                       of the plan are read from the host tier, the rest ─ get (load_timeout_s) ─► finish_load:
-                       runs from its first token not loaded
-                       a failed or late get ─► fail_load: recomputed, the blocks never served
+                n > 0: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others); then per chunk of
+                       a StagingPool's rows (load_staged): the host-held blocks copied in, the rest ─ get into
+                       the rows (checksums verified) ─► engine thread: import_chunk (one scatter_blocks) while
+                       the loop receives the next chunk ─► complete_load: runs from its first token not loaded
+                       a failed or late get (load_timeout_s) ─► fail_load: recomputed, the blocks never served
     write-behind  prompt blocks entering the cache (generated blocks too with kv_store_write_generated): with
                 the host tier, its Stored events (the block's host slot is written); without, the device's
                 ─► bounded queue (full: dropped, counted) ─► background task: has → on the engine thread between
@@ -25,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -34,7 +35,8 @@ from deepinfer.config import WorkerSettings
 from deepinfer.engine.block_pool import DEVICE_TIER, KvCacheEvent, Stored
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.host_pool import HOST_TIER
-from deepinfer.engine.kv_load import LoadPlan, fail_load, finish_load, pin_cached, start_load
+from deepinfer.engine.kv_load import LoadPlan, complete_load, fail_load, import_chunk, pin_cached, start_load
+from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
 from deepinfer.engine.outputs import EngineOutput
 from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.kvcache.hashing import hash_blocks
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 
 #: Block hashes remembered as held by the store (loaded, found or written): not written behind again.
 KNOWN_HASHES = 1 << 16
+#: Bytes of one staging chunk of a load (a get and an import each), and chunks in the pool (two loads in flight,
+#: each receiving one chunk while the engine thread imports its previous one).
+LOAD_CHUNK_BYTES = 32 << 20
+LOAD_CHUNKS = 4
 
 
 class StoreTier:
@@ -66,6 +72,7 @@ class StoreTier:
         self._wake = asyncio.Event()
         self._writing = False
         self._writer: asyncio.Task[None] | None = None
+        self._staging: StagingPool | None = None
         self._metrics(registry)
 
     def _metrics(self, registry: CollectorRegistry) -> None:
@@ -158,10 +165,14 @@ class StoreTier:
         """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all."""
         started = time.perf_counter()
         missing = [h for h, payload in zip(hashes, local, strict=True) if payload is None]
+        pool = self._staging_pool()
+
+        def import_into(first: int, rows) -> Awaitable[tuple[bool, object]]:
+            return self.engine.call(lambda core: import_chunk(core, plan, first, rows, pool))
+
         try:
-            fetched = iter(await asyncio.wait_for(self.client.get(self.layout_id, missing),
-                                                  self.settings.kv_store_load_timeout_s) if missing else [])
-            payloads = [payload if payload is not None else next(fetched) for payload in local]
+            imported = await asyncio.wait_for(load_staged(self.client, self.layout_id, hashes, local, pool,
+                                                          import_into), self.settings.kv_store_load_timeout_s)
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
@@ -169,12 +180,23 @@ class StoreTier:
             return
         self._remember(missing)  # held by the store: once cached here, not written behind again
         num_host = len(hashes) - len(missing)
-        loaded = await self.engine.call(lambda core: finish_load(core, plan, payloads, num_host))
+        loaded = imported and await self.engine.call(lambda core: complete_load(core, plan, num_host))
+        if not loaded:  # aborted meanwhile, or payloads that did not fit: recomputed (if still there)
+            await self.engine.call(lambda core: fail_load(core, plan.request_id))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
             self.m_load_s.observe(time.perf_counter() - started)
             self.m_loaded_blocks.inc(len(missing))
-            self.m_loaded_bytes.inc(sum(len(p) for p, held in zip(payloads, local, strict=True) if held is None))
+            self.m_loaded_bytes.inc(len(missing) * pool.block_nbytes)
+
+    def _staging_pool(self) -> StagingPool:
+        """The loads' staging, allocated at the first load (pinned when the caches are on CUDA)."""
+        if self._staging is None:
+            kv_caches = self.engine.core.runner.kv_caches
+            nbytes = block_nbytes(kv_caches)
+            self._staging = StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS,
+                                        pin=kv_caches[0].device.type == "cuda")
+        return self._staging
 
     # -- write-behind -------------------------------------------------------------------------------------------
     def on_kv_events(self, events: Sequence[KvCacheEvent]) -> None:
@@ -274,6 +296,58 @@ def _start_load_with_host(core: EngineCore, hashes: list[bytes], request_id: str
     if core.host_tier is None:
         return plan, [None] * len(planned)
     return plan, core.host_tier.payloads(planned)
+
+
+async def load_staged(
+    client: KvStoreClient, layout_id: str, hashes: Sequence[bytes], local: Sequence[bytes | None],
+    pool: StagingPool, import_chunk: Callable[[int, object], Awaitable[tuple[bool, object]]],
+) -> bool:
+    """Load blocks chunk by chunk through the pool: blocks in `local` (host-tier payloads) are copied into the
+    chunk's rows, the others received into them (client.get, every checksum verified), then
+    `import_chunk(first, rows)` (the engine thread: (imported, done event)) runs while the next chunk arrives.
+    False when a chunk was not imported (the request left the loading state): stop, nothing more is written.
+    Raises what client.get raises; every import already issued is waited for first (its chunk goes back to the
+    pool only once its rows are read), so nothing writes the blocks after this returns."""
+    imports: list[asyncio.Task[bool]] = []
+
+    async def run_import(chunk, first: int, num_rows: int) -> bool:
+        done = None
+        try:
+            imported, done = await import_chunk(first, chunk.rows[:num_rows])
+            return imported
+        finally:
+            pool.release(chunk, done)
+
+    try:
+        for first in range(0, len(hashes), pool.chunk_blocks):
+            num_rows = min(pool.chunk_blocks, len(hashes) - first)
+            chunk = await pool.acquire()
+            if any(t.done() and (t.exception() is not None or not t.result()) for t in imports):
+                pool.release(chunk)  # an import refused (the request left) or failed: no more gets
+                break
+            try:
+                await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
+                                     local[first : first + num_rows], chunk.views[:num_rows])
+            except BaseException:
+                pool.release(chunk)
+                raise
+            imports.append(asyncio.create_task(run_import(chunk, first, num_rows)))
+    finally:
+        results = await asyncio.gather(*imports, return_exceptions=True)
+    return len(imports) * pool.chunk_blocks >= len(hashes) and all(r is True for r in results)
+
+
+async def _receive_chunk(client: KvStoreClient, layout_id: str, hashes: Sequence[bytes],
+                         local: Sequence[bytes | None], views: list[memoryview]) -> None:
+    """Fill one chunk's rows: host-tier payloads copied, the rest received from the store."""
+    fetch = [i for i, payload in enumerate(local) if payload is None]
+    for i, payload in enumerate(local):
+        if payload is not None:
+            if memoryview(payload).nbytes != views[i].nbytes:
+                raise ValueError(f"host payload of {memoryview(payload).nbytes} bytes, rows of {views[i].nbytes}")
+            views[i][:] = memoryview(payload).cast("B")
+    if fetch:
+        await client.get(layout_id, [hashes[i] for i in fetch], into=[views[i] for i in fetch])
 
 
 def cached_tokens_by_tier(output: EngineOutput) -> dict[str, int]:

@@ -4,6 +4,7 @@ that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcac
     blocks ─ group_by_shard(hashes, live shards) ─► one data-plane request per shard, all shards concurrently
                                                    (reads and writes on separate connections: a write-behind put
                                                    never queues a load behind it)
+    get: on the event loop, each shard's blocks received straight into the caller's buffers when given
     put: on writer threads (one per shard at a time), over blocking sockets: the blocks' bytes go from the
          caller's buffers (write-behind: views of pinned host slots) to the kernel, no copy, not on the loop
 
@@ -87,17 +88,22 @@ class KvStoreClient:
         await self._each_shard(groups, ask, fail_quietly=True)
         return present
 
-    async def get(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bytes]:
+    async def get(self, layout_id: str, block_hashes: Sequence[bytes],
+                  into: Sequence[memoryview] | None = None) -> list[BytesLike]:
         """The blocks' payloads, in order, every checksum verified; raises (BlockNotFound, DataPlaneError,
-        StoreUnavailable) unless every block was served."""
-        payloads: list[bytes | None] = [None] * len(block_hashes)
+        StoreUnavailable) unless every block was served. `into`: one writable buffer per block (e.g. staging
+        rows) that it is received into, uncopied; after an error they hold unverified bytes."""
+        if into is not None and len(into) != len(block_hashes):
+            raise ValueError(f"{len(into)} buffers for {len(block_hashes)} blocks")
+        payloads: list[BytesLike | None] = [None] * len(block_hashes)
         groups = self._groups(block_hashes)
         if block_hashes and not groups:
             raise StoreUnavailable("no live kvcache shard")
 
         async def fetch(shard: Shard, indexes: list[int]) -> None:
             blocks = await self._client(shard, "read").get_blocks(
-                "", block_hashes=[block_hashes[i] for i in indexes], layout_id=layout_id)
+                "", block_hashes=[block_hashes[i] for i in indexes], layout_id=layout_id,
+                into=None if into is None else [into[i] for i in indexes])
             for i, block in zip(indexes, blocks, strict=True):
                 payloads[i] = block
 

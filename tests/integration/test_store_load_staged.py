@@ -1,0 +1,118 @@
+"""A worker's staged store load (store_tier.load_staged) against a real store shard on 127.0.0.1: chunks received
+into a StagingPool's rows and imported into CPU caches while the next arrives; a miss mid-load and a request that
+stops loading leave nothing in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deepinfer.dataplane import BlockNotFound, DataPlaneServer, generate_secret
+from deepinfer.engine.kv_transfer import StagingPool, block_nbytes, export_blocks, import_blocks, import_rows
+from deepinfer.kernels import get_ops
+from deepinfer.kvcache.client import KvStoreClient
+from deepinfer.kvcache.store import KvStore, StoreSettings
+from deepinfer.protocol import KvStoreHeartbeat
+from deepinfer.worker.store_tier import load_staged
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = "layout-staged"
+NUM_BLOCKS = 10
+
+
+def _caches(seed: int | None) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS + 1, 4, 2, 16)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(3)]
+
+
+class Worker:
+    """A store client and a one-thread 'engine' importing staged rows into CPU caches, counting calls."""
+
+    def __init__(self, client: KvStoreClient, caches: list[torch.Tensor], pool: StagingPool) -> None:
+        self.client, self.caches, self.pool = client, caches, pool
+        self.engine = ThreadPoolExecutor(1)
+        self.imported: list[int] = []
+        self.calls: list[int] = []
+        self.refuse_from: int | None = None
+
+    def import_chunk(self, first: int, rows):
+        def run() -> tuple[bool, None]:
+            self.calls.append(first)
+            time.sleep(0.01)  # a slow engine thread: the next chunk is received meanwhile
+            if self.refuse_from is not None and first >= self.refuse_from:
+                return False, None
+            import_rows(self.caches, list(range(1 + first, 1 + first + rows.shape[0])), rows, get_ops("cpu"))
+            self.imported.append(first)
+            return True, None
+
+        return asyncio.get_running_loop().run_in_executor(self.engine, run)
+
+
+@pytest.fixture
+async def shard():
+    secret = generate_secret()
+    store = KvStore(StoreSettings(ram_bytes=64 << 20))
+    server = DataPlaneServer(store, secret=secret)
+    await server.start()
+    client = KvStoreClient(secret, timeout_s=30, shard_lease_s=3600)
+    client.shards.observe(KvStoreHeartbeat(shard="s0", data_plane_address=server.address, internal_address="-",
+                                           ts=time.time()))
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close(drain_timeout_s=5)
+        store.close()
+
+
+async def test_a_staged_load_imports_the_stored_and_host_blocks_bitwise(shard):
+    source = _caches(seed=3)
+    payloads = export_blocks(source, list(range(1, NUM_BLOCKS + 1)))
+    hashes = [bytes([i + 1]) * 16 for i in range(NUM_BLOCKS)]
+    local = [payloads[i] if i in (0, 4) else None for i in range(NUM_BLOCKS)]  # two held by the host tier
+    await shard.put(LAYOUT, [h for h, p in zip(hashes, local, strict=True) if p is None],
+                    [p for p, held in zip(payloads, local, strict=True) if held is None])
+    pool = StagingPool(block_nbytes(source), chunk_blocks=3, num_chunks=2, pin=False)
+    worker = Worker(shard, _caches(None), pool)
+    assert await load_staged(shard, LAYOUT, hashes, local, pool, worker.import_chunk)
+    assert worker.imported == [0, 3, 6, 9]
+    expected = _caches(None)
+    import_blocks(expected, list(range(1, NUM_BLOCKS + 1)), payloads)
+    for got, want in zip(worker.caches, expected, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert pool._free.qsize() == 2  # every chunk back
+
+
+async def test_a_miss_mid_load_raises_after_the_imports_in_flight(shard):
+    source = _caches(seed=4)
+    payloads = export_blocks(source, list(range(1, NUM_BLOCKS + 1)))
+    hashes = [bytes([i + 40]) * 16 for i in range(NUM_BLOCKS)]
+    await shard.put(LAYOUT, hashes[:5], payloads[:5])  # blocks 5.. are not stored: the second chunk misses
+    pool = StagingPool(block_nbytes(source), chunk_blocks=4, num_chunks=2, pin=False)
+    worker = Worker(shard, _caches(None), pool)
+    with pytest.raises(BlockNotFound):
+        await load_staged(shard, LAYOUT, hashes, [None] * NUM_BLOCKS, pool, worker.import_chunk)
+    assert worker.imported == [0]  # the first chunk's import finished before the error came back
+    assert pool._free.qsize() == 2
+
+
+async def test_a_request_that_stops_loading_stops_the_load(shard):
+    source = _caches(seed=5)
+    payloads = export_blocks(source, list(range(1, NUM_BLOCKS + 1)))
+    hashes = [bytes([i + 80]) * 16 for i in range(NUM_BLOCKS)]
+    await shard.put(LAYOUT, hashes, payloads)
+    pool = StagingPool(block_nbytes(source), chunk_blocks=2, num_chunks=1, pin=False)
+    worker = Worker(shard, _caches(None), pool)
+    worker.refuse_from = 2  # aborted after its first chunk: import_chunk answers False
+    assert not await load_staged(shard, LAYOUT, hashes, [None] * NUM_BLOCKS, pool, worker.import_chunk)
+    assert worker.imported == [0]
+    assert worker.calls == [0, 2]  # no chunk received after the refusal was seen
+    assert pool._free.qsize() == 1
