@@ -21,8 +21,8 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from deepinfer.dataplane.auth import ACCEPT, MAGIC, NONCE_BYTES, PROOF_BYTES, _proof, secret_key
-from deepinfer.dataplane.client import parse_address
+from deepinfer.dataplane.auth import ACCEPT, MAGIC, NONCE_BYTES, PROOF_BYTES, _proof
+from deepinfer.dataplane.client import PeerConnection
 from deepinfer.dataplane.errors import (
     DataPlaneAuthError,
     DataPlaneConnectionError,
@@ -42,27 +42,17 @@ from deepinfer.dataplane.frames import (
     header_length,
     payload_fields,
 )
-from deepinfer.dataplane.metrics import DataPlaneMetrics
 
 
-class BlockingPutClient:
+class BlockingPutClient(PeerConnection):
     """Puts blocks on one peer's data plane ("host:port") from a thread; `close()` from any thread."""
 
     def __init__(self, address: str, secret: str | bytes | None, timeout_s: float = 10.0, *,
                  limits: FrameLimits | None = None, max_blocks_per_request: int = 64) -> None:
-        if timeout_s <= 0 or max_blocks_per_request <= 0:
-            raise ValueError("timeout_s and max_blocks_per_request must be positive")
-        self.address = address
-        self.host, self.port = parse_address(address)
-        self.timeout_s = timeout_s
-        self.limits = limits or FrameLimits()
-        self.max_blocks_per_request = min(max_blocks_per_request, self.limits.max_blocks)
-        self.metrics = DataPlaneMetrics()
-        self._key = secret_key(secret)
+        super().__init__(address, secret, timeout_s, limits, max_blocks_per_request)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closed = False
-        self._next_correlation_id = 1
 
     def put_blocks(self, layout_id: str, block_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> None:
         """Store blocks on the peer by (layout_id, hash), as DataPlaneClient.put_blocks (blocking)."""

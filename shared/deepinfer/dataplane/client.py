@@ -50,7 +50,24 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
-class DataPlaneClient:
+class PeerConnection:
+    """What a client of one peer's data plane knows before it connects: address, secret, limits, metrics."""
+
+    def __init__(self, address: str, secret: str | bytes | None, timeout_s: float, limits: FrameLimits | None,
+                 max_blocks_per_request: int) -> None:
+        if timeout_s <= 0 or max_blocks_per_request <= 0:
+            raise ValueError("timeout_s and max_blocks_per_request must be positive")
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.timeout_s = timeout_s
+        self.limits = limits or FrameLimits()
+        self.max_blocks_per_request = min(max_blocks_per_request, self.limits.max_blocks)
+        self.metrics = DataPlaneMetrics()
+        self._key = secret_key(secret)
+        self._next_correlation_id = 1
+
+
+class DataPlaneClient(PeerConnection):
     """Client of one peer's data plane ("host:port"), authenticated with the shared `secret`.
 
     Lifecycle: create (no I/O) → `get_blocks` / `put_blocks` / `has_blocks` (connects on first use, reuses
@@ -66,19 +83,10 @@ class DataPlaneClient:
         limits: FrameLimits | None = None,
         max_blocks_per_request: int = 64,
     ) -> None:
-        if timeout_s <= 0 or max_blocks_per_request <= 0:
-            raise ValueError("timeout_s and max_blocks_per_request must be positive")
-        self.address = address
-        self.host, self.port = parse_address(address)
-        self.timeout_s = timeout_s
-        self.limits = limits or FrameLimits()
-        self.max_blocks_per_request = min(max_blocks_per_request, self.limits.max_blocks)
-        self.metrics = DataPlaneMetrics()
-        self._key = secret_key(secret)
+        super().__init__(address, secret, timeout_s, limits, max_blocks_per_request)
         self._lock = asyncio.Lock()
         self._reader: BlockStream | None = None
         self._writer: BlockStream | None = None
-        self._next_correlation_id = 1
 
     async def __aenter__(self) -> DataPlaneClient:
         return self
