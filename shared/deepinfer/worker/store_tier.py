@@ -27,6 +27,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -43,6 +44,9 @@ from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +94,10 @@ class StoreTier:
         self.m_queue = gauge(registry, "worker_store_write_queue_blocks", "Blocks waiting to be written behind.")
 
     async def start(self) -> None:
-        """Start the write-behind task."""
+        """Allocate the loads' staging on the engine thread (pinned on CUDA, with the engine's device bound: a
+        one-time allocation kept off the event loop and off the first load), then start the write-behind task."""
+        if self._staging is None:
+            self._staging = await self.engine.call(lambda core: _new_staging_pool(core.runner.kv_caches))
         self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
 
     async def flush(self, timeout_s: float) -> None:
@@ -190,12 +197,9 @@ class StoreTier:
             self.m_loaded_bytes.inc(len(missing) * pool.block_nbytes)
 
     def _staging_pool(self) -> StagingPool:
-        """The loads' staging, allocated at the first load (pinned when the caches are on CUDA)."""
+        """The loads' staging (allocated by start(); here for a tier never started)."""
         if self._staging is None:
-            kv_caches = self.engine.core.runner.kv_caches
-            nbytes = block_nbytes(kv_caches)
-            self._staging = StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS,
-                                        pin=kv_caches[0].device.type == "cuda")
+            self._staging = _new_staging_pool(self.engine.core.runner.kv_caches)
         return self._staging
 
     # -- write-behind -------------------------------------------------------------------------------------------
@@ -273,6 +277,12 @@ class StoreTier:
             known.move_to_end(block_hash)
         while len(known) > KNOWN_HASHES:
             known.popitem(last=False)
+
+
+def _new_staging_pool(kv_caches: Sequence[torch.Tensor]) -> StagingPool:
+    """LOAD_CHUNKS chunks of LOAD_CHUNK_BYTES of these caches' blocks, pinned when the caches are on CUDA."""
+    nbytes = block_nbytes(kv_caches)
+    return StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS, pin=kv_caches[0].device.type == "cuda")
 
 
 async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvStoreClient:
