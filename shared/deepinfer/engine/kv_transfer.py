@@ -32,7 +32,7 @@ import torch
 from deepinfer.dataplane.buffers import prefault
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.dataplane.layout import LayoutMismatch, check_layout
-from deepinfer.kernels import KernelOps
+from deepinfer.kernels import KernelOps, torch_block_copy
 from deepinfer.kernels.torch_block_copy import LayerTable
 from deepinfer.protocol.kv import KvLayout
 
@@ -79,14 +79,19 @@ def _check_caches(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return first
 
 
-def _block_index(first: torch.Tensor, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
+def _check_block_ids(first: torch.Tensor, block_ids: Sequence[int], *, unique: bool) -> list[int]:
+    """The ids as ints; ValueError for one outside the cache (or the padding block 0), or a repeat when `unique`."""
     num_blocks = first.shape[_block_dim(first)]
     for block_id in block_ids:
         if not 1 <= int(block_id) < num_blocks:
             raise ValueError(f"block id {block_id} outside [1, {num_blocks}) (block 0 is the padding block)")
     if unique and len(set(block_ids)) != len(block_ids):
         raise ValueError(f"duplicate block ids in {list(block_ids)}")
-    return torch.tensor([int(b) for b in block_ids], dtype=torch.long, device=first.device)
+    return [int(b) for b in block_ids]
+
+
+def _block_index(first: torch.Tensor, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
+    return torch.tensor(_check_block_ids(first, block_ids, unique=unique), dtype=torch.long, device=first.device)
 
 
 def block_nbytes(kv_caches: Sequence[torch.Tensor]) -> int:
@@ -128,14 +133,13 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -
         return []
     index = _block_index(first, block_ids, unique=False)
     num_blocks = len(block_ids)
-    # per layer [2, n, bs, H, D] (or latent [n, bs, C]) → [n, num_layers, ...]: each block's bytes contiguous,
-    # layer-major.
-    dim = _block_dim(first)
-    gathered = torch.stack([kv.index_select(dim, index).movedim(dim, 0) for kv in kv_caches], dim=1)
+    # Each block's bytes contiguous, layer-major (the torch twin of the block copies: one gather per layer).
+    gathered = torch.empty((num_blocks, block_nbytes(kv_caches)), dtype=torch.uint8, device=first.device)
+    torch_block_copy.gather_blocks(kv_caches, index, gathered)
     # Through pinned memory on an accelerator: a pageable device→host copy runs at a fraction of PCIe speed.
-    host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=first.device.type == "cuda")
+    host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=first.device.type == "cuda")
     host.copy_(gathered)
-    flat = host.view(torch.uint8).reshape(num_blocks, -1).numpy()  # a uint8 view: bf16 has no numpy dtype
+    flat = host.numpy()
     return [flat[i].tobytes() for i in range(num_blocks)]
 
 
@@ -163,12 +167,7 @@ def import_blocks(
     staging_np = staging.numpy()
     for i, payload in enumerate(payloads):
         staging_np[i] = np.frombuffer(payload, dtype=np.uint8)
-    dim = _block_dim(first)
-    block_shape = [n for i, n in enumerate(first.shape) if i != dim]
-    typed = staging.view(first.dtype).view(num_blocks, len(kv_caches), *block_shape)
-    on_device = typed.to(first.device, non_blocking=pin)
-    for layer, kv in enumerate(kv_caches):
-        kv.index_copy_(dim, index, on_device[:, layer].movedim(0, dim))
+    torch_block_copy.scatter_blocks(staging.to(first.device, non_blocking=pin), kv_caches, index)
 
 
 def import_rows(
@@ -185,13 +184,8 @@ def import_rows(
         raise ValueError(f"rows must be [{len(block_ids)}, {nbytes}] uint8, got {tuple(rows.shape)} {rows.dtype}")
     if not block_ids:
         return None
-    for block_id in block_ids:
-        if not 1 <= int(block_id) < first.shape[_block_dim(first)]:
-            raise ValueError(f"block id {block_id} outside the cache (block 0 is the padding block)")
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError(f"duplicate block ids in {list(block_ids)}")
     cuda = first.device.type == "cuda"
-    ids = torch.tensor([int(b) for b in block_ids], dtype=torch.long)
+    ids = torch.tensor(_check_block_ids(first, block_ids, unique=True), dtype=torch.long)
     if not cuda:
         ops.scatter_blocks(rows, kv_caches, ids, table)
         return None
