@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 #: Device staging buffer of the copy stream (blocks per gather / scatter round).
 STAGING_BYTES = 64 << 20
 #: On CUDA an offload waits for this many newly cached blocks, or OFFLOAD_MAX_STEPS steps, or the engine going
-#: idle, whichever comes first: its launches (an index upload, a gather per layer, a copy per run of slots, an
-#: event) are paid once per batch, not at every step that completes a block (the engine thread's time, in series
+#: idle, whichever comes first: its launches (an index upload, a gather of every layer, a copy per run of slots,
+#: an event) are paid once per batch, not at every step that completes a block (the engine thread's time, in series
 #: with the device at small steps). A block waiting is not held: one evicted meanwhile is not offloaded.
 OFFLOAD_BATCH_BLOCKS = 32
 OFFLOAD_MAX_STEPS = 8
