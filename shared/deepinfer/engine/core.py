@@ -17,11 +17,17 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.host_tier import HostTier
 from deepinfer.engine.kv_transfer import block_nbytes
-from deepinfer.engine.memory import DEFAULT_CPU_KV_CACHE_BYTES, KvCachePlan, plan_kv_cache
+from deepinfer.engine.memory import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KvCachePlan,
+    default_host_tier_bytes,
+    plan_kv_cache,
+)
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
 from deepinfer.kvcache.hashing import model_fingerprint
 from deepinfer.loader.dummy import load_dummy_model
@@ -332,11 +338,14 @@ class EngineCore:
                    free + cached - headroom)
 
     def _make_host_tier(self) -> HostTier | None:
-        budget = self.args.kv_host_cache_bytes or 0
-        if budget == 0 or not self.args.enable_prefix_caching:
-            return None
+        budget = self.args.kv_host_cache_bytes
         if self.args.tensor_parallel_size > 1:  # rank 0's cache holds only its share of the KV heads
-            logger.info("host KV tier off: tensor_parallel_size > 1")
+            if budget:
+                logger.info("host KV tier off: tensor_parallel_size > 1")
+            return None
+        if budget is None:  # unset: on for one CUDA device, sized from the host's memory
+            budget = default_host_tier_bytes(usable_memory()) if self.device.type == "cuda" else 0
+        if budget == 0 or not self.args.enable_prefix_caching:
             return None
         kv_caches = self.runner.kv_caches
         num_slots = budget // block_nbytes(kv_caches)  # a slot is one block of every layer

@@ -8,6 +8,22 @@ from dataclasses import dataclass
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
+#: The host tier of an engine on one CUDA device when kv_host_cache_bytes is unset: this much, at most
+#: HOST_TIER_MEMORY_FRACTION of the host memory the process may use, rounded down to a power of two (torch's
+#: pinned allocator rounds an allocation up to one); under MIN_DEFAULT_HOST_TIER_BYTES, off.
+DEFAULT_HOST_TIER_BYTES = 8 << 30
+HOST_TIER_MEMORY_FRACTION = 0.25
+MIN_DEFAULT_HOST_TIER_BYTES = 256 << 20
+
+
+def default_host_tier_bytes(usable_memory: int | None) -> int:
+    """The host tier's bytes when unset, given the host memory this process may use (None: unknown)."""
+    cap = DEFAULT_HOST_TIER_BYTES
+    if usable_memory is not None:
+        cap = min(cap, int(usable_memory * HOST_TIER_MEMORY_FRACTION))
+    return 0 if cap < MIN_DEFAULT_HOST_TIER_BYTES else 1 << (cap.bit_length() - 1)
+
+
 class KvCacheTooSmall(ValueError):
     """The model leaves too little memory for the minimum KV cache (one max_model_len sequence)."""
 
