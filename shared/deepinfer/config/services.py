@@ -237,8 +237,8 @@ class WorkerSettings(ServiceSettings):
     )
     kv_host_cache_bytes: ByteSize | None = Field(
         None, ge=0, description="Host-memory KV tier (pinned; docs/kvstore.md, Workers), e.g. 8GiB: cached blocks "
-        "are copied there as they are computed and loaded back instead of recomputed. Unset or 0 = off (opt-in "
-        "for now: docs/kvstore.md, The host tier).",
+        "are copied there as they are computed and loaded back instead of recomputed. Unset = 8 GiB on one CUDA "
+        "device (at most a quarter of the host memory), off on the CPU and with tensor parallelism; 0 = off.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
