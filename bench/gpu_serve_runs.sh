@@ -4,6 +4,7 @@
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b[64] | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
+#         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | gil64-N (switch interval 0.1 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
 set -uo pipefail
@@ -22,6 +23,14 @@ run() {  # NAME LIMIT_S ARGS...
     # Triton compiles on a request's path (deepinfer.kernels.compile_watch): each one is a stalled step.
     grep -h "Triton compiled" /tmp/"$name"-logs/*.log 2>/dev/null | cut -c1-300 | tee "$OUT/$name-compiles.log" | head -5
     grep -A6 "^service vs offline" "$OUT/$name.log" || tail -5 "$OUT/$name.log"
+}
+profile_decode() {  # NAME: py-spy (its wheel put in .whl-stack by hand: pip download py-spy) samples the decode worker for 5 s of the measured load
+    local name=$1 pid
+    until grep -q "concurrency 64: measured load starts" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
+    sleep 1
+    pid=$(pgrep -f "services.decode" | head -1)
+    py-spy record --pid "$pid" --duration 5 --rate 1000 --threads --idle --nonblocking --format raw \
+        --output "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1
 }
 for variant in "$@"; do
     case $variant in
@@ -47,6 +56,10 @@ for variant in "$@"; do
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         wgen64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB --env DEEPINFER_DECODE_KV_STORE_WRITE_GENERATED=true ;;
+        default64) run default64 150 --random-model llama-1b --sweep 64 ;;
+        gil64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
+            --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0001 ;;
+        prof64) profile_decode prof64 & run prof64 150 --random-model llama-1b --sweep 64 --no-offline --rounds 24; wait ;;
         hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         *) echo "unknown variant $variant" >&2 ;;

@@ -34,10 +34,12 @@ from serve_clients import CPU_WARN_FRACTION, LoadResult, run_load  # noqa: E402
 from serve_hops import (  # noqa: E402
     cpu_fractions,
     cpu_seconds,
+    engine_counts,
     histogram_breakdown,
     print_hops,
     scrape,
     span_breakdown,
+    step_breakdown,
 )
 
 TOPICS = ["the sea", "volcanoes", "a lighthouse", "bread baking", "the moon", "trains", "bees", "chess"]
@@ -72,12 +74,15 @@ def service_point(args, stack, base_url: list[str], model: str, concurrency: int
     ports = {name: info.internal_port for name, info in stack.services.items() if info.internal_port} if stack else {}
     pids = {name: info.pid for name, info in stack.services.items() if info.pid} if stack else {}
     before, cpu_before = (scrape(ports) if ports else {}), cpu_seconds(pids)
+    steps_before = engine_counts(ports) if ports else {}
+    print(f"concurrency {concurrency}: measured load starts ({num_requests} requests)", flush=True)
     since_ns = time.time_ns()
     load = run_load(base_url, model, conversations(num_requests), concurrency, args.max_tokens, procs, args.client)
     until_ns = time.time_ns()
     point = summarize(load, concurrency, procs)
     point["service_cpu"] = cpu_fractions(cpu_before, cpu_seconds(pids), (until_ns - since_ns) / 1e9)
     point["hops"] = histogram_breakdown(before, scrape(ports)) if ports else []
+    point["engine_steps"] = step_breakdown(steps_before, engine_counts(ports), (until_ns - since_ns) / 1e9) if ports else {}
     if args.trace and stack is not None:
         from deepinfer.telemetry.trace_file import read_spans
 
@@ -116,9 +121,13 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         ttft = time_first_tokens(llm.engine)
+        graphs = llm.engine.runner.graphs
+        replays_before, steps_before = (graphs.num_replays if graphs else 0), ttft.steps
         started = time.perf_counter()
         outputs = llm.chat(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
+        steps = ttft.steps - steps_before
+        graph_share = ((graphs.num_replays if graphs else 0) - replays_before) / max(1, steps)
     finally:
         llm.close()
         del llm
@@ -128,18 +137,27 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"offline_output_tok_s": round(tokens / seconds, 1), "offline_step_ms": round(seconds * 1000 /
             max(1, math.ceil(len(prompts) / concurrency) * args.max_tokens), 2),
-            "offline_ttft_ms_p50": round(percentile(ttft, 50), 2), "offline_ttft_ms_p99": round(percentile(ttft, 99), 2)}
+            "offline_ttft_ms_p50": round(percentile(ttft, 50), 2), "offline_ttft_ms_p99": round(percentile(ttft, 99), 2),
+            "offline_steps": steps, "offline_graph_share": round(graph_share, 3),
+            "offline_mean_step_ms": round(seconds * 1000 / max(1, steps), 3)}
 
 
-def time_first_tokens(engine) -> list[float]:
+class FirstTokens(list):
+    """Offline TTFT per request (ms), and `steps`: the engine steps taken since `time_first_tokens`."""
+
+    steps = 0
+
+
+def time_first_tokens(engine) -> FirstTokens:
     """Offline TTFT per request (ms), filled as `engine` steps: from the step that first schedules the request
     (a free slot: where a closed-loop client's request would arrive) to its first token on the host."""
-    ttft_ms: list[float] = []
+    ttft_ms = FirstTokens()
     seen: set[str] = set()
     step = engine.step
 
     def timed_step():
         outputs = step()
+        ttft_ms.steps += 1
         now = time.monotonic()
         for out in outputs:
             if out.new_token_ids and out.first_scheduled_time is not None and out.request_id not in seen:
@@ -231,6 +249,12 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
                   f"{p['concurrency']}: raise --client-procs", file=sys.stderr)
         print(f"\nconcurrency {p['concurrency']}: CPU per service (1.0 = a core): "
               + ", ".join(f"{name} {share:.2f}" for name, share in p.get("service_cpu", {}).items()))
+        for name, row in p.get("engine_steps", {}).items():
+            print(f"  {name}: {row['steps']} steps, {row['graph_share']:.0%} CUDA-graph replays, "
+                  f"{row['step_ms']:.2f} ms a step (wall / steps)")
+        if "offline_steps" in p:
+            print(f"  offline: {p['offline_steps']} steps, {p['offline_graph_share']:.0%} CUDA-graph replays, "
+                  f"{p['offline_mean_step_ms']:.2f} ms a step")
         print_hops("hop (histograms)", p.get("hops", []))
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,

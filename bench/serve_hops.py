@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+_ENGINE_GAUGE = re.compile(r'^deepinfer_worker_(engine_steps|cuda_graph_replays) ([0-9.eE+-]+)$')
 _BUCKET = re.compile(r'^deepinfer_(\w+)_hop_seconds_bucket\{hop="([^"]+)",le="([^"]+)"\} ([0-9.eE+-]+)$')
 
 #: (service, hop) -> {upper bound (s): cumulative count}
@@ -34,6 +35,31 @@ def scrape(internal_ports: dict[str, int]) -> Histograms:
                 bound = math.inf if le == "+Inf" else float(le)
                 found[(service, hop)][bound] = found[(service, hop)].get(bound, 0.0) + float(value)
     return dict(found)
+
+
+def engine_counts(internal_ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each worker's engine steps and CUDA-graph replays so far, from its /metrics (name -> internal port)."""
+    found: dict[str, dict[str, float]] = {}
+    for name, port in internal_ports.items():
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            match = _ENGINE_GAUGE.match(line)
+            if match:
+                found.setdefault(name, {})[match.group(1)] = float(match.group(2))
+    return found
+
+
+def step_breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                   wall_s: float) -> dict[str, dict[str, float]]:
+    """Per worker during a run: steps, the share that replayed a CUDA graph, and the mean wall time of a step."""
+    rows = {}
+    for name, counts in after.items():
+        steps = counts.get("engine_steps", 0.0) - before.get(name, {}).get("engine_steps", 0.0)
+        if steps <= 0:
+            continue
+        graphs = counts.get("cuda_graph_replays", 0.0) - before.get(name, {}).get("cuda_graph_replays", 0.0)
+        rows[name] = {"steps": int(steps), "graph_share": round(graphs / steps, 3),
+                      "step_ms": round(wall_s * 1000 / steps, 3)}
+    return rows
 
 
 def histogram_breakdown(before: Histograms, after: Histograms) -> list[dict[str, Any]]:

@@ -149,6 +149,12 @@ class WorkerRuntime:
               "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
               ).set_function(lambda: compiles.serving_compiles)
         self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
+        engine, graphs = self.engine, runner.graphs
+        gauge(self._registry, "worker_engine_steps", "Engine steps since the engine started (a counter)."
+              ).set_function(lambda: engine.num_steps)
+        gauge(self._registry, "worker_cuda_graph_replays",
+              "Steps that replayed a captured CUDA graph (decode-only batches); the rest ran eagerly (a counter)."
+              ).set_function(lambda: graphs.num_replays if graphs is not None else 0)
         self.engine.after_command = self._heartbeat_on_load_change
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
