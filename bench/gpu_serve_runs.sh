@@ -27,7 +27,7 @@ run() {  # NAME LIMIT_S ARGS...
 profile_decode() {  # NAME: py-spy (its wheel put in .whl-stack by hand: pip download py-spy) samples the decode worker for 5 s of the measured load
     local name=$1 pid
     until grep -q "concurrency 64: measured load starts" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
-    sleep 1
+    sleep 3  # the client processes start (~2 s on the H200 host)
     pid=$(pgrep -f "services.decode" | head -1)
     py-spy record --pid "$pid" --duration 5 --rate 1000 --threads --idle --nonblocking --format raw \
         --output "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1

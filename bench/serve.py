@@ -82,7 +82,7 @@ def service_point(args, stack, base_url: list[str], model: str, concurrency: int
     point = summarize(load, concurrency, procs)
     point["service_cpu"] = cpu_fractions(cpu_before, cpu_seconds(pids), (until_ns - since_ns) / 1e9)
     point["hops"] = histogram_breakdown(before, scrape(ports)) if ports else []
-    point["engine_steps"] = step_breakdown(steps_before, engine_counts(ports), (until_ns - since_ns) / 1e9) if ports else {}
+    point["engine_steps"] = step_breakdown(steps_before, engine_counts(ports), load.wall_s) if ports else {}
     if args.trace and stack is not None:
         from deepinfer.telemetry.trace_file import read_spans
 
