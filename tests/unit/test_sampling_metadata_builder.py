@@ -134,3 +134,11 @@ def test_sampled_token_buffer_record_and_fill_across_sizes():
         for index, row in zip(placeholders, read, strict=True):
             want[index] = mirror[row]
         assert input_ids.tolist() == want
+
+
+def test_logprobs_capped_at_a_small_vocab():
+    params = [SamplingParams(temperature=0, logprobs=20, seed=1), SamplingParams(logprobs=3, seed=2)]
+    step = random_step(random.Random(4), params, 8, [])
+    meta = SamplingMetadataBuilder("cpu").build(*step.args(), **step.kwargs())
+    check(meta, step)
+    assert meta.max_num_logprobs == 8

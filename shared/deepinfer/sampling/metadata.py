@@ -11,9 +11,11 @@ per request (`RowConstants`), the batch's packed constants and host flags once p
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -87,43 +89,51 @@ class SamplingMetadata:
         )
 
 
+# RowConstants.flags: what a row needs, OR-ed (any row) and AND-ed (every row) over a batch.
+GREEDY, TOP_K, TOP_P, MIN_P, PENALISED, REPEATED, BIASED, LOGPROBS, TOP_P_ALONE = (1 << i for i in range(9))
+#: A row's packed constants: int64 top_k, float32 temperature, top_p, min_p, repetition, presence, frequency,
+#: bool is_greedy (native order, no padding).
+_RECORD = struct.Struct("=q6f?")
+_RECORD_DTYPE = np.dtype([("top_k", np.int64), ("stages", np.float32, (_NUM_FLOAT32,)), ("greedy", np.uint8)])
+
+
 @dataclass(slots=True)
 class RowConstants:
     """What one request's SamplingParams mean to every step's sampling (for one vocab size and set of EOS ids)."""
 
     params: SamplingParams
-    greedy: bool
+    flags: int  # GREEDY | TOP_K | ...: the stages the row uses (greedy rows use none of the random ones)
     top_k: int  # vocab_size when off, and for greedy rows
-    top_p: float  # 1 for greedy rows
-    min_p: float  # 0 for greedy rows
-    stage_bytes: bytes  # float32 temperature, top_p, min_p, repetition, presence, frequency
-    top_k_bytes: bytes  # int64
+    record: bytes  # _RECORD
     bias: tuple[tuple[int, float], ...]  # the user's logit_bias entries
     banned: tuple[tuple[int, float], ...]  # (stop or EOS id, -inf), sorted: added while below min_tokens
     min_tokens: int
-    repeated: bool  # repetition_penalty != 1: reads the prompt's tokens
-    penalised: bool  # any penalty: reads the output tokens
     num_logprobs: int
 
     @classmethod
     def of(cls, p: SamplingParams, vocab_size: int, eos_token_ids: frozenset[int]) -> RowConstants:
         temperature, top_k, top_p, min_p = _random_stages(p, vocab_size)
         stages = (temperature, top_p, min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        greedy = p.is_greedy
         try:
-            stage_bytes = struct.pack("=6f", *stages)
+            record = _RECORD.pack(top_k, *stages, greedy)
         except OverflowError:  # a finite float past float32's range: inf, as torch.tensor(..., float32) makes it
             with np.errstate(over="ignore"):
-                stage_bytes = np.array(stages, dtype=np.float64).astype(np.float32).tobytes()
+                as_float32 = np.array(stages, dtype=np.float64).astype(np.float32)
+            record = _RECORD.pack(top_k, *as_float32.tolist(), greedy)
         banned: tuple[tuple[int, float], ...] = ()
         if p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
             banned = tuple((t, float("-inf")) for t in sorted(ids))
-        return cls(
-            params=p, greedy=p.is_greedy, top_k=top_k, top_p=top_p, min_p=min_p, stage_bytes=stage_bytes,
-            top_k_bytes=struct.pack("=q", top_k), bias=tuple((p.logit_bias or {}).items()),
-            banned=banned, min_tokens=p.min_tokens, repeated=p.repetition_penalty != 1,
-            penalised=_uses_penalties(p), num_logprobs=p.logprobs or 0,
+        bias = tuple((p.logit_bias or {}).items())
+        flags = (
+            GREEDY * greedy | TOP_K * (top_k < vocab_size) | TOP_P * (top_p < 1) | MIN_P * (min_p > 0)
+            | PENALISED * _uses_penalties(p) | REPEATED * (p.repetition_penalty != 1)
+            | BIASED * bool(bias or banned) | LOGPROBS * bool(p.logprobs)
+            | TOP_P_ALONE * (top_p < 1 and top_k >= vocab_size)
         )
+        return cls(params=p, flags=flags, top_k=top_k, record=record, bias=bias, banned=banned,
+                   min_tokens=p.min_tokens, num_logprobs=p.logprobs or 0)
 
 
 @dataclass(slots=True)
@@ -142,26 +152,30 @@ class _BatchConstants:
     @classmethod
     def of(cls, key: tuple[int, ...], rows: list[RowConstants], vocab_size: int) -> _BatchConstants:
         n = len(rows)
-        stages = np.frombuffer(b"".join(r.stage_bytes for r in rows), dtype=np.float32).reshape(n, _NUM_FLOAT32)
+        records = np.frombuffer(b"".join([r.record for r in rows]), dtype=_RECORD_DTYPE)
         tail = np.empty(4 * _NUM_FLOAT32 * n + n, dtype=np.uint8)
-        tail[: 4 * _NUM_FLOAT32 * n].view(np.float32).reshape(_NUM_FLOAT32, n)[:] = stages.T
-        tail[4 * _NUM_FLOAT32 * n :] = [r.greedy for r in rows]
-        greedy = [r.greedy for r in rows]
-        enabled_k = [r.top_k for r in rows if r.top_k < vocab_size]
+        tail[: 4 * _NUM_FLOAT32 * n].view(np.float32).reshape(_NUM_FLOAT32, n)[:] = records["stages"].T
+        tail[4 * _NUM_FLOAT32 * n :] = records["greedy"]
+        row_flags = [r.flags for r in rows]
+        any_row, every_row = reduce(operator.or_, row_flags, 0), reduce(operator.and_, row_flags, -1)
+        all_greedy = bool(every_row & GREEDY)
         flags = {
-            "all_greedy": all(greedy), "any_greedy": any(greedy), "any_random": not all(greedy),
-            "need_top_k": bool(enabled_k), "need_top_p": any(r.top_p < 1 for r in rows),
-            "need_min_p": any(r.min_p > 0 for r in rows), "need_penalties": any(r.penalised for r in rows),
-            "max_top_k": max(enabled_k, default=0),
-            "top_p_within_top_k": all(r.top_k < vocab_size for r in rows if r.top_p < 1),
-            "max_num_logprobs": min(max((r.num_logprobs for r in rows), default=0), vocab_size),
+            "all_greedy": all_greedy, "any_greedy": bool(any_row & GREEDY), "any_random": not all_greedy,
+            "need_top_k": bool(any_row & TOP_K), "need_top_p": bool(any_row & TOP_P),
+            "need_min_p": bool(any_row & MIN_P), "need_penalties": bool(any_row & PENALISED),
+            "max_top_k": max([r.top_k for r in rows if r.flags & TOP_K]) if any_row & TOP_K else 0,
+            "top_p_within_top_k": not any_row & TOP_P_ALONE,
+            "max_num_logprobs": min(max([r.num_logprobs for r in rows]), vocab_size) if any_row & LOGPROBS else 0,
         }
         return cls(
-            key=key, rows=rows, top_k_bytes=np.frombuffer(b"".join(r.top_k_bytes for r in rows), dtype=np.uint8),
-            tail_bytes=tail, flags=flags, bias_rows=[i for i, r in enumerate(rows) if r.bias or r.banned],
-            repeated_rows=[i for i, r in enumerate(rows) if r.repeated],
-            penalised_rows=[i for i, r in enumerate(rows) if r.penalised],
+            key=key, rows=rows, top_k_bytes=np.ascontiguousarray(records["top_k"]).view(np.uint8), tail_bytes=tail,
+            flags=flags, bias_rows=_rows_with(rows, BIASED, any_row), repeated_rows=_rows_with(rows, REPEATED, any_row),
+            penalised_rows=_rows_with(rows, PENALISED, any_row),
         )
+
+
+def _rows_with(rows: list[RowConstants], flag: int, any_row: int) -> list[int]:
+    return [i for i, r in enumerate(rows) if r.flags & flag] if any_row & flag else []
 
 
 class SamplingMetadataBuilder:
@@ -231,7 +245,11 @@ class SamplingMetadataBuilder:
         key = tuple(map(id, params_list))
         if self._batch is not None and self._batch.key == key:
             return self._batch
-        rows = [self._row(p) for p in params_list]
+        cached = self._rows
+        rows = [cached.get(k) for k in key]
+        for i, row in enumerate(rows):
+            if row is None or row.params is not params_list[i]:
+                rows[i] = self._row(params_list[i])
         self._batch = _BatchConstants.of(key, rows, vocab_size)
         if len(self._rows) > self.max_cached_rows:
             self._rows = {id(r.params): r for r in rows}
