@@ -52,7 +52,7 @@ class HostStaging:
         copied = self._copied[slot]
         if copied is None:
             copied = self._copied[slot] = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
         return device_bytes
 
     def int64_rows(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
