@@ -58,7 +58,7 @@ def allowed_tokens(
 ) -> torch.Tensor | None:
     """[B, V] bool from grammar bitmasks (bit t of int32 word t // 32, little-endian); rows without one allow
     everything, and a grammar row allows no id past its bitmask (a model vocabulary wider than the tokenizer's)."""
-    if all(mask is None for mask in bitmasks):
+    if bitmasks.count(None) == len(bitmasks):  # no grammar row (count: one C loop, no generator)
         return None
     num_words = max(len(mask) for mask in bitmasks if mask is not None) // 4
     words = torch.full((num_rows, num_words), -1, dtype=torch.int32)
