@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.engine.outputs import SampledToken
+from deepinfer.sampling.staging import HostStaging
 
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
@@ -29,12 +30,11 @@ class SampledTokenBuffer:
     def __init__(self, num_rows: int, device: torch.device) -> None:
         self.device = device
         self.token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [rows]
-        self._pinned = device.type == "cuda"
+        self._staging = HostStaging(device)
 
     def _indices(self, *lists: Sequence[int]) -> torch.Tensor:
-        """The lists as one int64 tensor [len(lists), n] on the device (one pinned non_blocking copy)."""
-        host = torch.tensor(lists, dtype=torch.int64, pin_memory=self._pinned)
-        return host.to(self.device, non_blocking=True) if self._pinned else host
+        """The lists as one int64 tensor [len(lists), n] on the device (one copy from reused pinned memory)."""
+        return self._staging.int64_rows(lists)
 
     def _ensure_rows(self, num_rows: int) -> None:
         if num_rows > self.token_ids.numel():  # the block table grew its rows

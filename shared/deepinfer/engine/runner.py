@@ -33,7 +33,7 @@ from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
-from deepinfer.sampling.metadata import SamplingMetadata
+from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
@@ -84,6 +84,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.sampler = Sampler()
+        #: Per-step sampling metadata from per-request constants and reusable staging memory.
+        self.sampling_metadata = SamplingMetadataBuilder(self.device)
         self.stager = InputStager(self.device)
         #: Async scheduling: the last sampled id of each block-table row, read by the next step's placeholders.
         self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, self.device)
@@ -184,14 +186,13 @@ class ModelRunner:
         with self._linear_mode():
             logits = self.model.compute_logits(hidden)
         chosen = [requests[s.request_id] for s in sampled]
-        meta = SamplingMetadata.build(
+        meta = self.sampling_metadata.build(
             [r.sampling_params for r in chosen],
             positions=[s.num_computed_tokens + s.num_new_tokens for s in sampled],
             seeds=[r.sampling_params.seed for r in chosen],
             prompt_token_ids=[r.prompt_token_ids for r in chosen],
             output_token_ids=_output_token_ids(chosen, sampled),
             vocab_size=logits.shape[-1],
-            device=self.device,
             eos_token_ids=self.eos_token_ids,
             grammar_bitmasks=[None if r.grammar is None else r.grammar.bitmask() for r in chosen],
         )

@@ -1,16 +1,36 @@
-"""`SamplingMetadata`: one step's sampling parameters as device tensors, plus host flags choosing the stages to run."""
+"""`SamplingMetadata`: one step's sampling parameters as device tensors, plus host flags choosing the stages to run.
+
+`SamplingMetadataBuilder` builds it every step for the runner: what a request's SamplingParams imply is derived once
+per request (`RowConstants`), the batch's packed constants and host flags once per batch composition
+(`_BatchConstants`), so a decode step only writes positions and seeds next to them into reusable staging memory
+(`deepinfer.sampling.staging`) and sends it in one copy:
+
+    bytes   | int64 [3, B]: top_k | seeds | positions | float32 [6, B]: temperature | top_p | min_p |
+            | repetition | presence | frequency | bool [B]: is_greedy |
+"""
 
 from __future__ import annotations
 
+import operator
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
+from typing import Any
 
+import numpy as np
 import torch
 
+from deepinfer.sampling.dense import allowed_tokens, dense_bias, dense_rows
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.seeds import as_int64
+from deepinfer.sampling.staging import HostStaging
 
 _MIN_TEMPERATURE = 1e-5
+#: Requests whose RowConstants a builder keeps before it forgets all but the current batch's.
+_MAX_CACHED_ROWS = 4096
+_NUM_INT64, _NUM_FLOAT32 = 3, 6  # staged per row: top_k, seed, position | the six float stages (+ one bool byte)
+_ROW_BYTES = 8 * _NUM_INT64 + 4 * _NUM_FLOAT32 + 1
 
 
 @dataclass
@@ -47,6 +67,7 @@ class SamplingMetadata:
     top_p_within_top_k: bool  # every top-p row also uses top-k: top-p runs on the top-k values, no full sort
     max_num_logprobs: int  # largest `logprobs` asked, capped at vocab_size (0: only the sampled token's)
 
+
     @classmethod
     def build(
         cls,
@@ -61,8 +82,133 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int] = (),
         grammar_bitmasks: Sequence[bytes | None] = (),
     ) -> SamplingMetadata:
-        """Build one step's metadata on the host. `seeds[i]` is `params.seed` when set, else the seed the engine
-        drew at admission (`deepinfer.sampling.seeds.draw_seed`); uint64 seeds are accepted. `eos_token_ids` and
+        """One step's metadata, built once (a runner keeps a `SamplingMetadataBuilder`, see its `build`)."""
+        return SamplingMetadataBuilder(device).build(
+            params_list, positions, seeds, prompt_token_ids, output_token_ids, vocab_size,
+            eos_token_ids=eos_token_ids, grammar_bitmasks=grammar_bitmasks,
+        )
+
+
+# RowConstants.flags: what a row needs, OR-ed (any row) and AND-ed (every row) over a batch.
+GREEDY, TOP_K, TOP_P, MIN_P, PENALISED, REPEATED, BIASED, LOGPROBS, TOP_P_ALONE = (1 << i for i in range(9))
+#: A row's packed constants: int64 top_k, float32 temperature, top_p, min_p, repetition, presence, frequency,
+#: bool is_greedy (native order, no padding).
+_RECORD = struct.Struct("=q6f?")
+_RECORD_DTYPE = np.dtype([("top_k", np.int64), ("stages", np.float32, (_NUM_FLOAT32,)), ("greedy", np.uint8)])
+
+
+@dataclass(slots=True)
+class RowConstants:
+    """What one request's SamplingParams mean to every step's sampling (for one vocab size and set of EOS ids)."""
+
+    params: SamplingParams
+    flags: int  # GREEDY | TOP_K | ...: the stages the row uses (greedy rows use none of the random ones)
+    top_k: int  # vocab_size when off, and for greedy rows
+    record: bytes  # _RECORD
+    bias: tuple[tuple[int, float], ...]  # the user's logit_bias entries
+    banned: tuple[tuple[int, float], ...]  # (stop or EOS id, -inf), sorted: added while below min_tokens
+    min_tokens: int
+    num_logprobs: int
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab_size: int, eos_token_ids: frozenset[int]) -> RowConstants:
+        temperature, top_k, top_p, min_p = _random_stages(p, vocab_size)
+        stages = (temperature, top_p, min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        greedy = p.is_greedy
+        try:
+            record = _RECORD.pack(top_k, *stages, greedy)
+        except OverflowError:  # a finite float past float32's range: inf, as torch.tensor(..., float32) makes it
+            with np.errstate(over="ignore"):
+                as_float32 = np.array(stages, dtype=np.float64).astype(np.float32)
+            record = _RECORD.pack(top_k, *as_float32.tolist(), greedy)
+        banned: tuple[tuple[int, float], ...] = ()
+        if p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            banned = tuple((t, float("-inf")) for t in sorted(ids))
+        bias = tuple((p.logit_bias or {}).items())
+        flags = (
+            GREEDY * greedy | TOP_K * (top_k < vocab_size) | TOP_P * (top_p < 1) | MIN_P * (min_p > 0)
+            | PENALISED * _uses_penalties(p) | REPEATED * (p.repetition_penalty != 1)
+            | BIASED * bool(bias or banned) | LOGPROBS * bool(p.logprobs)
+            | TOP_P_ALONE * (top_p < 1 and top_k >= vocab_size)
+        )
+        return cls(params=p, flags=flags, top_k=top_k, record=record, bias=bias, banned=banned,
+                   min_tokens=p.min_tokens, num_logprobs=p.logprobs or 0)
+
+
+@dataclass(slots=True)
+class _BatchConstants:
+    """One batch composition (the same params objects in the same order): its packed constants and host flags."""
+
+    key: tuple[int, ...]  # id() of each row's params; `rows` holds them, so no id is reused while this lives
+    rows: list[RowConstants]
+    top_k_bytes: np.ndarray  # uint8 [8 B]: int64 top_k
+    tail_bytes: np.ndarray  # uint8 [25 B]: float32 [6, B] stages, then bool [B] is_greedy
+    flags: dict[str, Any]  # SamplingMetadata's host fields
+    bias_rows: list[int]  # rows with a logit_bias or ids to ban below min_tokens
+    repeated_rows: list[int]
+    penalised_rows: list[int]
+
+    @classmethod
+    def of(cls, key: tuple[int, ...], rows: list[RowConstants], vocab_size: int) -> _BatchConstants:
+        n = len(rows)
+        records = np.frombuffer(b"".join([r.record for r in rows]), dtype=_RECORD_DTYPE)
+        tail = np.empty(4 * _NUM_FLOAT32 * n + n, dtype=np.uint8)
+        tail[: 4 * _NUM_FLOAT32 * n].view(np.float32).reshape(_NUM_FLOAT32, n)[:] = records["stages"].T
+        tail[4 * _NUM_FLOAT32 * n :] = records["greedy"]
+        row_flags = [r.flags for r in rows]
+        any_row, every_row = reduce(operator.or_, row_flags, 0), reduce(operator.and_, row_flags, -1)
+        all_greedy = bool(every_row & GREEDY)
+        flags = {
+            "all_greedy": all_greedy, "any_greedy": bool(any_row & GREEDY), "any_random": not all_greedy,
+            "need_top_k": bool(any_row & TOP_K), "need_top_p": bool(any_row & TOP_P),
+            "need_min_p": bool(any_row & MIN_P), "need_penalties": bool(any_row & PENALISED),
+            "max_top_k": max([r.top_k for r in rows if r.flags & TOP_K]) if any_row & TOP_K else 0,
+            "top_p_within_top_k": not any_row & TOP_P_ALONE,
+            "max_num_logprobs": min(max([r.num_logprobs for r in rows]), vocab_size) if any_row & LOGPROBS else 0,
+        }
+        return cls(
+            key=key, rows=rows, top_k_bytes=np.ascontiguousarray(records["top_k"]).view(np.uint8), tail_bytes=tail,
+            flags=flags, bias_rows=_rows_with(rows, BIASED, any_row), repeated_rows=_rows_with(rows, REPEATED, any_row),
+            penalised_rows=_rows_with(rows, PENALISED, any_row),
+        )
+
+
+def _rows_with(rows: list[RowConstants], flag: int, any_row: int) -> list[int]:
+    return [i for i, r in enumerate(rows) if r.flags & flag] if any_row & flag else []
+
+
+class SamplingMetadataBuilder:
+    """Builds every step's SamplingMetadata on one device: RowConstants once per request, packed constants and
+    flags once per batch composition, and one staged copy of the per-step columns (see the module docstring).
+
+    A request's SamplingParams are read when it first reaches a step: they must not change afterwards (no code
+    changes them; `SamplingParams.clone` makes a new object).
+    """
+
+    def __init__(self, device: torch.device | str, *, max_cached_rows: int = _MAX_CACHED_ROWS) -> None:
+        self.device = torch.device(device)
+        self.staging = HostStaging(self.device)
+        self.max_cached_rows = max_cached_rows
+        self._rows: dict[int, RowConstants] = {}  # id(params) -> its constants (which hold the params)
+        self._batch: _BatchConstants | None = None
+        self._vocab_size = 0
+        self._eos_token_ids: frozenset[int] = frozenset()
+
+    def build(
+        self,
+        params_list: Sequence[SamplingParams],
+        positions: Sequence[int],
+        seeds: Sequence[int],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        grammar_bitmasks: Sequence[bytes | None] = (),
+    ) -> SamplingMetadata:
+        """Build one step's metadata. `seeds[i]` is `params.seed` when set, else the seed the engine drew at
+        admission (`deepinfer.sampling.seeds.draw_seed`); uint64 seeds are accepted. `eos_token_ids` and
         `stop_token_ids` are banned (bias -inf) while a row has fewer than `min_tokens` output tokens.
         `grammar_bitmasks[i]`: row i's allowed next tokens from its grammar matcher (None: no grammar).
         """
@@ -71,43 +217,84 @@ class SamplingMetadata:
                           ("output_token_ids", output_token_ids)):
             if len(seq) != num_rows:
                 raise ValueError(f"{name} has {len(seq)} rows, params_list has {num_rows}")
-        device = torch.device(device)
-        greedy = [p.is_greedy for p in params_list]
-        stages = [_random_stages(p, vocab_size) for p in params_list]
-        temperature, top_k, top_p, min_p = (list(col) for col in zip(*stages, strict=True)) if stages else ([],) * 4
-        floats = torch.tensor(
-            [temperature, top_p, min_p, [p.repetition_penalty for p in params_list],
-             [p.presence_penalty for p in params_list], [p.frequency_penalty for p in params_list]],
-            dtype=torch.float32,
-        ).reshape(6, num_rows)
-        ints = torch.tensor(
-            [top_k, [as_int64(s) for s in seeds], list(positions), [int(g) for g in greedy]], dtype=torch.int64
-        ).reshape(4, num_rows)
-        temperature_t, top_p_t, min_p_t, rep, presence, frequency = _to_device(floats, device).unbind(0)
-        top_k_t, seeds_t, positions_t, greedy_t = _to_device(ints, device).unbind(0)
-
-        penalised = [_uses_penalties(p) for p in params_list]
-        need_penalties = any(penalised)
+        batch = self._batch_constants(params_list, vocab_size, eos_token_ids)
+        top_k, seeds_t, positions_t, floats, is_greedy = self._stage(batch, positions, seeds)
+        temperature, top_p, min_p, repetition, presence, frequency = floats
         prompt_mask = output_counts = None
-        if need_penalties:
-            repeated = {i: prompt_token_ids[i] for i, p in enumerate(params_list) if p.repetition_penalty != 1}
-            prompt_mask = _dense_rows(repeated, num_rows, vocab_size, device, torch.bool)
-            generated = {i: output_token_ids[i] for i, used in enumerate(penalised) if used}
-            output_counts = _dense_rows(generated, num_rows, vocab_size, device, torch.int32)
-        enabled_k = [k for k in top_k if k < vocab_size]
-        return cls(
-            temperature=temperature_t, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t, repetition_penalty=rep,
+        if batch.flags["need_penalties"]:
+            repeated = {i: prompt_token_ids[i] for i in batch.repeated_rows}
+            prompt_mask = dense_rows(repeated, num_rows, vocab_size, self.device, torch.bool)
+            generated = {i: output_token_ids[i] for i in batch.penalised_rows}
+            output_counts = dense_rows(generated, num_rows, vocab_size, self.device, torch.int32)
+        return SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition,
             presence_penalty=presence, frequency_penalty=frequency, seeds=seeds_t, positions=positions_t,
-            is_greedy=greedy_t.bool(),
-            logit_bias=_logit_bias(params_list, output_token_ids, eos_token_ids, vocab_size, device),
+            is_greedy=is_greedy, logit_bias=self._logit_bias(batch, output_token_ids, vocab_size),
             prompt_mask=prompt_mask, output_counts=output_counts,
-            allowed=_allowed_tokens(grammar_bitmasks, num_rows, vocab_size, device), vocab_size=vocab_size,
-            all_greedy=all(greedy), any_greedy=any(greedy), any_random=not all(greedy),
-            need_top_k=bool(enabled_k), need_top_p=any(p < 1 for p in top_p), need_min_p=any(p > 0 for p in min_p),
-            need_penalties=need_penalties, max_top_k=max(enabled_k, default=0),
-            top_p_within_top_k=all(k < vocab_size for k, p in zip(top_k, top_p, strict=True) if p < 1),
-            max_num_logprobs=min(max((p.logprobs or 0 for p in params_list), default=0), vocab_size),
+            allowed=allowed_tokens(grammar_bitmasks, num_rows, vocab_size, self.device), vocab_size=vocab_size,
+            **batch.flags,
         )
+
+    def _batch_constants(
+        self, params_list: Sequence[SamplingParams], vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> _BatchConstants:
+        eos = frozenset(eos_token_ids)
+        if vocab_size != self._vocab_size or eos != self._eos_token_ids:  # what RowConstants were derived for
+            self._rows, self._batch = {}, None
+            self._vocab_size, self._eos_token_ids = vocab_size, eos
+        key = tuple(map(id, params_list))
+        if self._batch is not None and self._batch.key == key:
+            return self._batch
+        cached = self._rows
+        rows = [cached.get(k) for k in key]
+        for i, row in enumerate(rows):
+            if row is None or row.params is not params_list[i]:
+                rows[i] = self._row(params_list[i])
+        self._batch = _BatchConstants.of(key, rows, vocab_size)
+        if len(self._rows) > self.max_cached_rows:
+            self._rows = {id(r.params): r for r in rows}
+        return self._batch
+
+    def _row(self, params: SamplingParams) -> RowConstants:
+        row = self._rows.get(id(params))
+        if row is None or row.params is not params:
+            row = self._rows[id(params)] = RowConstants.of(params, self._vocab_size, self._eos_token_ids)
+        return row
+
+    def _stage(
+        self, batch: _BatchConstants, positions: Sequence[int], seeds: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        """Write the step's columns into staging memory and copy them over: (top_k, seeds, positions, the six
+        float stages, is_greedy) as views of one device tensor."""
+        n = len(batch.rows)
+        ints_end, floats_end = 8 * _NUM_INT64 * n, (8 * _NUM_INT64 + 4 * _NUM_FLOAT32) * n
+        host = self.staging.acquire(_ROW_BYTES * n)
+        host[: 8 * n] = batch.top_k_bytes
+        ints = host[:ints_end].view(np.int64).reshape(_NUM_INT64, n)
+        try:
+            ints[1] = seeds
+        except OverflowError:  # a uint64 seed past int64's range: its 64 bits as int64, as the device holds it
+            ints[1] = [as_int64(s) for s in seeds]
+        ints[2] = positions
+        host[ints_end:] = batch.tail_bytes
+        staged = self.staging.upload(_ROW_BYTES * n)
+        top_k, seeds_t, positions_t = staged[:ints_end].view(torch.int64).view(_NUM_INT64, n).unbind(0)
+        floats = staged[ints_end:floats_end].view(torch.float32).view(_NUM_FLOAT32, n).unbind(0)
+        return top_k, seeds_t, positions_t, floats, staged[floats_end:].view(torch.bool)
+
+    def _logit_bias(
+        self, batch: _BatchConstants, output_token_ids: Sequence[Sequence[int]], vocab_size: int
+    ) -> torch.Tensor | None:
+        """Dense [B, V] bias: the user's logit_bias, plus -inf on stop/EOS tokens for rows still below min_tokens."""
+        biases: dict[int, list[tuple[int, float]]] = {}
+        for row in batch.bias_rows:
+            constants = batch.rows[row]
+            entries = list(constants.bias)
+            if len(output_token_ids[row]) < constants.min_tokens:
+                entries += constants.banned
+            if entries:
+                biases[row] = entries
+        return dense_bias(biases, len(batch.rows), vocab_size, self.device)
 
 
 def _random_stages(p: SamplingParams, vocab_size: int) -> tuple[float, int, float, float]:
@@ -125,83 +312,3 @@ def _top_k_or_off(top_k: int, vocab_size: int) -> int:
 
 def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # Pinned memory + non_blocking: the copy is queued behind the running step instead of waiting for it.
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _flat_index(rows: dict[int, Sequence[int]], vocab_size: int, what: str) -> torch.Tensor:
-    """Indices into a flattened [B, V] tensor for every (row, token id) pair; checks the ids on the host."""
-    parts = [torch.as_tensor(ids, dtype=torch.int64) + row * vocab_size for row, ids in rows.items() if len(ids)]
-    if not parts:
-        return torch.empty(0, dtype=torch.int64)
-    flat = torch.cat(parts)
-    token_ids = torch.cat([torch.as_tensor(ids, dtype=torch.int64) for ids in rows.values() if len(ids)])
-    if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
-        raise ValueError(f"{what} holds a token id outside [0, {vocab_size})")
-    return flat
-
-
-def _dense_rows(
-    rows: dict[int, Sequence[int]], num_rows: int, vocab_size: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """[B, V] presence mask (bool) or occurrence counts (int32) of the given token ids, built on device."""
-    index = _to_device(_flat_index(rows, vocab_size, "prompt_token_ids or output_token_ids"), device)
-    dense = torch.zeros(num_rows * vocab_size, dtype=dtype, device=device)
-    if dtype == torch.bool:
-        dense.index_fill_(0, index, True)
-    else:
-        dense.index_add_(0, index, torch.ones(index.shape, dtype=dtype, device=device))
-    return dense.view(num_rows, vocab_size)
-
-
-def _logit_bias(
-    params_list: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: Sequence[int],
-    vocab_size: int,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Dense [B, V] bias: the user's logit_bias, plus -inf on stop/EOS tokens for rows still below min_tokens."""
-    biases: dict[int, list[tuple[int, float]]] = {}
-    for row, p in enumerate(params_list):
-        entries = list((p.logit_bias or {}).items())
-        if len(output_token_ids[row]) < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            entries += [(t, float("-inf")) for t in sorted(banned)]
-        if entries:
-            biases[row] = entries
-    if not biases:
-        return None
-    index = _flat_index({r: [t for t, _ in e] for r, e in biases.items()}, vocab_size, "logit_bias or stop ids")
-    values = torch.tensor([b for e in biases.values() for _, b in e], dtype=torch.float32)
-    dense = torch.zeros(len(params_list) * vocab_size, dtype=torch.float32, device=device)
-    # index_add_: a token both biased and banned sums to -inf, whichever order the adds land in.
-    dense.index_add_(0, _to_device(index, device), _to_device(values, device))
-    return dense.view(len(params_list), vocab_size)
-
-
-def _allowed_tokens(
-    bitmasks: Sequence[bytes | None], num_rows: int, vocab_size: int, device: torch.device
-) -> torch.Tensor | None:
-    """[B, V] bool from grammar bitmasks (bit t of int32 word t // 32, little-endian); rows without one allow
-    everything, and a grammar row allows no id past its bitmask (a model vocabulary wider than the tokenizer's)."""
-    if not any(mask is not None for mask in bitmasks):
-        return None
-    num_words = max(len(mask) for mask in bitmasks if mask is not None) // 4
-    words = torch.full((num_rows, num_words), -1, dtype=torch.int32)
-    for row, mask in enumerate(bitmasks):
-        if mask is not None:
-            row_words = torch.frombuffer(bytearray(mask), dtype=torch.int32)
-            words[row].zero_()
-            words[row, : row_words.numel()] = row_words
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, num_words * 32)
-    if bits.shape[1] < vocab_size:
-        free_rows = torch.tensor([mask is None for mask in bitmasks]).unsqueeze(1)
-        bits = torch.cat([bits, free_rows.expand(num_rows, vocab_size - bits.shape[1])], dim=1)
-    return _to_device(bits[:, :vocab_size].contiguous(), device)

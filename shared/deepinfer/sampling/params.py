@@ -32,6 +32,8 @@ class SamplingParams:
 
     `seed=None` means "no reproducibility asked": the engine draws a seed at admission (`deepinfer.sampling.seeds`)
     and passes it explicitly, so prefill, decode and a migrated decode still draw the same tokens.
+    Treat an instance as frozen once a request holds it: the runner derives its per-step sampling constants from
+    it once (`deepinfer.sampling.metadata.SamplingMetadataBuilder`); `clone` gives a changed copy.
     """
 
     n: int = 1
