@@ -28,11 +28,14 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         """True for the three terminal statuses."""
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        # Module globals, not RequestStatus.X: an enum class attribute lookup costs ~0.1 us, and the scheduler
+        # asks this of every request every step.
+        return self is _FINISHED_STOPPED or self is _FINISHED_LENGTH or self is _FINISHED_ABORTED
+
+
+_FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+_FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
+_FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 
 
 class Request:
