@@ -9,7 +9,8 @@ host arrays), the sampler's host work on a small vocabulary, and update(). Print
 
 `--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
-no-op replay), _finish_in_flight and the host tier's per-step offload check (bench/host_overhead_async.py).
+no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
+SamplingMetadata.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
 """
 
 from __future__ import annotations
