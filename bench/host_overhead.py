@@ -1,16 +1,23 @@
 """Host time of one decode step on the CPU: Scheduler + the runner's input preparation + sampling + update,
 with a fake model step (no GPU), at batch 256 and 2k tokens of context.
 
-    PYTHONPATH=shared:. python bench/host_overhead.py [--batch 256] [--context 2048] [--steps 64]
+    PYTHONPATH=shared:. python bench/host_overhead.py [--batch 256] [--context 2048] [--steps 64] [--async]
 
 The fake model returns tiny tensors at once, so what is timed is what the host adds to every step in series
 with the GPU: schedule(), the runner's flat batch and staging (and the CUDA-graph input fill, done here into
 host arrays), the sampler's host work on a small vocabulary, and update(). Prints ms per step and one JSON line.
+
+`--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
+(decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
+no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
+SamplingMetadata.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import time
@@ -18,10 +25,15 @@ import time
 import numpy as np
 import torch
 
+from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.cuda_graphs import CudaGraphRunner, GraphInputs, capture_sizes, seq_len_buckets
+from deepinfer.engine.host_tier import OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS, HostTier
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.sampling.metadata import SamplingMetadata
 from deepinfer.sampling.params import SamplingParams
 
 VOCAB, HIDDEN = 64, 8
@@ -48,7 +60,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._wrapped: list[tuple[object, str]] = []
+        self._wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, owner: object, method: str, phase: str) -> None:
         """Time every call of owner.method under `phase`."""
@@ -62,15 +74,27 @@ class PhaseTimer:
             finally:
                 self.seconds[phase] += time.perf_counter() - start
 
+        saved = vars(owner).get(method)
         setattr(owner, method, call)
-        self._wrapped.append((owner, method))
+        self._wrapped.append((owner, method, saved))
 
     def reset(self) -> None:
         """Zero the sums."""
         self.seconds = dict.fromkeys(self.seconds, 0.0)
 
+    def restore(self) -> None:
+        """Put the wrapped methods back (a class's own attribute as it was; an instance's: the class's again)."""
+        for owner, method, saved in reversed(self._wrapped):
+            if saved is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, saved)
+        self._wrapped = []
 
-def build(batch: int, context: int, block_size: int, max_tokens: int) -> tuple[Scheduler, ModelRunner]:
+
+def build(
+    batch: int, context: int, block_size: int, max_tokens: int, scheduler_class: type[Scheduler] = Scheduler
+) -> tuple[Scheduler, ModelRunner]:
     """A scheduler holding `batch` running requests whose first `context` tokens are computed (as after a
     disaggregated prefill), and a CPU runner over the fake model."""
     max_model_len = 8192
@@ -78,7 +102,7 @@ def build(batch: int, context: int, block_size: int, max_tokens: int) -> tuple[S
     num_blocks = max(num_blocks, max_model_len // block_size + 1)
     config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
                           max_num_seqs=batch, max_num_batched_tokens=2048, enable_kv_events=False)
-    scheduler = Scheduler(config)
+    scheduler = scheduler_class(config)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for i in range(batch):
@@ -97,9 +121,17 @@ def step(scheduler: Scheduler, runner: ModelRunner) -> None:
     scheduler.update(output, {rid: [s.token_id] for rid, s in sampled.items()})
 
 
+def freeze_start_up_objects() -> None:
+    """As the worker does once its engine is loaded (deepinfer.worker.runtime): what exists now stays out of every
+    later collection, so a full collection walks only what the steps keep alive (requests, their token lists)."""
+    gc.collect()
+    gc.freeze()
+
+
 def measure(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
     """Median ms per step (over repeats of `steps` steps) and the mean split by phase."""
     torch.set_num_threads(1)
+    freeze_start_up_objects()
     scheduler, runner = build(batch, context, block_size, max_tokens=4 * steps + 32)
     timer = PhaseTimer()
     timer.wrap(scheduler, "schedule", "schedule")
@@ -125,7 +157,7 @@ def measure(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
 
 def graph_fill_ms(scheduler: Scheduler, runner: ModelRunner, steps: int) -> float:
     """Host ms of filling the CUDA graph's static inputs for the next step (host arrays only, no copy)."""
-    from deepinfer.engine.cuda_graphs import GraphInputs, capture_sizes, padded_batch_size
+    from deepinfer.engine.cuda_graphs import padded_batch_size
 
     graph_inputs = GraphInputs(runner.max_num_seqs, runner.block_table.max_blocks_per_seq)
     output = scheduler.schedule()
@@ -139,16 +171,114 @@ def graph_fill_ms(scheduler: Scheduler, runner: ModelRunner, steps: int) -> floa
     return round(1e3 * elapsed, 3)
 
 
+class _NoOpGraph:
+    """Stands in for a captured CUDA graph: replay() costs only the call."""
+
+    def replay(self) -> None:
+        """Nothing to run on the CPU."""
+
+
+class _NoOpEvent:
+    """Stands in for torch.cuda.Event: the CPU copies are done when issued."""
+
+    def record(self) -> None:
+        """Nothing to record."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+def cpu_graph_runner(runner: ModelRunner, max_model_len: int) -> CudaGraphRunner:
+    """A CudaGraphRunner whose device buffers are CPU tensors and whose graphs are no-ops: its run() does the
+    host work of a replay (GraphInputs.fill, the static-input copies, the placeholder fill) for real."""
+    graphs = CudaGraphRunner.__new__(CudaGraphRunner)
+    graphs.model, graphs.kv_caches, graphs.block_size = runner.model, [], runner.block_size
+    graphs.max_model_len, graphs.sizes = max_model_len, capture_sizes(runner.max_num_seqs)
+    graphs.seq_len_buckets = seq_len_buckets(max_model_len)
+    graphs.max_bs, graphs.width = graphs.sizes[-1], -(-max_model_len // runner.block_size)
+    graphs.inputs = GraphInputs(graphs.max_bs, graphs.width)
+    graphs.static64 = torch.zeros(3, graphs.max_bs, dtype=torch.int64)
+    graphs.static32 = torch.zeros(graphs.inputs.host32.numel(), dtype=torch.int32)
+    keys = [(bs, bucket) for bs in graphs.sizes for bucket in graphs.seq_len_buckets]
+    graphs.graphs = {key: _NoOpGraph() for key in keys}
+    graphs.outputs = {key: torch.zeros(key[0], HIDDEN) for key in keys}
+    graphs.num_replays, graphs._copied = 0, _NoOpEvent()
+    graphs._capture_context = contextlib.nullcontext()
+    return graphs
+
+
+def build_async_engine(batch: int, context: int, block_size: int, max_tokens: int) -> EngineCore:
+    """An EngineCore (no model load) over the async scheduler, the CPU graph runner and a host tier batching its
+    offloads as on CUDA (tiny KV caches: one layer, one head of HIDDEN)."""
+    scheduler, runner = build(batch, context, block_size, max_tokens, AsyncScheduler)
+    runner.graphs = cpu_graph_runner(runner, scheduler.config.max_model_len)
+    kv = torch.zeros(2, scheduler.config.num_blocks, block_size, 1, HIDDEN, dtype=torch.float16)
+    host_tier = HostTier([kv], 4 * scheduler.config.num_blocks, scheduler.block_pool)
+    host_tier.offload_batch_blocks, host_tier.offload_max_steps = OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS
+    core = EngineCore.__new__(EngineCore)
+    core.scheduler, core.runner, core.host_tier = scheduler, runner, host_tier
+    core.async_scheduling, core._in_flight = True, None
+    return core
+
+
+def measure_async(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
+    """As measure(), for EngineCore.step with async scheduling; phases as the profile names them."""
+    torch.set_num_threads(1)
+    freeze_start_up_objects()
+    core = build_async_engine(batch, context, block_size, max_tokens=4 * steps + 32)
+    runner = core.runner
+    timer = PhaseTimer()
+    timer.wrap(core.scheduler, "schedule", "schedule")
+    timer.wrap(core.scheduler, "update", "update")
+    timer.wrap(runner, "execute_async", "execute_async")
+    timer.wrap(runner, "prepare_batch", "prepare")
+    timer.wrap(runner.graphs, "run", "graph_run")
+    timer.wrap(runner.graphs.inputs, "fill", "graph_fill")
+    timer.wrap(SamplingMetadata, "build", "sampling_metadata")
+    timer.wrap(runner, "sampler", "sampler")
+    timer.wrap(core, "_finish_in_flight", "finish_in_flight")
+    timer.wrap(core.host_tier, "offload", "host_tier_offload")
+    try:
+        for _ in range(3):
+            core.step()
+        timer.reset()
+        per_step = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            per_step.append((time.perf_counter() - start) / steps)
+        replays = runner.graphs.num_replays
+    finally:
+        timer.restore()
+    assert replays >= 3 * steps, replays  # every decode step went through the graph runner
+    phases = {name: round(1e3 * s / (3 * steps), 3) for name, s in timer.seconds.items()}
+    rest = phases["execute_async"] - phases["prepare"] - phases["graph_run"] - phases["sampling_metadata"]
+    phases["rest_of_execute_async"] = round(rest - phases["sampler"], 3)
+    phases["rest_of_finish"] = round(phases["finish_in_flight"] - phases["update"], 3)
+    step_ms = 1e3 * statistics.median(per_step)
+    return {"mode": "async", "batch": batch, "context": context, "step_ms": round(step_ms, 3),
+            "step_ms_without_sampling": round(step_ms - phases["sampling_metadata"] - phases["sampler"], 3),
+            "phases_ms": phases}
+
+
 def main() -> None:
     """Print ms per step by phase, then one JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="EngineCore.step with async scheduling and the CUDA-graph path's host work")
     args = parser.parse_args()
-    res = measure(args.batch, args.context, args.steps)
-    print(f"host ms/step at B={res['batch']}, context {res['context']}: {res['step_ms']}  "
-          f"phases {res['phases_ms']}  graph input fill {res['graph_fill_ms']}")
+    if args.async_mode:
+        res = measure_async(args.batch, args.context, args.steps)
+        print(f"async host ms/step at B={res['batch']}, context {res['context']}: {res['step_ms']} "
+              f"(without sampling {res['step_ms_without_sampling']})  phases {res['phases_ms']}")
+    else:
+        res = measure(args.batch, args.context, args.steps)
+        print(f"host ms/step at B={res['batch']}, context {res['context']}: {res['step_ms']}  "
+              f"phases {res['phases_ms']}  graph input fill {res['graph_fill_ms']}")
     print(json.dumps(res))
 
 

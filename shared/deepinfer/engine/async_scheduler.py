@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import Request, RequestStatus, check_stop
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput, _Step
 
 
@@ -54,18 +54,15 @@ class AsyncScheduler(Scheduler):
         decodes, prefills = [], []
         for r in self.running:
             num_pending = placeholders.get(r.request_id, 0)
-            if num_pending and self._reaches_length(r, num_pending, max_model_len):
-                continue  # its in-flight token ends it; update() will finish it
-            remaining = r.num_tokens + num_pending - r.num_computed_tokens
-            (decodes if remaining == 1 else prefills).append(r)
+            num_tokens = len(r.all_token_ids) + num_pending
+            if num_pending:  # do the tokens in flight already reach max_model_len or max_tokens?
+                max_tokens = r.stop_rule.max_tokens
+                if num_tokens >= max_model_len or (
+                    max_tokens is not None and len(r.output_token_ids) + num_pending >= max_tokens
+                ):
+                    continue  # its in-flight token ends it; update() will finish it
+            (decodes if num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         return decodes, prefills
-
-    @staticmethod
-    def _reaches_length(request: Request, num_pending: int, max_model_len: int) -> bool:
-        max_tokens = request.stop_rule.max_tokens
-        if max_tokens is not None and request.num_output_tokens + num_pending >= max_tokens:
-            return True
-        return request.num_tokens + num_pending >= max_model_len
 
     def _chunk_size(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         num_pending = self.num_output_placeholders.get(request.request_id, 0)
@@ -76,18 +73,20 @@ class AsyncScheduler(Scheduler):
     def _build_output(self, step: _Step) -> SchedulerOutput:
         output = super()._build_output(step)
         placeholders = self.num_output_placeholders
-        requests = []
-        for scheduled, (request, _) in zip(output.scheduled, step.entries.values(), strict=True):
-            requests.append(request)
+        requests = [request for request, _ in step.entries.values()]
+        for scheduled, request in zip(output.scheduled, requests, strict=True):
+            num_new_tokens = scheduled.num_new_tokens
             # A placeholder is fed: the known tokens stop short of num_new_tokens and the step samples.
-            if len(scheduled.token_ids) < scheduled.num_new_tokens:
+            if len(scheduled.token_ids) < num_new_tokens:
                 # Never on a fresh runner row: the placeholder's id sits in the row that sampled it.
                 assert not scheduled.is_new, scheduled.request_id
-                assert placeholders.get(request.request_id, 0) == scheduled.num_new_tokens - len(scheduled.token_ids)
+                num_pending = placeholders.get(request.request_id, 0)
+                assert num_pending == num_new_tokens - len(scheduled.token_ids), (scheduled.request_id, num_pending)
                 scheduled.sample = True
-            request.num_computed_tokens += scheduled.num_new_tokens
-            if scheduled.sample:
+                placeholders[request.request_id] = num_pending + 1
+            elif scheduled.sample:
                 placeholders[request.request_id] = placeholders.get(request.request_id, 0) + 1
+            request.num_computed_tokens += num_new_tokens
         self._in_flight.append((output, requests))
         return output
 
@@ -104,26 +103,41 @@ class AsyncScheduler(Scheduler):
             raise ValueError(f"no sampled token for requests {missing}, which had to sample")
         _, scheduled_requests = self._in_flight.popleft()
         live, placeholders = self.requests, self.num_output_placeholders
-        max_model_len, cache_blocks = self.config.max_model_len, self.kv_manager.cache_blocks
+        max_model_len, block_size = self.config.max_model_len, self.config.block_size
+        kv_manager = self.kv_manager
+        cache_blocks, num_cached_blocks = kv_manager.cache_blocks, kv_manager.num_cached_blocks
+        caching = kv_manager.block_pool.enable_caching
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         updates, finished = [], []
         for scheduled, request in zip(output.scheduled, scheduled_requests, strict=True):
-            if live.get(request.request_id) is not request:
+            request_id = request.request_id
+            if live.get(request_id) is not request:
                 continue  # finished or aborted since schedule(): an extra token, never emitted
-            was_preempted = request.status is RequestStatus.PREEMPTED
-            if scheduled.sample:
-                placeholders[request.request_id] -= 1
-                new_token_ids = self._append_sampled(request, sampled_token_ids[request.request_id], max_model_len)
-            if request.status is RequestStatus.RUNNING or request.is_finished:
+            was_preempted = request.status is preempted
+            sample = scheduled.sample
+            if sample:
+                placeholders[request_id] -= 1
+                token_ids = sampled_token_ids[request_id]
+                if len(token_ids) == 1:  # the decode case of _append_sampled, inline
+                    request.append_output_token_id(token_ids[0])
+                    check_stop(request, max_model_len)
+                    new_token_ids = list(token_ids)
+                else:
+                    new_token_ids = self._append_sampled(request, token_ids, max_model_len)
+            status = request.status
+            if caching and (status is running or status.is_finished):
                 # Blocks full of known tokens; their KV is written by this step or one queued after it. A request
                 # that just finished still owns its blocks here (retired below), so its prompt stays cached.
-                cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
-            if not scheduled.sample:
+                num_known = min(request.num_computed_tokens, request.num_tokens)
+                if num_known // block_size > num_cached_blocks.get(request_id, 0):  # cache_blocks' early-out
+                    cache_blocks(request, num_known)
+            if not sample:
                 continue
-            if request.is_finished:
+            if status.is_finished:
                 finished.append((request, was_preempted))
             updates.append(
                 RequestUpdate(
-                    request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
+                    request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
                     request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
                     request.num_host_cached_tokens,
                 )

@@ -365,17 +365,13 @@ class EngineCore:
 
 
 def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
-    return [
-        EngineOutput(
-            request_id=u.request_id,
-            new_token_ids=u.new_token_ids,
-            new_logprobs=[sampled[u.request_id]] if u.new_token_ids and u.request_id in sampled else None,
-            finish_reason=u.finish_reason,
-            stop_reason=u.stop_reason,
-            num_cached_tokens=u.num_cached_tokens,
-            first_scheduled_time=u.first_scheduled_time,
-            num_store_cached_tokens=u.num_store_cached_tokens,
-            num_host_cached_tokens=u.num_host_cached_tokens,
+    outputs, get_sampled = [], sampled.get
+    for u in updates:
+        token = get_sampled(u.request_id) if u.new_token_ids else None
+        outputs.append(
+            EngineOutput(
+                u.request_id, u.new_token_ids, None if token is None else [token], u.finish_reason, u.stop_reason,
+                u.num_cached_tokens, u.first_scheduled_time, u.num_store_cached_tokens, u.num_host_cached_tokens,
+            )
         )
-        for u in updates
-    ]
+    return outputs

@@ -177,8 +177,9 @@ class HostTier:
         """At the start of a step: finish the copies that completed (never waits for one); unpin what write-behind
         released."""
         self.unpin_released()
-        self._finish_offloads()
-        for request_id, copy in list(self._loads.items()):
+        if self._offloads:
+            self._finish_offloads()
+        for request_id, copy in list(self._loads.items()) if self._loads else ():
             if copy.event is None or copy.event.query():
                 del self._loads[request_id]
                 self._end_load(scheduler, request_id, copy, loaded=True)
@@ -198,10 +199,12 @@ class HostTier:
     def offload(self, flush: bool = False) -> None:
         """After a step: copy the blocks that entered the device prefix cache (and are not held here) to host,
         in batches (OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS); `flush`: now (the engine has nothing left to run)."""
-        self._pending += self.block_pool.newly_cached
-        self.block_pool.newly_cached = []
-        if not self._pending:
-            return
+        newly_cached = self.block_pool.newly_cached
+        if newly_cached:
+            self._pending += newly_cached
+            self.block_pool.newly_cached = []
+        elif not self._pending:
+            return  # the usual decode step: nothing cached, nothing waiting
         self._pending_steps += 1
         if not flush and len(self._pending) < self.offload_batch_blocks and \
                 self._pending_steps < self.offload_max_steps:

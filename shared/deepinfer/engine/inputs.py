@@ -158,14 +158,17 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
     """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors)."""
     batch = HostBatch()
     input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
-    update, all_block_ids, max_num_blocks = block_table.update, block_table.block_ids, 0
+    query_lens, seq_lens, table_rows = batch.query_lens, batch.seq_lens, batch.block_table_rows
+    logits_indices, sampled = batch.logits_indices, batch.sampled
+    update, rows, all_block_ids, max_num_blocks = block_table.update, block_table.rows, block_table.block_ids, 0
     for s in scheduled:
-        row = update(s)
+        # A running request without new blocks keeps its row as it is (update()'s every-step case, inline).
+        row = update(s) if s.is_new or s.new_block_ids else rows[s.request_id]
         block_ids = all_block_ids[row]
-        start, num_new = s.num_computed_tokens, s.num_new_tokens
-        input_ids.extend(s.token_ids)
-        if len(s.token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
-            assert len(s.token_ids) == num_new - 1, (s.request_id, len(s.token_ids), num_new)
+        start, num_new, token_ids = s.num_computed_tokens, s.num_new_tokens, s.token_ids
+        input_ids += token_ids
+        if len(token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
+            assert len(token_ids) == num_new - 1, (s.request_id, len(token_ids), num_new)
             batch.placeholder_indices.append(len(input_ids))
             batch.placeholder_rows.append(row)
             input_ids.append(0)
@@ -175,13 +178,14 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
         else:
             positions.extend(range(start, start + num_new))
             slot_mapping.extend(block_slots(block_ids, start, start + num_new, block_size))
-        batch.query_lens.append(num_new)
-        batch.seq_lens.append(start + num_new)
-        batch.block_table_rows.append(row)
-        max_num_blocks = max(max_num_blocks, len(block_ids))
+        query_lens.append(num_new)
+        seq_lens.append(start + num_new)
+        table_rows.append(row)
+        if len(block_ids) > max_num_blocks:
+            max_num_blocks = len(block_ids)
         if s.sample:
-            batch.logits_indices.append(len(input_ids) - 1)
-            batch.sampled.append(s)
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(s)
     batch.max_num_blocks = max_num_blocks
     return batch
 

@@ -9,9 +9,10 @@ from typing import NamedTuple
 from deepinfer.protocol import FinishReason
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
-    """One sampled token with its raw logprob and, when asked, the top logprobs of that position."""
+    """One sampled token with its raw logprob and, when asked, the top logprobs of that position (not frozen: one
+    is built per sampled request per step, and a frozen dataclass's __init__ costs 3-4x)."""
 
     token_id: int
     logprob: float

@@ -149,7 +149,8 @@ class Scheduler(LoadingRequests):
         step = _Step(self.config.max_num_batched_tokens)
         decodes, prefills = self._split_running()
         running_status = RequestStatus.RUNNING
-        for request in decodes + prefills:
+        self._schedule_decodes(decodes, step)
+        for request in prefills:
             if step.token_budget == 0:
                 break
             if request.status is not running_status:  # preempted earlier in this step
@@ -160,6 +161,23 @@ class Scheduler(LoadingRequests):
         if not step.preempted_request_ids:
             self._admit_waiting(step)
         return self._build_output(step)
+
+    def _schedule_decodes(self, decodes: list[Request], step: _Step) -> None:
+        """One token for each decode (its chunk whatever the budget left or the threshold), in order."""
+        running_status, block_size = RequestStatus.RUNNING, self.config.block_size
+        req_to_blocks, entries = self.kv_manager.req_to_blocks, step.entries
+        for request in decodes:
+            if step.token_budget == 0:
+                break
+            if request.status is not running_status:  # preempted earlier in this step
+                continue
+            blocks = req_to_blocks.get(request.request_id)
+            # allocate_slots' every-step case inline: the last block has room for the token (no new block).
+            no_room = blocks is None or request.num_computed_tokens >= len(blocks) * block_size
+            if no_room and not self._allocate_or_preempt(request, 1, step):
+                continue
+            entries[request.request_id] = (request, 1)  # step.add(request, 1)
+            step.token_budget -= 1
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests to schedule this step: (decodes, prefill chunks); decodes go first."""
@@ -192,7 +210,13 @@ class Scheduler(LoadingRequests):
                 cache_blocks(request, request.num_computed_tokens)  # a block became full this step
             if not scheduled.sample:
                 continue
-            new_token_ids = self._append_sampled(request, sampled_token_ids[scheduled.request_id], max_model_len)
+            token_ids = sampled_token_ids[scheduled.request_id]
+            if len(token_ids) == 1:  # the decode case of _append_sampled, inline
+                request.append_output_token_id(token_ids[0])
+                check_stop(request, max_model_len)
+                new_token_ids = list(token_ids)
+            else:
+                new_token_ids = self._append_sampled(request, token_ids, max_model_len)
             if request.status is not running_status:
                 finished.append(request)
             updates.append(
@@ -337,23 +361,23 @@ class Scheduler(LoadingRequests):
             finished_request_ids=self._finished_request_ids,
         )
         self._finished_request_ids = []
-        sent, get_blocks = self._num_sent_blocks, self.kv_manager.get_blocks
+        sent, req_to_blocks = self._num_sent_blocks, self.kv_manager.req_to_blocks
         scheduled, num_batched_tokens = output.scheduled, 0
         for request, num_new_tokens in step.entries.values():
             request_id, start = request.request_id, request.num_computed_tokens
-            all_token_ids, blocks = request.all_token_ids, get_blocks(request)
-            num_sent = sent.get(request_id)
-            new_blocks = blocks if num_sent is None else blocks[num_sent:]
-            sent[request_id] = len(blocks)
+            all_token_ids, blocks = request.all_token_ids, req_to_blocks.get(request_id, ())
+            num_sent, num_blocks = sent.get(request_id), len(blocks)
+            if num_sent == num_blocks:
+                new_block_ids = []  # the every-step case: no block since the last step
+            else:
+                new_blocks = blocks if num_sent is None else blocks[num_sent:]
+                sent[request_id] = num_blocks
+                new_block_ids = [block.block_id for block in new_blocks]
+            end = start + num_new_tokens
             scheduled.append(
                 ScheduledRequest(
-                    request_id,
-                    all_token_ids[start : start + num_new_tokens],
-                    start,
-                    num_new_tokens,
-                    [block.block_id for block in new_blocks],
-                    start + num_new_tokens == len(all_token_ids),
-                    num_sent is None,
+                    request_id, all_token_ids[start:end], start, num_new_tokens, new_block_ids,
+                    end == len(all_token_ids), num_sent is None,
                 )
             )
             num_batched_tokens += num_new_tokens
