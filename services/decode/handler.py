@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -40,11 +40,11 @@ from deepinfer.protocol import (
     KvHandle,
     Release,
     TokenBatch,
+    TokenBatchWriter,
     TokenChunk,
     TokenLogprobs,
     WorkerRole,
-    encode_token_batch,
-    token_chunk_fields,
+    chunk_prefix,
 )
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
@@ -69,6 +69,8 @@ class _Stream:
 
     gateway_id: str
     want_logprobs: bool
+    #: The bytes its every TokenChunk starts with (`chunk_prefix`).
+    prefix: bytes
     sent_first: bool = False
     #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
     num_tokens: int = 0
@@ -92,6 +94,7 @@ class DecodeHandler:
         self._tasks = self.runtime.tasks
         self._subscriptions = Subscriptions(ctx.bus)
         self._step = 0
+        self._writer = TokenBatchWriter(self.runtime.worker_id)
         #: tokens(model, gateway_id) by gateway id: built once, not per step.
         self._token_subjects: dict[str, str] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
@@ -190,7 +193,7 @@ class DecodeHandler:
         on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
-        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None,
+        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
                                             trace_context=otel_context.get_current() if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
@@ -271,49 +274,57 @@ class DecodeHandler:
     # -- engine outputs → token batches ------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
         """One TokenBatch per gateway per step, carrying only the new tokens of its requests. Runs on the event
-        loop once per step, beside the engine thread: the chunks are built as wire fields, not models, and each
-        batch is published at once (`run_eagerly`: no task and no extra turn of the loop unless NATS must wait)."""
+        loop once per step, beside the engine thread (held GIL it waits for): a chunk is joined from bytes packed
+        when its stream opened (`TokenBatchWriter`), and the step's batches go to the socket at once
+        (`Bus.publish_now`: no coroutine, no task, no extra turn of the loop)."""
         self._step += 1
         started_s = time.monotonic()
-        streams = self._streams
-        batches: dict[str, list[dict]] = {}
-        traced: dict[str, list[tuple[Context, int]]] | None = None
+        streams, writer = self._streams, self._writer
+        batches: dict[str, _Batch] = {}
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
             new_token_ids = output.new_token_ids
-            chunk = token_chunk_fields(
-                output.request_id,
-                new_token_ids,
-                logprobs=_logprobs(output) if stream.want_logprobs else None,
-                finish_reason=output.finish_reason,
-                num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
-                cached_tokens_by_tier=None if stream.sent_first else cached_tokens_by_tier(output),
-                num_previous_tokens=stream.num_tokens,
-            )
-            stream.sent_first = True
-            stream.num_tokens += len(new_token_ids)
-            chunks = batches.get(stream.gateway_id)
-            if chunks is None:
-                batches[stream.gateway_id] = [chunk]
+            batch = batches.get(stream.gateway_id)
+            if batch is None:
+                batch = batches[stream.gateway_id] = _Batch(writer.open())
+            if stream.sent_first and output.finish_reason is None and not stream.want_logprobs:
+                writer.add_steady(batch.pieces, stream.prefix, new_token_ids, stream.num_tokens)
             else:
-                chunks.append(chunk)
+                self._add_chunk(batch.pieces, stream, output)
+            batch.num_chunks += 1
+            stream.num_tokens += len(new_token_ids)
             if stream.trace_context is not None:
-                traced = traced if traced is not None else {}
-                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(new_token_ids)))
+                batch.traced.append((stream.trace_context, len(new_token_ids)))
             if output.finish_reason is not None:
                 del streams[output.request_id]
-        worker_id, step = self.runtime.worker_id, self._step
-        for gateway_id, chunks in batches.items():
-            payload = encode_token_batch(worker_id, step, chunks)
-            spans = traced.get(gateway_id) if traced is not None else None
-            if spans:
-                run_eagerly(self._tasks, self._publish_traced(gateway_id, payload, step, len(chunks), started_s,
-                                                              spans), name="token-batch")
-            else:
-                run_eagerly(self._tasks, self.bus.publish(self._token_subject(gateway_id), payload),
-                            name="token-batch")
+        step = self._step
+        messages = [(self._token_subject(gateway_id), writer.close(batch.pieces, step, batch.num_chunks))
+                    for gateway_id, batch in batches.items()]
+        if not messages:
+            return
+        if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
+            for subject, payload in messages:
+                run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
+        published_s = time.monotonic()
+        for batch in batches.values():
+            for context, num_tokens in batch.traced:  # each traced request: outputs received → published
+                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
+                                         num_tokens=num_tokens, num_chunks=batch.num_chunks)
+
+    def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
+        """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""
+        first = not stream.sent_first
+        stream.sent_first = True
+        self._writer.add(
+            pieces, stream.prefix, output.new_token_ids,
+            logprobs=_logprobs(output) if stream.want_logprobs else None,
+            finish_reason=output.finish_reason,
+            num_cached_tokens=output.num_cached_tokens if first else None,
+            cached_tokens_by_tier=cached_tokens_by_tier(output) if first else None,
+            num_previous_tokens=stream.num_tokens,
+        )
 
     def _token_subject(self, gateway_id: str) -> str:
         subject = self._token_subjects.get(gateway_id)
@@ -323,23 +334,21 @@ class DecodeHandler:
             subject = self._token_subjects[gateway_id] = subjects.tokens(self.runtime.model, gateway_id)
         return subject
 
-    async def _publish_traced(
-        self, gateway_id: str, payload: bytes, step: int, num_chunks: int, started_s: float,
-        traced: list[tuple[Context, int]],
-    ) -> None:
-        """Publish one step's tokens (a TokenBatch's bytes) to one gateway; each traced request in it gets a
-        `decode.token_batch` span (outputs received → published)."""
-        await self.bus.publish(self._token_subject(gateway_id), payload)
-        published_s = time.monotonic()
-        for context, num_tokens in traced:
-            self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                     num_tokens=num_tokens, num_chunks=num_chunks)
-
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:
             return
         request_id = cancel.request_id
         self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One gateway's TokenBatch of this step, as pieces of bytes (`TokenBatchWriter`)."""
+
+    pieces: list[bytes]
+    num_chunks: int = 0
+    #: (trace context, tokens) of each traced request in it: a `decode.token_batch` span each.
+    traced: list[tuple[Context, int]] = field(default_factory=list)
 
 
 def _refused(request_id: str, error: ErrorDetail) -> DecodeAccepted:
