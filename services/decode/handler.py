@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -46,6 +46,7 @@ from deepinfer.protocol import (
     WorkerRole,
     chunk_prefix,
 )
+from deepinfer.protocol.token_wire import STEADY_MIDDLE, num_chunks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
@@ -72,6 +73,8 @@ class _Stream:
     #: The bytes its every TokenChunk starts with (`chunk_prefix`).
     prefix: bytes
     sent_first: bool = False
+    #: Its chunks are steady now (`TokenBatchWriter.add_steady`): the first went, no logprobs (until the last).
+    steady: bool = False
     #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
     num_tokens: int = 0
     #: The request's trace context when it is traced (its token batches become spans there), else None.
@@ -280,43 +283,51 @@ class DecodeHandler:
         self._step += 1
         started_s = time.monotonic()
         streams, writer = self._streams, self._writer
-        batches: dict[str, _Batch] = {}
+        pack, steady_middle = writer.pack, STEADY_MIDDLE
+        batches: dict[str, list[bytes]] = {}
+        traced: list[tuple[str, Context, int]] | None = None
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
             new_token_ids = output.new_token_ids
-            batch = batches.get(stream.gateway_id)
-            if batch is None:
-                batch = batches[stream.gateway_id] = _Batch(writer.open())
-            if stream.sent_first and output.finish_reason is None and not stream.want_logprobs:
-                writer.add_steady(batch.pieces, stream.prefix, new_token_ids, stream.num_tokens)
+            pieces = batches.get(stream.gateway_id)
+            if pieces is None:
+                pieces = batches[stream.gateway_id] = writer.open()
+            if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
+                pieces += (stream.prefix, pack(new_token_ids), steady_middle, pack(stream.num_tokens))
             else:
-                self._add_chunk(batch.pieces, stream, output)
-            batch.num_chunks += 1
+                self._add_chunk(pieces, stream, output)
             stream.num_tokens += len(new_token_ids)
             if stream.trace_context is not None:
-                batch.traced.append((stream.trace_context, len(new_token_ids)))
+                traced = traced if traced is not None else []
+                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
             if output.finish_reason is not None:
                 del streams[output.request_id]
-        step = self._step
-        messages = [(self._token_subject(gateway_id), writer.close(batch.pieces, step, batch.num_chunks))
-                    for gateway_id, batch in batches.items()]
-        if not messages:
-            return
+        if batches:
+            self._publish(batches, started_s, traced)
+
+    def _publish(self, batches: dict[str, list[bytes]], started_s: float,
+                 traced: list[tuple[str, Context, int]] | None) -> None:
+        """Send this step's batches; each traced request in them gets a `decode.token_batch` span (outputs
+        received → published)."""
+        step, writer = self._step, self._writer
+        messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
+                    batches.items()]
         if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
             for subject, payload in messages:
                 run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
-        published_s = time.monotonic()
-        for batch in batches.values():
-            for context, num_tokens in batch.traced:  # each traced request: outputs received → published
+        if traced is not None:
+            published_s = time.monotonic()
+            for gateway_id, context, num_tokens in traced:
                 self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                         num_tokens=num_tokens, num_chunks=batch.num_chunks)
+                                         num_tokens=num_tokens, num_chunks=num_chunks(batches[gateway_id]))
 
     def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
         """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""
         first = not stream.sent_first
         stream.sent_first = True
+        stream.steady = not stream.want_logprobs
         self._writer.add(
             pieces, stream.prefix, output.new_token_ids,
             logprobs=_logprobs(output) if stream.want_logprobs else None,
@@ -339,16 +350,6 @@ class DecodeHandler:
             return
         request_id = cancel.request_id
         self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
-
-
-@dataclass(slots=True)
-class _Batch:
-    """One gateway's TokenBatch of this step, as pieces of bytes (`TokenBatchWriter`)."""
-
-    pieces: list[bytes]
-    num_chunks: int = 0
-    #: (trace context, tokens) of each traced request in it: a `decode.token_batch` span each.
-    traced: list[tuple[Context, int]] = field(default_factory=list)
 
 
 def _refused(request_id: str, error: ErrorDetail) -> DecodeAccepted:

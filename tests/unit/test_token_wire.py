@@ -16,6 +16,7 @@ from deepinfer.protocol import (
     TokenLogprobs,
     chunk_prefix,
 )
+from deepinfer.protocol.token_wire import num_chunks
 
 STEADY = [
     {"request_id": "r0", "token_ids": [7], "num_previous_tokens": 0},
@@ -45,7 +46,8 @@ def _write(writer: TokenBatchWriter, step: int, steady: list[dict], other: list[
     for chunk in other:
         fields = {k: v for k, v in chunk.items() if k not in ("request_id", "token_ids")}
         writer.add(pieces, chunk_prefix(chunk["request_id"]), chunk["token_ids"], **fields)
-    return writer.close(pieces, step, len(steady) + len(other))
+    assert num_chunks(pieces) == len(steady) + len(other)
+    return writer.close(pieces, step)
 
 
 @pytest.mark.parametrize(("steady", "other"), [
