@@ -4,6 +4,7 @@ in order behind one wakeup (an eventfd on Linux), and the load numbers are repla
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 import time
@@ -243,11 +244,15 @@ def test_kv_event_batch_bytes_are_the_models():
 
 # -- StepWakeup ---------------------------------------------------------------------------------------------------
 
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller")
+
+
 
 @pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
 async def test_wakeups_from_a_thread_run_the_callback_on_the_loop_through_an_eventfd():
-    loop, ran = asyncio.get_running_loop(), []
-    wakeup = StepWakeup(loop, lambda: ran.append(threading.get_ident()))
+    loop, ran, seen = asyncio.get_running_loop(), [], []
+    wakeup = StepWakeup(loop, lambda: (ran.append(threading.get_ident()), seen.append(CALLER.get(None))))
+    CALLER.set("the caller's span")
     wakeup.start()
     assert wakeup._fd >= 0
     thread = threading.Thread(target=lambda: [wakeup.wake() for _ in range(3)])
@@ -256,6 +261,7 @@ async def test_wakeups_from_a_thread_run_the_callback_on_the_loop_through_an_eve
     await wait_for(lambda: ran)
     await asyncio.sleep(0.05)
     assert ran == [threading.get_ident()]  # three writes before the loop looked: one read, one callback
+    assert seen == [None]  # the context start() ran in does not reach the callback (no caller's trace)
     wakeup.wake()
     await wait_for(lambda: len(ran) == 2)
     fd = wakeup._fd

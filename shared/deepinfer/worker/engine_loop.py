@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import queue
@@ -226,8 +227,8 @@ class StepWakeup:
         if not hasattr(os, "eventfd"):
             return
         fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        try:
-            self._loop.add_reader(fd, self._on_readable)
+        try:  # in an empty context, as a callback from the engine thread ran: no caller's trace leaks into it
+            contextvars.Context().run(self._loop.add_reader, fd, self._on_readable)
         except NotImplementedError:  # e.g. the proactor loop on Windows
             os.close(fd)
             return
