@@ -183,9 +183,12 @@ class Bus:
         the loop wakes to publish). They join nats-py's pending buffer, behind anything queued there, and go to
         the socket in one write now, or through the flusher when the socket's buffer is not empty (it waits for
         the socket to drain). False, with nothing sent: the connection is not up (reconnecting, draining,
-        closed) or nats-py's pending buffer is over its limit; `publish` buffers, waits or raises then. PayloadTooLarge before anything is queued.
+        closed) or nats-py's pending buffer is over its limit; `publish` buffers, waits or raises then.
+        PayloadTooLarge or BusError (a bad subject) before anything is queued.
 
-        For a worker's per-step token batches, published from a callback on the loop once per engine step."""
+        For a worker's per-step token and KV event batches, sent from a callback on the loop once per engine step.
+        It uses nats-py's internals (`_pending`, `_flush_queue`, the transport; nats-py is pinned in
+        constraints.txt): tests/integration/test_bus_publish_now.py checks it on a real nats-server."""
         nc = self._nc
         if nc._status != Client.CONNECTED or nc._flush_queue is None or nc._pending_data_size > nc._max_pending_size:
             return False
