@@ -97,3 +97,31 @@ async def test_false_once_closed(nats_server: NatsServer) -> None:
     closing = await Bus.connect(nats_server.url, name="closing", token=nats_server.token)
     await closing.close()
     assert closing.publish_now([(unique_subject("now-closed"), b"x")]) is False
+
+
+async def test_false_while_the_server_is_down_then_sent_again() -> None:
+    with NatsServer() as server:
+        receiver = await Bus.connect(server.url, name="receiver", token=server.token, reconnect_wait_s=0.05)
+        sender = await Bus.connect(server.url, name="sender", token=server.token, reconnect_wait_s=0.05)
+        try:
+            received = await _collect(receiver, "now.restart")
+            assert sender.publish_now([("now.restart", b"1")])
+            await _wait_for(received, 1)
+            await asyncio.to_thread(server.stop)
+            deadline = time.monotonic() + 5
+            while sender.is_connected:
+                assert time.monotonic() < deadline, "the sender did not see the server go"
+                await asyncio.sleep(0.01)
+            assert sender.publish_now([("now.restart", b"lost")]) is False  # the caller publishes (buffered)
+            await asyncio.to_thread(server.start)
+            deadline = time.monotonic() + 10
+            while sender.num_reconnects < 1 or receiver.num_reconnects < 1:
+                assert time.monotonic() < deadline, "no reconnect"
+                await asyncio.sleep(0.01)
+            await receiver.flush()  # its subscription is registered again
+            assert sender.publish_now([("now.restart", b"2")])
+            await _wait_for(received, 2)
+            assert received == [b"1", b"2"]
+        finally:
+            await receiver.close()
+            await sender.close()
