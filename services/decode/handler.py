@@ -40,12 +40,13 @@ from deepinfer.protocol import (
     KvHandle,
     Release,
     TokenBatch,
+    TokenBatchWriter,
     TokenChunk,
     TokenLogprobs,
     WorkerRole,
-    encode_token_batch,
-    token_chunk_fields,
+    chunk_prefix,
 )
+from deepinfer.protocol.token_wire import STEADY_MIDDLE, num_chunks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
@@ -69,7 +70,11 @@ class _Stream:
 
     gateway_id: str
     want_logprobs: bool
+    #: The bytes its every TokenChunk starts with (`chunk_prefix`).
+    prefix: bytes
     sent_first: bool = False
+    #: Its chunks are steady now (`TokenBatchWriter.add_steady`): the first went, no logprobs (until the last).
+    steady: bool = False
     #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
     num_tokens: int = 0
     #: The request's trace context when it is traced (its token batches become spans there), else None.
@@ -92,6 +97,7 @@ class DecodeHandler:
         self._tasks = self.runtime.tasks
         self._subscriptions = Subscriptions(ctx.bus)
         self._step = 0
+        self._writer = TokenBatchWriter(self.runtime.worker_id)
         #: tokens(model, gateway_id) by gateway id: built once, not per step.
         self._token_subjects: dict[str, str] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
@@ -190,7 +196,7 @@ class DecodeHandler:
         on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
-        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None,
+        self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
                                             trace_context=otel_context.get_current() if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
@@ -271,49 +277,65 @@ class DecodeHandler:
     # -- engine outputs → token batches ------------------------------------------------------------------------
     def _on_outputs(self, outputs: list[EngineOutput]) -> None:
         """One TokenBatch per gateway per step, carrying only the new tokens of its requests. Runs on the event
-        loop once per step, beside the engine thread: the chunks are built as wire fields, not models, and each
-        batch is published at once (`run_eagerly`: no task and no extra turn of the loop unless NATS must wait)."""
+        loop once per step, beside the engine thread (held GIL it waits for): a chunk is joined from bytes packed
+        when its stream opened (`TokenBatchWriter`), and the step's batches go to the socket at once
+        (`Bus.publish_now`: no coroutine, no task, no extra turn of the loop)."""
         self._step += 1
         started_s = time.monotonic()
-        streams = self._streams
-        batches: dict[str, list[dict]] = {}
-        traced: dict[str, list[tuple[Context, int]]] | None = None
+        streams, writer = self._streams, self._writer
+        pack, steady_middle = writer.pack, STEADY_MIDDLE
+        batches: dict[str, list[bytes]] = {}
+        traced: list[tuple[str, Context, int]] | None = None
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
             new_token_ids = output.new_token_ids
-            chunk = token_chunk_fields(
-                output.request_id,
-                new_token_ids,
-                logprobs=_logprobs(output) if stream.want_logprobs else None,
-                finish_reason=output.finish_reason,
-                num_cached_tokens=None if stream.sent_first else output.num_cached_tokens,
-                cached_tokens_by_tier=None if stream.sent_first else cached_tokens_by_tier(output),
-                num_previous_tokens=stream.num_tokens,
-            )
-            stream.sent_first = True
-            stream.num_tokens += len(new_token_ids)
-            chunks = batches.get(stream.gateway_id)
-            if chunks is None:
-                batches[stream.gateway_id] = [chunk]
+            pieces = batches.get(stream.gateway_id)
+            if pieces is None:
+                pieces = batches[stream.gateway_id] = writer.open()
+            if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
+                pieces += (stream.prefix, pack(new_token_ids), steady_middle, pack(stream.num_tokens))
             else:
-                chunks.append(chunk)
+                self._add_chunk(pieces, stream, output)
+            stream.num_tokens += len(new_token_ids)
             if stream.trace_context is not None:
-                traced = traced if traced is not None else {}
-                traced.setdefault(stream.gateway_id, []).append((stream.trace_context, len(new_token_ids)))
+                traced = traced if traced is not None else []
+                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
             if output.finish_reason is not None:
                 del streams[output.request_id]
-        worker_id, step = self.runtime.worker_id, self._step
-        for gateway_id, chunks in batches.items():
-            payload = encode_token_batch(worker_id, step, chunks)
-            spans = traced.get(gateway_id) if traced is not None else None
-            if spans:
-                run_eagerly(self._tasks, self._publish_traced(gateway_id, payload, step, len(chunks), started_s,
-                                                              spans), name="token-batch")
-            else:
-                run_eagerly(self._tasks, self.bus.publish(self._token_subject(gateway_id), payload),
-                            name="token-batch")
+        if batches:
+            self._publish(batches, started_s, traced)
+
+    def _publish(self, batches: dict[str, list[bytes]], started_s: float,
+                 traced: list[tuple[str, Context, int]] | None) -> None:
+        """Send this step's batches; each traced request in them gets a `decode.token_batch` span (outputs
+        received → published)."""
+        step, writer = self._step, self._writer
+        messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
+                    batches.items()]
+        if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
+            for subject, payload in messages:
+                run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
+        if traced is not None:
+            published_s = time.monotonic()
+            for gateway_id, context, num_tokens in traced:
+                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
+                                         num_tokens=num_tokens, num_chunks=num_chunks(batches[gateway_id]))
+
+    def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
+        """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""
+        first = not stream.sent_first
+        stream.sent_first = True
+        stream.steady = not stream.want_logprobs
+        self._writer.add(
+            pieces, stream.prefix, output.new_token_ids,
+            logprobs=_logprobs(output) if stream.want_logprobs else None,
+            finish_reason=output.finish_reason,
+            num_cached_tokens=output.num_cached_tokens if first else None,
+            cached_tokens_by_tier=cached_tokens_by_tier(output) if first else None,
+            num_previous_tokens=stream.num_tokens,
+        )
 
     def _token_subject(self, gateway_id: str) -> str:
         subject = self._token_subjects.get(gateway_id)
@@ -322,18 +344,6 @@ class DecodeHandler:
                 self._token_subjects.clear()
             subject = self._token_subjects[gateway_id] = subjects.tokens(self.runtime.model, gateway_id)
         return subject
-
-    async def _publish_traced(
-        self, gateway_id: str, payload: bytes, step: int, num_chunks: int, started_s: float,
-        traced: list[tuple[Context, int]],
-    ) -> None:
-        """Publish one step's tokens (a TokenBatch's bytes) to one gateway; each traced request in it gets a
-        `decode.token_batch` span (outputs received → published)."""
-        await self.bus.publish(self._token_subject(gateway_id), payload)
-        published_s = time.monotonic()
-        for context, num_tokens in traced:
-            self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                     num_tokens=num_tokens, num_chunks=num_chunks)
 
     def _on_cancel(self, cancel: Cancel) -> None:
         if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:

@@ -191,3 +191,48 @@ async def test_a_traced_request_gets_one_token_batch_span_per_step(nats_server, 
     assert sorted(s.attributes["step"] for s in spans) == sorted({s.attributes["step"] for s in spans})
     assert all(s.attributes["num_tokens"] == 1 and s.end_time >= s.start_time for s in spans)
     assert {s.context.trace_id for s in spans} == {admission.context.trace_id}
+
+
+async def test_every_kind_of_chunk_is_the_models_bytes(decode, bus, tiny_dir):
+    # The chunks the worker joins from fragments: a first one with cached tokens (the second request shares the
+    # first's prompt), steady ones, logprobs on every chunk, a resumed request counting from its earlier
+    # tokens, the last one with its finish reason. Each payload is exactly what the models would write.
+    token = CommonSettings(model=str(tiny_dir)).model_token
+    payloads: list[bytes] = []
+    finished = asyncio.Event()
+
+    async def on_batch(data: bytes, msg) -> None:
+        payloads.append(data)
+        chunks = [c for p in payloads for c in TokenBatch.from_bytes(p).chunks]
+        if sum(c.finish_reason is not None for c in chunks) == 3:
+            finished.set()
+
+    await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch)
+    await decode.start()
+    with_logprobs = SAMPLING.model_copy(update={"logprobs": 2, "max_tokens": 12})
+    requests = [
+        DecodeRequest(request_id="plain", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=SAMPLING),
+        DecodeRequest(request_id="logprobs", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=with_logprobs),
+        DecodeRequest(request_id="resumed", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[1],
+                      output_token_ids=[3, 4, 5], sampling=SAMPLING.model_copy(update={"max_tokens": 20})),
+    ]
+    for request in requests:  # one after the other: the second finds the first's prompt blocks cached
+        reply = await bus.request(subjects.decode(token, "decode-steps"), request, DecodeAccepted, timeout_s=30)
+        assert reply.status is DecodeStatus.ACCEPTED
+    await asyncio.wait_for(finished.wait(), 30)
+
+    for data in payloads:
+        assert TokenBatch.from_bytes(data).to_bytes() == data
+    chunks = {r.request_id: [c for p in payloads for c in TokenBatch.from_bytes(p).chunks
+                             if c.request_id == r.request_id] for r in requests}
+    for request_id, previous in (("plain", 0), ("logprobs", 0), ("resumed", 3)):
+        first, *rest = chunks[request_id]
+        assert first.num_cached_tokens is not None and first.cached_tokens_by_tier is not None
+        assert all(c.num_cached_tokens is None and c.cached_tokens_by_tier is None for c in rest)
+        assert [c.finish_reason is not None for c in chunks[request_id]] == [False] * len(rest) + [True]
+        assert [c.num_previous_tokens for c in chunks[request_id]] == [
+            previous + sum(len(c.token_ids) for c in chunks[request_id][:k]) for k in range(len(chunks[request_id]))]
+    assert chunks["logprobs"][0].num_cached_tokens > 0
+    assert all(c.logprobs is not None and [lp.token_id for lp in c.logprobs] == c.token_ids
+               and all(len(lp.top) == 2 for lp in c.logprobs) for c in chunks["logprobs"])
+    assert all(c.logprobs is None for c in chunks["plain"] + chunks["resumed"])

@@ -1,9 +1,12 @@
 """The worker's per-step path: coroutines run eagerly (a task only when they wait), steps reach the event loop
-in order behind one wakeup, and the load numbers are replaced only when they change."""
+in order behind one wakeup (an eventfd on Linux), and the load numbers are replaced only when they change."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -12,7 +15,7 @@ import pytest
 from deepinfer.engine.handoff import engine_stats
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.worker.eager import run_eagerly
-from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.engine_loop import EngineLoop, StepWakeup
 
 # -- run_eagerly --------------------------------------------------------------------------------------------------
 
@@ -139,10 +142,9 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 
 async def test_steps_taken_while_the_loop_is_busy_arrive_in_order_behind_one_wakeup():
     loop = asyncio.get_running_loop()
-    received, wakeups = [], []
+    received = []
     core = CountingCore(num_steps=20)
     engine = EngineLoop(core, loop, lambda outputs, events, seq: received.append((outputs[0], seq)))
-    engine._loop = SimpleNamespace(call_soon_threadsafe=lambda fn: (wakeups.append(fn), loop.call_soon_threadsafe(fn)))
     engine.start()
     deadline = time.monotonic() + 5
     while core.steps < 20 and time.monotonic() < deadline:
@@ -151,7 +153,7 @@ async def test_steps_taken_while_the_loop_is_busy_arrive_in_order_behind_one_wak
     assert [r[0] for r in received] == [f"out-{k}" for k in range(1, 21)]
     # KV events on every second step: seq counts the non-empty batches, in order.
     assert [r[1] for r in received] == [k // 2 for k in range(1, 21)]
-    assert wakeups == [engine._deliver]
+    assert engine._wakeup.num_wakes == 1
     await engine.stop()
 
 
@@ -238,3 +240,46 @@ def test_kv_event_batch_bytes_are_the_models():
     wire = encode_kv_event_batch("decode-0", 7, events, 1733030000.25, "e1")
     assert wire == model.to_bytes()
     assert KvEventBatch.from_bytes(wire) == model
+
+
+# -- StepWakeup ---------------------------------------------------------------------------------------------------
+
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller")
+
+
+
+@pytest.mark.skipif(not hasattr(os, "eventfd"), reason="eventfd is Linux-only")
+async def test_wakeups_from_a_thread_run_the_callback_on_the_loop_through_an_eventfd():
+    loop, ran, seen = asyncio.get_running_loop(), [], []
+    wakeup = StepWakeup(loop, lambda: (ran.append(threading.get_ident()), seen.append(CALLER.get(None))))
+    CALLER.set("the caller's span")
+    wakeup.start()
+    assert wakeup._fd >= 0
+    thread = threading.Thread(target=lambda: [wakeup.wake() for _ in range(3)])
+    thread.start()
+    thread.join()
+    await wait_for(lambda: ran)
+    await asyncio.sleep(0.05)
+    assert ran == [threading.get_ident()]  # three writes before the loop looked: one read, one callback
+    assert seen == [None]  # the context start() ran in does not reach the callback (no caller's trace)
+    wakeup.wake()
+    await wait_for(lambda: len(ran) == 2)
+    fd = wakeup._fd
+    wakeup.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+async def test_without_add_reader_the_wakeup_is_call_soon_threadsafe():
+    loop, ran = asyncio.get_running_loop(), []
+
+    def refuse(fd, callback):
+        raise NotImplementedError
+
+    wakeup = StepWakeup(SimpleNamespace(add_reader=refuse, call_soon_threadsafe=loop.call_soon_threadsafe),
+                        lambda: ran.append("ran"))
+    wakeup.start()
+    assert wakeup._fd < 0
+    threading.Thread(target=wakeup.wake).start()
+    await wait_for(lambda: ran == ["ran"])
+    wakeup.close()

@@ -60,6 +60,11 @@ class MessageBus(Protocol):
         self, subject: str, message: Message | bytes, headers: Mapping[str, str] | None = None
     ) -> None: ...
 
+    def publish_now(self, messages: list[tuple[str, bytes]]) -> bool:
+        """Send pre-encoded messages (subject, bytes; no headers) without a coroutine; False, nothing sent, when
+        the connection is not up (then `publish`, which buffers or raises)."""
+        ...
+
     async def subscribe(
         self,
         subject: str,

@@ -9,9 +9,11 @@ import ssl
 from collections.abc import Iterator, Mapping
 
 from nats import errors as nats_errors
+from nats.aio import client as nats_client
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
+from nats.aio.transport import TcpTransport
 
 from deepinfer.bus.envelope import check_size, decode, dispatch, encode_payload, outgoing_headers
 from deepinfer.bus.errors import (
@@ -21,6 +23,7 @@ from deepinfer.bus.errors import (
     BusError,
     BusTimeout,
     NoResponders,
+    PayloadTooLarge,
 )
 from deepinfer.bus.interface import Handler, IncomingMsg, M
 from deepinfer.protocol.base import Message
@@ -28,6 +31,9 @@ from deepinfer.protocol.base import Message
 logger = logging.getLogger(__name__)
 
 _SUBSCRIBE_CONFIRM_TIMEOUT_S = 2.0
+#: Subjects `publish_now` has checked (more: the set starts again).
+_MAX_CHECKED_SUBJECTS = 1024
+_CRLF = b"\r\n"
 
 
 class BusSubscription:
@@ -90,6 +96,7 @@ class Bus:
         self._nc = nc
         self._events = events
         self.name = events.name
+        self._checked_subjects: set[str] = set()
 
     @classmethod
     async def connect(
@@ -169,6 +176,48 @@ class Bus:
         check_size(subject, payload, wire_headers, self.max_payload)
         with _translated(subject):
             await self._nc.publish(subject, payload, headers=wire_headers)
+
+    def publish_now(self, messages: list[tuple[str, bytes]]) -> bool:
+        """Send pre-encoded messages (no headers, no trace context) without a coroutine: what `publish` does for
+        them, minus its coroutines and nats-py's flusher task (a Task step and one more turn of the loop each time
+        the loop wakes to publish). They join nats-py's pending buffer, behind anything queued there, and go to
+        the socket in one write now, or through the flusher when the socket's buffer is not empty (it waits for
+        the socket to drain). False, with nothing sent: the connection is not up (reconnecting, draining,
+        closed) or nats-py's pending buffer is over its limit; `publish` buffers, waits or raises then.
+        PayloadTooLarge or BusError (a bad subject) before anything is queued.
+
+        For a worker's per-step token and KV event batches, sent from a callback on the loop once per engine step.
+        It uses nats-py's internals (`_pending`, `_flush_queue`, the transport; nats-py is pinned in
+        constraints.txt): tests/integration/test_bus_publish_now.py checks it on a real nats-server."""
+        nc = self._nc
+        if nc._status != Client.CONNECTED or nc._flush_queue is None or nc._pending_data_size > nc._max_pending_size:
+            return False
+        max_payload = nc.max_payload
+        checked = self._checked_subjects
+        for subject, payload in messages:
+            if subject not in checked:
+                _check_subject(subject)
+                if len(checked) >= _MAX_CHECKED_SUBJECTS:
+                    checked.clear()
+                checked.add(subject)
+            if len(payload) > max_payload:
+                raise PayloadTooLarge(subject, len(payload), max_payload)
+        pending, stats = nc._pending, nc.stats
+        for subject, payload in messages:
+            size = len(payload)
+            command = f"PUB {subject}  {size}\r\n".encode()  # nats-py's pub_cmd with no reply subject
+            pending += (command, payload, _CRLF)
+            nc._pending_data_size += len(command) + size + 2
+            stats["out_msgs"] += 1
+            stats["out_bytes"] += size
+        transport = nc._transport
+        if isinstance(transport, TcpTransport) and not transport._io_writer.transport.get_write_buffer_size():
+            transport.writelines(pending)
+            nc._pending = []
+            nc._pending_data_size = 0
+        elif nc._flush_queue.empty():  # let the flusher write it once the socket drains
+            nc._flush_queue.put_nowait(asyncio.get_running_loop().create_future())
+        return True
 
     async def subscribe(
         self,
@@ -270,6 +319,14 @@ def _translated(subject: str) -> Iterator[None]:
         raise BusClosed(f"bus is closed; cannot use {subject!r}") from exc
     except (nats_errors.NoRespondersError, nats_errors.TimeoutError):
         raise
+    except nats_errors.Error as exc:
+        raise BusError(f"{subject!r}: {exc}") from exc
+
+
+def _check_subject(subject: str) -> None:
+    """What nats-py checks of a subject it publishes on (empty, whitespace: BusError)."""
+    try:
+        nats_client._validate_subject(subject)
     except nats_errors.Error as exc:
         raise BusError(f"{subject!r}: {exc}") from exc
 

@@ -24,6 +24,7 @@ from deepinfer.protocol.requests import (
 from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
 from deepinfer.protocol.sampling import SamplingParams
 from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
+from deepinfer.protocol.token_wire import TokenBatchWriter, chunk_prefix
 from deepinfer.protocol.tokens import (
     FinishReason,
     TokenBatch,
@@ -70,8 +71,10 @@ __all__ = [
     "SnapshotPage",
     "SnapshotRequest",
     "TokenBatch",
+    "TokenBatchWriter",
     "TokenChunk",
     "TokenLogprobs",
+    "chunk_prefix",
     "encode_token_batch",
     "token_chunk_fields",
     "WorkerLoad",

@@ -198,6 +198,17 @@ class FakeBus:
         """Route one message; PayloadTooLarge (nothing sent) when over max_payload."""
         await self._send(subject, message, headers, reply="")
 
+    def publish_now(self, messages: list[tuple[str, bytes]]) -> bool:
+        """Route pre-encoded messages at once (no headers); False, nothing routed, once closed."""
+        if self._closed:
+            return False
+        for subject, payload in messages:
+            validate_subject(subject, wildcards=False)
+            check_size(subject, payload, None, self.max_payload)
+        for subject, payload in messages:
+            self.broker.route(FakeMsg(subject=subject, data=payload, reply="", headers=None))
+        return True
+
     async def _send(
         self, subject: str, message: Message | bytes, headers: Mapping[str, str] | None, reply: str
     ) -> None:

@@ -11,15 +11,18 @@ thread names exactly the events it includes.
 
 What this thread does besides `core.step()` is in series with the device, so it is kept to a few µs a step:
 commands are drained only when one is queued, the load numbers (`stats`, a named tuple) are replaced only when
-they change, and steps wait in a queue behind one `call_soon_threadsafe` wakeup:
-while the event loop has not run it yet, further steps join the queue without waking it again (each wakeup is
-a self-pipe write here and a GIL handoff there).
+they change, and steps wait in a queue behind one wakeup (`StepWakeup`):
+while the event loop has not taken them yet, further steps join the queue without waking it again (each wakeup is
+a syscall here and a GIL handoff there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,12 +73,14 @@ class EngineLoop:
         #: Steps whose outputs the event loop has not taken yet, and whether a wakeup for them is scheduled.
         self._ready: deque[tuple[list[EngineOutput], list[KvCacheEvent], int]] = deque()
         self._wakeup_scheduled = False
+        self._wakeup = StepWakeup(loop, self._deliver)
         #: Called on the event loop after each command's result is set: a command (an admission, an abort) may
         #: change the load with no step after it (the worker's load-change heartbeat check).
         self.after_command: Callable[[], None] | None = None
 
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the engine thread (call on the event loop)."""
+        self._wakeup.start()
         self._thread.start()
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
@@ -91,6 +96,8 @@ class EngineLoop:
         self._stopping = True
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
+        self._deliver()  # steps queued behind a wakeup that was not read yet
+        self._wakeup.close()
 
     @property
     def stopping(self) -> bool:
@@ -148,7 +155,7 @@ class EngineLoop:
         self._ready.append((outputs, events, self.kv_events_seq))
         if not self._wakeup_scheduled:
             self._wakeup_scheduled = True
-            self._loop.call_soon_threadsafe(self._deliver)
+            self._wakeup.wake()
 
     def _deliver(self) -> None:
         """On the event loop: hand every queued step to on_outputs, in step order."""
@@ -201,6 +208,51 @@ class EngineLoop:
                 return
             if item is not None:
                 self._loop.call_soon_threadsafe(_set_exception, item[1], RuntimeError(f"engine failed: {exc}"))
+
+
+class StepWakeup:
+    """Wakes the event loop from the engine thread to run `callback` there. On Linux an eventfd the loop watches:
+    one write here and one read there per wakeup, where `call_soon_threadsafe` costs a Handle and a self-pipe
+    write here and, there, two `recv`s (the second raising BlockingIOError). Elsewhere `call_soon_threadsafe`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        self._loop = loop
+        self._callback = callback
+        self._fd = -1
+        #: Wakeups sent (engine thread).
+        self.num_wakes = 0
+
+    def start(self) -> None:
+        """Watch the eventfd (on the event loop; a loop without add_reader, or no eventfd: the self-pipe)."""
+        if not hasattr(os, "eventfd"):
+            return
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:  # in an empty context, as a callback from the engine thread ran: no caller's trace leaks into it
+            contextvars.Context().run(self._loop.add_reader, fd, self._on_readable)
+        except NotImplementedError:  # e.g. the proactor loop on Windows
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def wake(self) -> None:
+        """From the engine thread: run the callback on the loop soon."""
+        self.num_wakes += 1
+        if self._fd < 0:
+            self._loop.call_soon_threadsafe(self._callback)
+            return
+        os.eventfd_write(self._fd, 1)  # the fd is closed only once the engine thread has ended
+
+    def _on_readable(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a spurious readiness: nothing to read, nothing lost
+            os.eventfd_read(self._fd)
+        self._callback()
+
+    def close(self) -> None:
+        """Stop watching and close the eventfd (on the event loop, the engine thread stopped)."""
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -341,8 +341,9 @@ class WorkerRuntime:
             self.store.on_kv_events(events)
         if events:
             batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
-            run_eagerly(self.tasks, self.bus.publish(subjects.kv_events(self.model, self.worker_id), batch),
-                        name="kv-events")
+            subject = subjects.kv_events(self.model, self.worker_id)
+            if not self.bus.publish_now([(subject, batch)]):  # not connected: publish buffers or fails (logged)
+                run_eagerly(self.tasks, self.bus.publish(subject, batch), name="kv-events")
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
