@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from deepinfer.bus import Bus, BusError, IncomingMsg, PayloadTooLarge
+from deepinfer.bus.nats_bus import supports_fast_publish
 from deepinfer.nats_server import NatsServer
 
 pytestmark = pytest.mark.integration
@@ -125,3 +126,19 @@ async def test_false_while_the_server_is_down_then_sent_again() -> None:
         finally:
             await receiver.close()
             await sender.close()
+
+
+async def test_another_nats_py_falls_back_to_publish(bus: Bus, publisher: Bus) -> None:
+    """A nats-py without the internals publish_now writes to (pyproject allows other versions): it refuses, and
+    the caller's `publish` sends; the connected client of the pinned version has them."""
+    assert supports_fast_publish(publisher._nc)
+    subject = unique_subject("fallback")
+    received = await _collect(bus, subject)
+    await bus.flush()
+    del publisher._nc._pending_data_size  # as a nats-py that renamed it would look
+    publisher._fast_publish = None
+    assert publisher.publish_now([(subject, b"x")]) is False
+    publisher._nc._pending_data_size = 0
+    await publisher.publish(subject, b"y")
+    await _wait_for(received, 1)
+    assert received == [b"y"]

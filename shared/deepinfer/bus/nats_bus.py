@@ -97,6 +97,8 @@ class Bus:
         self._events = events
         self.name = events.name
         self._checked_subjects: set[str] = set()
+        #: Whether this nats-py has the internals `publish_now` writes to (checked once, when first connected).
+        self._fast_publish: bool | None = None
 
     @classmethod
     async def connect(
@@ -190,6 +192,10 @@ class Bus:
         It uses nats-py's internals (`_pending`, `_flush_queue`, the transport; nats-py is pinned in
         constraints.txt): tests/integration/test_bus_publish_now.py checks it on a real nats-server."""
         nc = self._nc
+        if self._fast_publish is None and nc.is_connected:
+            self._fast_publish = supports_fast_publish(nc)
+        if not self._fast_publish:
+            return False  # another nats-py than the one pinned, or not connected yet: `publish` does it
         if nc._status != Client.CONNECTED or nc._flush_queue is None or nc._pending_data_size > nc._max_pending_size:
             return False
         max_payload = nc.max_payload
@@ -353,3 +359,17 @@ async def _abandon(nc: Client, connect: asyncio.Future[None]) -> None:
     with contextlib.suppress(Exception):
         await nc.close()
 
+
+#: nats-py Client attributes `Bus.publish_now` reads or writes (nats-py 2.16, pinned in constraints.txt).
+_FAST_PUBLISH_ATTRIBUTES = ("_status", "_flush_queue", "_pending", "_pending_data_size", "_max_pending_size",
+                            "_transport", "stats")
+
+
+def supports_fast_publish(nc: Client) -> bool:
+    """Whether a connected nats-py client has the internals `Bus.publish_now` uses: a user's other nats-py
+    version (pyproject allows >= 2.7) falls back to `publish`, slower but never broken."""
+    if not all(hasattr(nc, name) for name in _FAST_PUBLISH_ATTRIBUTES):
+        return False
+    transport = nc._transport
+    return (isinstance(nc._pending, list) and isinstance(nc.stats, dict) and "out_msgs" in nc.stats
+            and (not isinstance(transport, TcpTransport) or hasattr(transport, "_io_writer")))
