@@ -4,7 +4,7 @@
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b[64] | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
-#         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | gil64-N / gil05-N (decode switch interval 0.1 / 0.5 ms)
+#         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
 set -uo pipefail

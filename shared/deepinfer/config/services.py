@@ -214,12 +214,6 @@ class WorkerSettings(ServiceSettings):
     """Engine settings shared by prefill and decode workers."""
 
     worker_id: str = Field(default_factory=partial(default_id, "worker"), description="This worker's id (a-z0-9_-).")
-    gil_switch_interval_s: float = Field(
-        0.0001, gt=0, le=0.1,
-        description="Python's thread switch interval in a worker: the longest its event loop holds the GIL while the "
-        "engine thread, host-bound on a GPU, waits for it (0.5 ms elsewhere; 0.1 ms: +6% tok/s at c=64 on an H200, "
-        "docs/serving-path.md).",
-    )
     data_plane_host: str = Field(
         "127.0.0.1", description="Interface the KV data plane binds and advertises (the pod IP in Kubernetes)."
     )
