@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput, _Step
 
 
@@ -118,12 +118,7 @@ class AsyncScheduler(Scheduler):
             if sample:
                 placeholders[request_id] -= 1
                 token_ids = sampled_token_ids[request_id]
-                if len(token_ids) == 1:  # the decode case of _append_sampled, inline
-                    request.append_output_token_id(token_ids[0])
-                    check_stop(request, max_model_len)
-                    new_token_ids = list(token_ids)
-                else:
-                    new_token_ids = self._append_sampled(request, token_ids, max_model_len)
+                new_token_ids = self._append_sampled(request, token_ids, max_model_len)
             status = request.status
             if caching and (status is running or status.is_finished):
                 # Blocks full of known tokens; their KV is written by this step or one queued after it. A request

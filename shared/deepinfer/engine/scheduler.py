@@ -211,12 +211,7 @@ class Scheduler(LoadingRequests):
             if not scheduled.sample:
                 continue
             token_ids = sampled_token_ids[scheduled.request_id]
-            if len(token_ids) == 1:  # the decode case of _append_sampled, inline
-                request.append_output_token_id(token_ids[0])
-                check_stop(request, max_model_len)
-                new_token_ids = list(token_ids)
-            else:
-                new_token_ids = self._append_sampled(request, token_ids, max_model_len)
+            new_token_ids = self._append_sampled(request, token_ids, max_model_len)
             if request.status is not running_status:
                 finished.append(request)
             updates.append(
