@@ -23,12 +23,14 @@ class Store:
     def __init__(self, held=(), delay_s: float = 0.0, error: Exception | None = None) -> None:
         self.held, self.delay_s, self.error = set(held), delay_s, error
         self.asked: list[list[bytes]] = []
+        self.connections: list[str] = []
 
     def has_shards(self) -> bool:
         return True
 
-    async def has(self, layout_id, hashes):
+    async def has(self, layout_id, hashes, connection="read"):
         self.asked.append(list(hashes))
+        self.connections.append(connection)
         await asyncio.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
@@ -61,6 +63,7 @@ def test_a_burst_with_hits_and_misses_is_one_round_trip_and_each_request_gets_it
     assert asyncio.run(burst()) == [2, 3, 0, 1, 2]
     assert len(store.asked) == 1
     assert store.asked[0] == list(dict.fromkeys([*shared, *hit, *miss, *partial]))  # each block asked once
+    assert store.connections == ["lookup"]  # its own connection: never behind a load's get
     assert count(registry, "worker_store_lookup_round_trips") == 1
     assert (count(registry, "worker_store_lookups", result="hit"),
             count(registry, "worker_store_lookups", result="miss")) == (4, 1)

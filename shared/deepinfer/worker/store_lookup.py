@@ -8,7 +8,8 @@
     a failed or late lookup (timeout_s): every request in it gets 0, a miss (recomputed), never an error
 
 At most one lookup is in flight: a shard's connection answers one request at a time anyway (in a burst of 64
-the per-request lookups queued behind each other there, each a round trip through the shard's event loop).
+the per-request lookups queued behind each other there, each a round trip through the shard's event loop). They
+go on a connection of their own ("lookup"), never behind a load's get or a write-behind's has.
 A request waits for at most the lookup in flight and its own, each bounded by timeout_s.
 """
 
@@ -78,7 +79,8 @@ class StoreLookups:
             unique = list(dict.fromkeys(h for hashes, _ in batch for h in hashes))
             self._round_trips.inc()
             try:
-                present = await asyncio.wait_for(self.client.has(self.layout_id, unique), self.timeout_s)
+                present = await asyncio.wait_for(self.client.has(self.layout_id, unique, connection="lookup"),
+                                                 self.timeout_s)
                 held = {h for h, flag in zip(unique, present, strict=True) if flag}
                 failed = False
             except Exception as exc:  # a slow or failed lookup only costs the recompute
