@@ -151,6 +151,9 @@ async def measure(server, model_dir: Path, args, data_dir: Path) -> dict:
             outcome: handler.ctx.registry.get_sample_value("deepinfer_worker_store_lookups_total",
                                                            {"result": outcome}) or 0.0
             for outcome in ("hit", "miss", "error")}
+        # Lookups sent (one per request before they were coalesced: no such counter then).
+        result["store_lookups"]["round_trips"] = handler.ctx.registry.get_sample_value(
+            "deepinfer_worker_store_lookup_round_trips_total")
     num_admitted = args.bursts * args.burst
     # The loop's CPU beyond the running batch's (the quiet rate over the same time), per admission.
     result["loop_cpu_us_per_admission"] = 1e6 * (loop_cpu_s - quiet_cpu_s / quiet_s * bursts_s) / num_admitted
