@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from deepinfer.config import WorkerSettings
@@ -95,6 +96,23 @@ def test_a_failed_or_late_lookup_is_a_miss_for_every_request_in_it_never_an_erro
         assert asyncio.run(burst()) == [0, 0, 0]
         assert count(registry, "worker_store_lookups", result="error") == 3
         assert count(registry, "worker_store_lookups", result="miss") == 0
+
+
+def test_a_request_arriving_during_a_stalled_lookup_waits_the_timeout_in_all_not_twice():
+    store = Store(held=blocks(1, 2), delay_s=10)
+    finder, registry = lookups(store, timeout_s=0.3)
+
+    async def behind_a_stalled_lookup():
+        first = asyncio.create_task(finder.leading(blocks(1, 2)))
+        await asyncio.sleep(0.02)  # the first lookup is in flight, and stalls
+        started_s = time.monotonic()
+        second = await finder.leading(blocks(1, 2))
+        return await first, second, time.monotonic() - started_s
+
+    first, second, waited_s = asyncio.run(behind_a_stalled_lookup())
+    assert (first, second) == (0, 0)
+    assert waited_s < 0.45  # its timeout (0.3 s), not the first's remaining 0.28 s and then 0.3 s more
+    assert count(registry, "worker_store_lookups", result="error") == 2
 
 
 def test_close_answers_waiting_requests_with_misses():

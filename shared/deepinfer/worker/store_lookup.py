@@ -10,7 +10,7 @@
 At most one lookup is in flight: a shard's connection answers one request at a time anyway (in a burst of 64
 the per-request lookups queued behind each other there, each a round trip through the shard's event loop). They
 go on a connection of their own ("lookup"), never behind a load's get or a write-behind's has.
-A request waits for at most the lookup in flight and its own, each bounded by timeout_s.
+A request waits timeout_s at most in all: a lookup's time is what is left of its oldest request's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class StoreLookups:
         self._results = results
         #: Lookups sent (each one `has` for every request waiting).
         self._round_trips = round_trips
-        self._pending: list[tuple[Sequence[bytes], asyncio.Future[int]]] = []
+        #: Requests waiting for the next lookup: (hashes, answer, loop time it arrived).
+        self._pending: list[tuple[Sequence[bytes], asyncio.Future[int], float]] = []
         self._scheduled = False
         self._in_flight: asyncio.Task[None] | None = None
         self._closed = False
@@ -50,7 +51,7 @@ class StoreLookups:
             return 0
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
-        self._pending.append((hashes, future))
+        self._pending.append((hashes, future, loop.time()))
         if self._in_flight is None and not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._send)  # the requests whose tasks run in this turn of the loop join it
@@ -74,19 +75,20 @@ class StoreLookups:
         batch, self._pending = self._pending, []
         self._in_flight = asyncio.get_running_loop().create_task(self._lookup(batch), name="store-lookup")
 
-    async def _lookup(self, batch: list[tuple[Sequence[bytes], asyncio.Future[int]]]) -> None:
+    async def _lookup(self, batch: list[tuple[Sequence[bytes], asyncio.Future[int], float]]) -> None:
         try:
-            unique = list(dict.fromkeys(h for hashes, _ in batch for h in hashes))
+            unique = list(dict.fromkeys(h for hashes, _, _ in batch for h in hashes))
+            left_s = min(arrived for _, _, arrived in batch) + self.timeout_s - asyncio.get_running_loop().time()
             self._round_trips.inc()
             try:
                 present = await asyncio.wait_for(self.client.has(self.layout_id, unique, connection="lookup"),
-                                                 self.timeout_s)
+                                                 max(0.0, left_s))
                 held = {h for h, flag in zip(unique, present, strict=True) if flag}
                 failed = False
             except Exception as exc:  # a slow or failed lookup only costs the recompute
                 log.debug("store lookup of %d blocks for %d requests failed: %r", len(unique), len(batch), exc)
                 held, failed = set(), True
-            for hashes, future in batch:
+            for hashes, future, _ in batch:
                 num_held = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
                 self._results.labels("error" if failed else "hit" if num_held else "miss").inc()
                 if not future.done():  # its admission may have been cancelled meanwhile
@@ -98,8 +100,8 @@ class StoreLookups:
                 self._send()  # those that arrived meanwhile: one lookup for all of them, now
 
 
-def _answer_misses(batch: list[tuple[Sequence[bytes], asyncio.Future[int]]]) -> None:
-    for _, future in batch:
+def _answer_misses(batch: list[tuple[Sequence[bytes], asyncio.Future[int], float]]) -> None:
+    for _, future, _ in batch:
         if not future.done():
             future.set_result(0)
 
