@@ -1,14 +1,17 @@
 """Where a decode admission's time goes when a wave of requests arrives at once, on this CPU.
 
     PYTHONPATH=shared:. python bench/admission_burst.py [--burst 64] [--running 64] [--bursts 6] [--repeats 3]
-        [--fake-step HOST_US DEVICE_US] [--device-us-per-token US] [--prompt-len 35] [--sync] [--out FILE]
-        [--profile FILE]
+        [--fake-step HOST_US DEVICE_US] [--device-us-per-token US] [--prompt-len 35] [--sync] [--kvstore]
+        [--shared-prefix N] [--distinct-prompts] [--out FILE] [--profile FILE]
 
 The real decode side (`DecodeHandler`: NATS subscription, EngineLoop, scheduler, token batches, heartbeats) on a
 tiny random llama and a real nats-server on a free port. The model is replaced by a GPU-shaped runner: each step
 HOST_US of Python holding the GIL (in slices that release it, as torch calls do) to launch, then the device runs
 DEVICE_US (+ US per prefill token) without the GIL, one step after another on one device timeline; async
-scheduling (the GPU default) overlaps the next step's launch with it unless --sync.
+scheduling (the GPU default) overlaps the next step's launch with it unless --sync. With `--kvstore` the worker
+uses a real kvcache shard process (as `deepinfer up` starts one): every admission asks the store about its prompt's
+blocks (`StoreTier`), and the prompts' blocks are written behind; `--shared-prefix N` makes each burst's prompts
+start with the same N tokens, which the first burst writes behind and the later bursts' requests then find there.
 
 `--running` requests decode throughout; a client process then sends `--burst` DecodeRequests over NATS at once
 (as a gateway does at a closed-loop wave), `--bursts` times. Per request, in ms (one monotonic clock, both
@@ -43,6 +46,8 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,7 @@ from admission_probe import FakeDevice, Probe  # noqa: E402
 
 GATEWAY = "gw-burst"
 GIL_SWITCH_INTERVAL_S = 0.0005
+STORE_SECRET = "burst-" + "s" * 26
 MAX_MODEL_LEN = 4096
 BURST_MAX_TOKENS = 16
 SEGMENTS = (("nats_in", "sent", "received"), ("task", "received", "started"), ("to_queue", "started", "queued"),
@@ -66,7 +72,7 @@ SEGMENTS = (("nats_in", "sent", "received"), ("task", "received", "started"), ("
             ("ttft", "sent", "first_token"))
 
 
-async def measure(server, model_dir: Path, args) -> dict:
+async def measure(server, model_dir: Path, args, data_dir: Path) -> dict:
     """One run: `args.running` requests decode while `args.bursts` bursts of `args.burst` arrive."""
     from deepinfer import subjects
     from deepinfer.bus import Bus
@@ -78,10 +84,11 @@ async def measure(server, model_dir: Path, args) -> dict:
     from services.decode.handler import DecodeHandler
 
     common = CommonSettings(nats_url=server.url, nats_token=server.token, model=str(model_dir),
-                            model_cache_dir=model_dir.parent)
-    settings = DecodeSettings(common=common, worker_id="decode-burst", internal_port=0, kv_store=False,
+                            model_cache_dir=model_dir.parent, data_plane_secret=STORE_SECRET)
+    settings = DecodeSettings(common=common, worker_id="decode-burst", internal_port=0, kv_store=args.kvstore,
                               max_num_seqs=256, kv_cache_bytes=512 << 20, async_scheduling=not args.sync)
     bus = await Bus.connect(server.url, name="decode-burst", token=server.token)
+    shard = _start_shard(server, data_dir) if args.kvstore else None
     handler = DecodeHandler(ServiceContext("decode", settings, bus, new_registry(),
                                            setup_tracing(settings.common, "decode")))
     probe = Probe()
@@ -94,13 +101,15 @@ async def measure(server, model_dir: Path, args) -> dict:
         assert client.stdout is not None and client.stdin is not None
         assert client.stdout.readline().strip() == "ready"
         await handler.load()
+        if shard is not None:
+            await _wait_for_shard(handler, shard)
         fake = FakeDevice(args.fake_step[0] / 1e6, args.fake_step[1] / 1e6, args.device_us_per_token / 1e6)
         core = handler.runtime.core
         core.runner.execute, core.runner.execute_async = fake.execute, fake.execute_async
         probe.install_engine(handler)
         await handler.start()
         running = [DecodeRequest(request_id=f"bg{i}", gateway_id="gw-background",
-                                 prompt_token_ids=_prompt(10_000 + i, args.prompt_len),
+                                 prompt_token_ids=_prompt(10_000 + i, args.prompt_len, 0, args.distinct_prompts),
                                  sampling=SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 2 * args.prompt_len,
                                                          ignore_eos=True))
                    for i in range(args.running)]
@@ -114,7 +123,8 @@ async def measure(server, model_dir: Path, args) -> dict:
         if profiler is not None:
             profiler.enable()  # this thread only: the event loop's work
         for burst in range(args.bursts):
-            command = {"burst": burst, "n": args.burst, "prompt_len": args.prompt_len, "gateway": GATEWAY}
+            command = {"burst": burst, "n": args.burst, "prompt_len": args.prompt_len, "gateway": GATEWAY,
+                       "shared_prefix": args.shared_prefix, "distinct": args.distinct_prompts}
             client.stdin.write(json.dumps(command) + "\n")
             client.stdin.flush()
             probe.command_cpu_s = probe.command_wall_s = 0.0
@@ -132,13 +142,46 @@ async def measure(server, model_dir: Path, args) -> dict:
         if client.stdin is not None:
             client.stdin.close()
         client.wait(10)
+        if shard is not None:
+            shard.terminate()
+            shard.wait(10)
     result = _segments(probe, client_times)
+    if handler.runtime.store is not None:
+        result["store_lookups"] = {
+            outcome: handler.ctx.registry.get_sample_value("deepinfer_worker_store_lookups_total",
+                                                           {"result": outcome}) or 0.0
+            for outcome in ("hit", "miss", "error")}
+        # Lookups sent (one per request before they were coalesced: no such counter then).
+        result["store_lookups"]["round_trips"] = handler.ctx.registry.get_sample_value(
+            "deepinfer_worker_store_lookup_round_trips_total")
     num_admitted = args.bursts * args.burst
     # The loop's CPU beyond the running batch's (the quiet rate over the same time), per admission.
     result["loop_cpu_us_per_admission"] = 1e6 * (loop_cpu_s - quiet_cpu_s / quiet_s * bursts_s) / num_admitted
     result["engine_command_cpu_us_per_admission"] = 1e6 * engine_cpu_s / num_admitted
     result["engine_command_wall_us_per_admission"] = 1e6 * engine_wall_s / num_admitted
     return result
+
+
+def _start_shard(server, data_dir: Path) -> subprocess.Popen:
+    """A kvcache shard process (the service as `deepinfer up` runs it), its data under data_dir."""
+    env = {**os.environ, "DEEPINFER_NATS_URL": server.url, "DEEPINFER_NATS_TOKEN": server.token,
+           "DEEPINFER_DATA_PLANE_SECRET": STORE_SECRET, "DEEPINFER_DATA_DIR": str(data_dir),
+           "DEEPINFER_KVCACHE_INTERNAL_PORT": "0", "DEEPINFER_KVCACHE_DATA_PLANE_PORT": "0",
+           "DEEPINFER_KVCACHE_SHARD": "burst", "DEEPINFER_LOG_FORMAT": "text"}
+    return subprocess.Popen([sys.executable, "-m", "services.kvcache"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+async def _wait_for_shard(handler, shard: subprocess.Popen) -> None:
+    store = handler.runtime.store
+    assert store is not None, "kv_store on but the worker has no store tier"
+    for _ in range(600):
+        if store.client.has_shards():
+            return
+        if shard.poll() is not None:
+            raise RuntimeError(f"the kvcache shard exited ({shard.returncode})")
+        await asyncio.sleep(0.05)
+    raise RuntimeError("no heartbeat from the kvcache shard in 30 s")
 
 
 async def _read_line(stream) -> str:
@@ -153,8 +196,14 @@ async def _loop_cpu(awaitable):
     return (cpu_s, wall_s) if result is None else (result, cpu_s, wall_s)
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    return [(7 * seed + 13 * k + seed // 7) % 300 + 3 for k in range(length)]
+def _prompt(seed: int, length: int, shared_prefix: int = 0, distinct: bool = False) -> list[int]:
+    """A prompt per seed. By default an arithmetic run whose offset repeats (about 40 distinct ones, so most
+    prompts' first blocks are in the prefix cache already); `distinct`: random tokens, no block shared."""
+    prefix = [(11 * k + 5) % 300 + 3 for k in range(min(shared_prefix, length))]
+    if distinct:
+        rng = random.Random(seed)
+        return prefix + [rng.randrange(3, 303) for _ in range(len(prefix), length)]
+    return prefix + [(7 * seed + 13 * k + seed // 7) % 300 + 3 for k in range(len(prefix), length)]
 
 
 def _segments(probe: Probe, client_times: dict[str, dict[str, float]]) -> dict:
@@ -219,7 +268,8 @@ def client(url: str, token: str, decode_subject: str, tokens_subject: str) -> No
             burst = command["burst"]
             requests = {f"b{burst}-{i}": DecodeRequest(
                 request_id=f"b{burst}-{i}", gateway_id=command["gateway"],
-                prompt_token_ids=_prompt(1000 * burst + i, command["prompt_len"]),
+                prompt_token_ids=_prompt(1000 * burst + i, command["prompt_len"], command["shared_prefix"],
+                                         command["distinct"]),
                 sampling=SamplingParams(temperature=0, max_tokens=BURST_MAX_TOKENS, ignore_eos=True)).to_bytes()
                 for i in range(command["n"])}
 
@@ -249,14 +299,17 @@ def run(args) -> dict:
         model_dir = make_tiny_checkpoint(Path(tmp) / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN)
         server = NatsServer()
         server.start()
-        try:
-            runs = [asyncio.run(measure(server, model_dir, args)) for _ in range(args.repeats)]
+        try:  # a fresh store per run: what one run wrote behind is not there for the next
+            runs = [asyncio.run(measure(server, model_dir, args, Path(tmp) / f"data-{i}"))
+                    for i in range(args.repeats)]
         finally:
             server.close()
     return {"bench": "admission_burst", "model": "tiny-llama (fake GPU-shaped runner)", "device": "cpu",
             "burst": args.burst, "running": args.running, "bursts": args.bursts, "repeats": args.repeats,
             "prompt_len": args.prompt_len, "fake_step_us": args.fake_step,
             "device_us_per_token": args.device_us_per_token, "async_scheduling": not args.sync,
+            "kvstore": args.kvstore, "shared_prefix": args.shared_prefix, "distinct_prompts": args.distinct_prompts,
+            **({"store_lookups": [r["store_lookups"] for r in runs]} if args.kvstore else {}),
             "first_schedule_steps": statistics.median(r["first_schedule_steps"] for r in runs),
             "loop_cpu_us_per_admission": round(statistics.median(r["loop_cpu_us_per_admission"] for r in runs), 1),
             **{key: round(statistics.median(r[key] for r in runs), 1)
@@ -291,6 +344,11 @@ def main() -> None:
     parser.add_argument("--device-us-per-token", type=float, default=3.0,
                         help="device time per prefill token in a step (llama-1b on a H200: a few µs)")
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async, as on a GPU)")
+    parser.add_argument("--kvstore", action="store_true", help="the worker on a real kvcache shard process")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="every burst's prompts start with the same N tokens")
+    parser.add_argument("--distinct-prompts", action="store_true",
+                        help="random prompts (no block in common) instead of the default's ~40 repeating ones")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--profile", type=Path, help="cProfile the event loop thread during the bursts (to FILE)")
     args = parser.parse_args()

@@ -1,6 +1,7 @@
 """Workers on the kvcache store, on a real nats-server with a real kvcache shard process and a tiny model on the
 CPU: a prompt computed by one worker is loaded from the store by fresh ones (greedy output identical to a
-recompute, cached tokens reported by tier); a store that dies mid-load leaves a correct recompute.
+recompute, cached tokens reported by tier); a store that dies mid-load leaves a correct recompute; a burst of
+admissions with hits and misses is looked up together, each request answered right.
 
 The workers reach the shard through a TCP proxy in this process (announced in the shard's name on the heartbeat
 subject), so a test can cut the data plane at the first GET and kill the shard there: mid-load, deterministically.
@@ -317,6 +318,51 @@ async def test_with_the_host_tier_the_answer_is_written_behind_from_its_slots_an
         tokens, chunk = await decode_locally(bus, model, "dec-h", GATEWAY, "r8", next_turn, GREEDY)
         assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 28}
         assert tokens == expected  # the KV read from the host slots is the computed KV
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+        await proxy.close()
+        shard.send_signal(signal.SIGTERM)
+        shard.wait(30)
+
+
+async def test_a_burst_with_store_hits_and_misses_is_looked_up_together_and_each_request_is_right(
+        nats_server, bus, tiny_dir, tmp_path, reference):
+    others = [[(t * (i + 3) + i) % 280 + 10 for t in PROMPT] for i in range(4)]  # no block in common with PROMPT
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    for i, prompt in enumerate(others):
+        core.add_request(f"o{i}", prompt, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    expected: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            expected.setdefault(out.request_id, []).extend(out.new_token_ids)
+    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
+    workers = []
+    try:
+        model = CommonSettings(model=str(tiny_dir)).model_token
+        first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-i", address)
+        workers.append(first)
+        await generate(bus, model, "dec-i", "r9")
+        await written_behind(first, 5)
+
+        second = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-j",
+                                    address)
+        workers.append(second)
+        burst = {**{f"hit{i}": PROMPT for i in range(4)}, **{f"o{i}": prompt for i, prompt in enumerate(others)}}
+        results = await asyncio.gather(*(decode_locally(bus, model, "dec-j", GATEWAY, request_id, prompt, GREEDY)
+                                         for request_id, prompt in burst.items()))
+        for request_id, (tokens, chunk) in zip(burst, results, strict=True):
+            if request_id.startswith("hit"):
+                assert tokens == reference
+                tiers = chunk.cached_tokens_by_tier  # loaded, or (another hit loaded them first) on the device
+                assert chunk.num_cached_tokens == tiers["store"] + tiers["device"] == 20
+            else:
+                assert tokens == expected[request_id]
+                assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
+        assert metric(second, "worker_store_lookups_total", result="hit") == 4
+        assert metric(second, "worker_store_lookups_total", result="miss") == 4
+        assert metric(second, "worker_store_loaded_blocks_total") >= 5  # at least one hit loaded its 5 blocks
+        # One has for the requests that arrived together (those arriving during it: one more), not one each.
+        assert 1 <= metric(second, "worker_store_lookup_round_trips_total") < len(burst)
     finally:
         await asyncio.gather(*(w.close() for w in workers))
         await proxy.close()

@@ -20,7 +20,7 @@ class NoShardLookups:
     def has_shards(self) -> bool:
         return True
 
-    async def has(self, layout_id, hashes):
+    async def has(self, layout_id, hashes, connection="read"):
         return [False] * len(hashes)
 
 

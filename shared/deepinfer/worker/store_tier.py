@@ -1,7 +1,8 @@
 """`StoreTier`: a worker's use of the kvcache store (docs/kvstore.md, "Workers").
 
     admission   hashes of the request's full blocks past those the device or the host tier holds ─ has
-                (lookup_timeout_s) ─► n stored (a leading run)
+                (lookup_timeout_s; coalesced with the requests that arrive together: StoreLookups) ─► n stored
+                (a leading run)
                 n = 0: EngineCore.add_request (a host-tier hit loads there)
                 n > 0: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others); then per chunk of
                        a StagingPool's rows (load_staged): the host-held blocks copied in, the rest ─ get into
@@ -44,6 +45,7 @@ from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.store_lookup import StoreLookups
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +80,16 @@ class StoreTier:
         self._writer: asyncio.Task[None] | None = None
         self._staging: StagingPool | None = None
         self._metrics(registry)
+        #: The admission lookups, coalesced: requests that arrive together ask in one round trip.
+        self.lookups = StoreLookups(client, layout_id, settings.kv_store_lookup_timeout_s, self.m_lookups,
+                                    self.m_lookup_round_trips)
 
     def _metrics(self, registry: CollectorRegistry) -> None:
         self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result.",
                                  ["result"])
+        self.m_lookup_round_trips = counter(
+            registry, "worker_store_lookup_round_trips",
+            "Store lookups sent at admission (each one `has` for every request waiting, coalesced).")
         self.m_loads = counter(registry, "worker_store_loads", "Loads from the store by outcome.", ["outcome"])
         self.m_loaded_blocks = counter(registry, "worker_store_loaded_blocks", "Blocks loaded from the store.")
         self.m_loaded_bytes = counter(registry, "worker_store_loaded_bytes", "Bytes loaded from the store.")
@@ -107,7 +115,9 @@ class StoreTier:
             await asyncio.sleep(0.02)
 
     async def close(self) -> None:
-        """Stop writing behind (what is queued is dropped) and close the client."""
+        """Stop writing behind (what is queued is dropped) and looking up (waiting admissions: misses); close
+        the client."""
+        await self.lookups.close()
         if self._writer is not None:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -129,7 +139,7 @@ class StoreTier:
         # (the next turn of a conversation, a shared system prompt) costs no round trip before it reaches the
         # engine, whose admission loads the host-held part itself.
         num_local = self._num_locally_cached(hashes)
-        num_beyond = await self._lookup(hashes[num_local:])
+        num_beyond = await self.lookups.leading(hashes[num_local:])
         num_stored = num_local + num_beyond if num_beyond else 0
         if num_stored:
             plan, local = await self.engine.call(lambda core: _start_load_with_host(
@@ -152,21 +162,6 @@ class StoreTier:
         host = host_tier.pool if host_tier is not None else None
         return next((i for i, block_hash in enumerate(hashes) if pool.get_cached_block(block_hash) is None
                      and (host is None or host.lookup(block_hash) is None)), len(hashes))
-
-    async def _lookup(self, hashes: list[bytes]) -> int:
-        """How many leading blocks the store holds (0 on any failure: a miss, never an error)."""
-        if not hashes or not self.client.has_shards():
-            return 0
-        try:
-            present = await asyncio.wait_for(self.client.has(self.layout_id, hashes),
-                                             self.settings.kv_store_lookup_timeout_s)
-        except Exception as exc:  # a slow or failed lookup only costs the recompute
-            self.m_lookups.labels("error").inc()
-            log.debug("store lookup failed: %r", exc)
-            return 0
-        num_stored = next((i for i, flag in enumerate(present) if not flag), len(present))
-        self.m_lookups.labels("hit" if num_stored else "miss").inc()
-        return num_stored
 
     async def _load(self, plan: LoadPlan, hashes: list[bytes], local: list[bytes | None]) -> None:
         """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all."""

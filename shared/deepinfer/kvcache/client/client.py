@@ -3,7 +3,7 @@ that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcac
 
     blocks ─ group_by_shard(hashes, live shards) ─► one data-plane request per shard, all shards concurrently
                                                    (reads and writes on separate connections: a write-behind put
-                                                   never queues a load behind it)
+                                                   never queues a load behind it; admission lookups on a third)
     get: on the event loop, each shard's blocks received straight into the caller's buffers when given
     put: on writer threads (one per shard at a time), over blocking sockets: the blocks' bytes go from the
          caller's buffers (write-behind: views of pinned host slots) to the kernel, no copy, not on the loop
@@ -75,13 +75,15 @@ class KvStoreClient:
         """True while at least one shard is live."""
         return bool(self.shards.live())
 
-    async def has(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[bool]:
-        """One flag per block: held by its shard. A shard that fails answers False for its blocks."""
+    async def has(self, layout_id: str, block_hashes: Sequence[bytes], connection: str = "read") -> list[bool]:
+        """One flag per block: held by its shard. A shard that fails answers False for its blocks. `connection`
+        names the connection to each shard it goes on ("read", with the gets; admission lookups use their own,
+        so they never wait behind a load's MiBs or a write-behind's has)."""
         present = [False] * len(block_hashes)
         groups = self._groups(block_hashes)
 
         async def ask(shard: Shard, indexes: list[int]) -> None:
-            flags = await self._client(shard, "read").has_blocks(layout_id, [block_hashes[i] for i in indexes])
+            flags = await self._client(shard, connection).has_blocks(layout_id, [block_hashes[i] for i in indexes])
             for i, flag in zip(indexes, flags, strict=True):
                 present[i] = flag
 

@@ -1,0 +1,155 @@
+"""Admission lookups in the kvcache store, coalesced (`StoreLookups`): requests that arrive together share one
+`has`, each gets the leading run of its own blocks, and a failed lookup is a miss for all of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from deepinfer.config import WorkerSettings
+from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.telemetry import counter, new_registry
+from deepinfer.worker.store_lookup import StoreLookups
+from deepinfer.worker.store_tier import StoreTier
+
+BLOCK, FINGERPRINT = 4, b"tiny-model"
+
+
+class Store:
+    """A client over a set of held hashes: records every `has` (the blocks asked), answers after `delay_s`, or
+    raises `error`."""
+
+    def __init__(self, held=(), delay_s: float = 0.0, error: Exception | None = None) -> None:
+        self.held, self.delay_s, self.error = set(held), delay_s, error
+        self.asked: list[list[bytes]] = []
+        self.connections: list[str] = []
+
+    def has_shards(self) -> bool:
+        return True
+
+    async def has(self, layout_id, hashes, connection="read"):
+        self.asked.append(list(hashes))
+        self.connections.append(connection)
+        await asyncio.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return [h in self.held for h in hashes]
+
+
+def lookups(store: Store, timeout_s: float = 1.0) -> tuple[StoreLookups, object]:
+    registry = new_registry(process_metrics=False)
+    results = counter(registry, "worker_store_lookups", "by result", ["result"])
+    trips = counter(registry, "worker_store_lookup_round_trips", "sent")
+    return StoreLookups(store, "layout", timeout_s, results, trips), registry
+
+
+def count(registry, name: str, **labels) -> float:
+    return registry.get_sample_value(f"deepinfer_{name}_total", labels) or 0.0
+
+
+def blocks(seed: int, n: int) -> list[bytes]:
+    return hash_blocks([seed * 100 + k for k in range(n * BLOCK)], BLOCK, FINGERPRINT, "")
+
+
+def test_a_burst_with_hits_and_misses_is_one_round_trip_and_each_request_gets_its_own_leading_run():
+    shared, hit, miss, partial = blocks(1, 2), blocks(2, 3), blocks(3, 2), blocks(4, 3)
+    store = Store(held=[*shared, *hit, partial[0], partial[2]])  # partial: a hole at its second block
+    finder, registry = lookups(store)
+
+    async def burst():
+        return await asyncio.gather(*(finder.leading(h) for h in (shared, hit, miss, partial, shared)))
+
+    assert asyncio.run(burst()) == [2, 3, 0, 1, 2]
+    assert len(store.asked) == 1
+    assert store.asked[0] == list(dict.fromkeys([*shared, *hit, *miss, *partial]))  # each block asked once
+    assert store.connections == ["lookup"]  # its own connection: never behind a load's get
+    assert count(registry, "worker_store_lookup_round_trips") == 1
+    assert (count(registry, "worker_store_lookups", result="hit"),
+            count(registry, "worker_store_lookups", result="miss")) == (4, 1)
+
+
+def test_requests_arriving_during_a_lookup_go_together_in_the_next():
+    store = Store(held=blocks(1, 2), delay_s=0.02)
+    finder, registry = lookups(store)
+
+    async def waves():
+        first = asyncio.create_task(finder.leading(blocks(1, 2)))
+        await asyncio.sleep(0.005)  # the first lookup is in flight
+        later = await asyncio.gather(*(finder.leading(blocks(seed, 2)) for seed in (1, 5, 6)))
+        return await first, later
+
+    assert asyncio.run(waves()) == (2, [2, 0, 0])
+    assert [len(asked) for asked in store.asked] == [2, 6]
+    assert count(registry, "worker_store_lookup_round_trips") == 2
+
+
+def test_a_failed_or_late_lookup_is_a_miss_for_every_request_in_it_never_an_error():
+    for store, timeout_s in ((Store(error=ConnectionResetError("shard gone")), 1.0),
+                             (Store(held=blocks(1, 2), delay_s=0.5), 0.02)):
+        finder, registry = lookups(store, timeout_s)
+
+        async def burst(finder=finder):
+            return await asyncio.gather(*(finder.leading(blocks(seed, 2)) for seed in (1, 2, 3)))
+
+        assert asyncio.run(burst()) == [0, 0, 0]
+        assert count(registry, "worker_store_lookups", result="error") == 3
+        assert count(registry, "worker_store_lookups", result="miss") == 0
+
+
+def test_a_request_arriving_during_a_stalled_lookup_waits_the_timeout_in_all_not_twice():
+    store = Store(held=blocks(1, 2), delay_s=10)
+    finder, registry = lookups(store, timeout_s=0.3)
+
+    async def behind_a_stalled_lookup():
+        first = asyncio.create_task(finder.leading(blocks(1, 2)))
+        await asyncio.sleep(0.02)  # the first lookup is in flight, and stalls
+        started_s = time.monotonic()
+        second = await finder.leading(blocks(1, 2))
+        return await first, second, time.monotonic() - started_s
+
+    first, second, waited_s = asyncio.run(behind_a_stalled_lookup())
+    assert (first, second) == (0, 0)
+    assert waited_s < 0.45  # its timeout (0.3 s), not the first's remaining 0.28 s and then 0.3 s more
+    assert count(registry, "worker_store_lookups", result="error") == 2
+
+
+def test_close_answers_waiting_requests_with_misses():
+    store = Store(held=blocks(1, 2), delay_s=10)
+    finder, _ = lookups(store)
+
+    async def closed_mid_lookup():
+        waiting = asyncio.gather(*(finder.leading(blocks(seed, 2)) for seed in (1, 2)))
+        await asyncio.sleep(0.01)
+        await finder.close()
+        return await asyncio.wait_for(waiting, 1), await finder.leading(blocks(1, 2))
+
+    assert asyncio.run(closed_mid_lookup()) == ([0, 0], 0)
+
+
+class Engine:
+    """The engine loop as StoreTier's admission uses it: `call(fn)` runs `fn(core)`; add_request recorded."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.core = SimpleNamespace(
+            args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT, host_tier=None,
+            add_request=lambda request_id, *args, **kwargs: self.added.append(request_id),
+            scheduler=SimpleNamespace(block_pool=SimpleNamespace(get_cached_block=lambda h: None)))
+
+    async def call(self, fn):
+        return fn(self.core)
+
+
+def test_a_burst_of_admissions_with_a_failing_store_computes_every_prompt():
+    engine, store = Engine(), Store(error=TimeoutError())
+    tier = StoreTier(WorkerSettings(), new_registry(process_metrics=False), engine, "layout", store)
+    prompts = {f"r{i}": [i * 50 + k for k in range(3 * BLOCK + 1)] for i in range(8)}
+
+    async def burst():
+        await asyncio.gather(*(tier.add_request(r, p, SamplingParams(max_tokens=4)) for r, p in prompts.items()))
+
+    asyncio.run(burst())
+    assert sorted(engine.added) == sorted(prompts)  # all queued to compute, none refused
+    assert len(store.asked) == 1 and len(store.asked[0]) == 8 * 3
