@@ -120,3 +120,10 @@ def test_stands_aside_for_a_normalizer(prepared_dir, tmp_path):
         data["normalizer"] = {"type": "Lowercase"}
 
     assert SegmentEncoder.for_tokenizer(_with_tokenizer_json(prepared_dir, tmp_path, lowercase)) is None
+
+
+def test_stands_aside_for_added_tokens_matched_in_two_passes(prepared_dir, tmp_path):
+    def one_normalized(data):
+        data["added_tokens"][-1]["normalized"] = True
+
+    assert SegmentEncoder.for_tokenizer(_with_tokenizer_json(prepared_dir, tmp_path, one_normalized)) is None
