@@ -67,10 +67,23 @@ class Generation:
             ),
         )
 
+    def usage_dict(self) -> dict[str, Any]:
+        """`usage()` as the JSON object it dumps to, built without the models (a streamed response's last event)."""
+        num_prompt_tokens = len(self.runs[0].request.prompt_token_ids)
+        num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
+        first = self.outputs[0]
+        return {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens or 0,
+                                      "cached_tokens_by_tier": dict(first.cached_tokens_by_tier or {})},
+        }
+
     def end(self, status: int) -> None:
         """Close the request's metrics."""
-        usage = self.usage()
-        self.record.end(status, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens)
+        num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
+        self.record.end(status, num_completion_tokens, self.outputs[0].num_cached_tokens or 0)
 
 
 async def start_choices(pipeline: RequestPipeline, requests: list[GenerateRequest]) -> list[RunningRequest]:

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from services.gateway.generation import Generation
 
 DONE_EVENT = "data: [DONE]\n\n"
+#: Per chunk type, its dump with no choices (StreamFormatter._empty_chunk).
+_EMPTY_CHUNKS: dict[type[BaseModel], dict[str, Any]] = {}
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -77,8 +79,7 @@ class StreamFormatter(ABC):
         g = self.generation
         if not g.include_usage:
             return [DONE_EVENT]
-        usage = self.chunk_type(**self._base(), choices=[], usage=g.usage())
-        return [sse(usage.model_dump(mode="json")), DONE_EVENT]
+        return [sse({**self._empty_chunk(), "usage": g.usage_dict()}), DONE_EVENT]
 
     def error(self, exc: ApiError) -> list[str]:
         """Events for a failure after the stream started (the HTTP status is 200 by then)."""
@@ -88,13 +89,22 @@ class StreamFormatter(ABC):
         g = self.generation
         return {"id": g.response_id, "created": g.created, "model": g.model_name}
 
+    def _empty_chunk(self) -> dict[str, Any]:
+        """`chunk_type(**self._base(), choices=[]).model_dump(mode="json")`, from a dump made once per chunk type
+        (the base's fields are plain strings and ints: only their values differ between requests)."""
+        template = _EMPTY_CHUNKS.get(self.chunk_type)
+        if template is None:
+            template = self.chunk_type(id="", created=0, model="", choices=[]).model_dump(mode="json")
+            _EMPTY_CHUNKS[self.chunk_type] = template
+        return {**template, **self._base(), "choices": []}
+
     def _frame(self) -> tuple[str, str]:
         """The text of an event around its one choice: `data: {"id":..,"choices":[{"index":` and `]..}` + blank line.
 
         The per-token path writes only the choice in between (a few string joins instead of building and dumping
         pydantic models per token); the bytes equal the pydantic path's, as tests/unit/test_gateway_sse.py checks.
         """
-        empty = self.chunk_type(**self._base(), choices=[]).model_dump(mode="json")
+        empty = self._empty_chunk()
         empty.pop("usage", None)
         text = json.dumps(empty, ensure_ascii=False, separators=(",", ":"))
         assert text.endswith('"choices":[]}')
@@ -229,7 +239,9 @@ class _ChatStream(StreamFormatter):
     chunk_type = ChatCompletionChunk
 
     def opening(self) -> list[str]:
-        return [self._chunk(o.index, DeltaMessage(role="assistant", content="")) for o in self.generation.outputs]
+        """The assistant role and empty content per choice (the bytes `_chunk` gives, without its models)."""
+        return [f'{self.head}{o.index},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+                f'"finish_reason":null}}{self.tail}' for o in self.generation.outputs]
 
     def delta(self, delta: ChoiceDelta) -> list[str]:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):

@@ -24,6 +24,7 @@ from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_length, from_validation_error, model_not_found
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.prompt_encoder import SegmentEncoder
 from services.gateway.tool_calls import template_messages
 from services.gateway.vllm_models import TokenizeChatRequest
 
@@ -54,6 +55,18 @@ class ModelInfo:
         if not isinstance(vocab_size, int):
             vocab_size = tokenizer.vocab_size
         return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size)
+
+    @cached_property
+    def chat_encoder(self) -> SegmentEncoder | None:
+        """Encodes rendered chats with the pieces between added tokens cached (None: the tokenizer's own encode)."""
+        return SegmentEncoder.for_tokenizer(self.tokenizer)
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (like transformers, the template alone places BOS: no special tokens)."""
+        encoder = self.chat_encoder
+        if encoder is None:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return encoder.encode(text)
 
     @cached_property
     def grammars(self) -> Grammars:
@@ -127,7 +140,7 @@ def chat_text(model: ModelInfo, body: ChatBody) -> str:
 
 def chat_prompt_token_ids(model: ModelInfo, body: ChatBody) -> list[int]:
     """The rendered conversation's token ids (like transformers, the template alone places BOS)."""
-    token_ids = model.tokenizer.encode(chat_text(model, body), add_special_tokens=False)
+    token_ids = model.encode_chat_text(chat_text(model, body))
     _check_prompt_length(model, token_ids, "messages")
     return token_ids
 

@@ -115,9 +115,10 @@ class SchedulerHandler:
         return decision
 
     async def _answer(self, msg: IncomingMsg, decision: RouteDecision, started_s: float) -> None:
-        await self.bus.reply(msg, decision)
+        payload = decision.to_bytes()  # once: the same bytes answer the gateway and tell the peers
+        await self.bus.reply(msg, payload)
         self.metrics.observe(decision, time.perf_counter() - started_s)
-        await self.bus.publish(subjects.decisions(self.model), decision)
+        await self.bus.publish(subjects.decisions(self.model), payload)
 
     def _can_wait(self, request: RouteRequest) -> bool:
         """Waiting helps only while a live decode worker that could serve the request exists."""

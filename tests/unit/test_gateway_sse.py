@@ -102,3 +102,39 @@ async def test_a_failed_send_ends_the_stream_and_closes_its_generator():
     with pytest.raises(ClientDisconnect):
         await SseResponse(body(), media_type="text/event-stream")(scope, receive, send)
     assert closed == [True]
+
+
+def usage_generation(include_usage: bool) -> SimpleNamespace:
+    """`generation` with token counts: two choices over a 7-token prompt, some of it cached by tier."""
+    from services.gateway.generation import Generation
+
+    g = generation(include_usage)
+    g.runs = [SimpleNamespace(request=SimpleNamespace(prompt_token_ids=list(range(7))))] * 2
+    g.outputs = [SimpleNamespace(index=0, num_output_tokens=3, num_cached_tokens=4,
+                                 cached_tokens_by_tier={"device": 4}),
+                 SimpleNamespace(index=1, num_output_tokens=5, num_cached_tokens=None, cached_tokens_by_tier=None)]
+    g.usage = lambda: Generation.usage(g)
+    g.usage_dict = lambda: Generation.usage_dict(g)
+    return g
+
+
+@pytest.mark.parametrize("presenter", [CHAT, COMPLETIONS], ids=["chat", "completions"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_opening_frame_and_closing_equal_the_pydantic_ones(presenter, include_usage: bool):
+    g = usage_generation(include_usage)
+    formatter = presenter.stream(g)
+    empty = formatter.chunk_type(**formatter._base(), choices=[]).model_dump(mode="json")
+    assert formatter._empty_chunk() == empty
+    assert formatter.head.startswith("data: " + json.dumps({k: v for k, v in empty.items() if k != "usage"},
+                                                           ensure_ascii=False, separators=(",", ":"))[:-3])
+    if presenter is CHAT:
+        assert formatter.opening() == [formatter._chunk(i, DeltaMessage(role="assistant", content=""))
+                                       for i in (0, 1)]
+    closing = formatter.closing()
+    if include_usage:
+        usage = formatter.chunk_type(**formatter._base(), choices=[], usage=g.usage()).model_dump(mode="json")
+        assert closing == [sse(usage), "data: [DONE]\n\n"]
+        assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 4, "cached_tokens_by_tier": {"device": 4}}
+        assert usage["usage"]["total_tokens"] == 15
+    else:
+        assert closing == ["data: [DONE]\n\n"]

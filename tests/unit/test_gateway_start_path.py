@@ -12,6 +12,7 @@ import pytest
 
 from services.gateway.app import INLINE_PROMPT_BYTES
 from services.gateway.openai_models import ChatCompletionRequest
+from services.gateway.recipe import ModelInfo
 from services.gateway.structured import compiles_grammar
 from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
 
@@ -30,19 +31,18 @@ async def harness(model_dir: Path) -> AsyncIterator[Harness]:
 
 async def _encoding_threads(harness: Harness, monkeypatch: pytest.MonkeyPatch, content: str) -> list[str]:
     """Names of the threads that encoded the prompt of one chat request with `content`."""
-    tokenizer = harness.tokenizer
-    encode, threads = tokenizer.encode, []
+    encode, threads = ModelInfo.encode_chat_text, []
 
-    def recording_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+    def recording_encode(model: ModelInfo, text: str) -> list[int]:
         threads.append(threading.current_thread().name)
-        return encode(text, add_special_tokens)
+        return encode(model, text)
 
-    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+    monkeypatch.setattr(ModelInfo, "encode_chat_text", recording_encode)
     async with harness.http() as http:
         response = await http.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2})
     assert response.status_code == 200, response.text
-    return threads[:1]  # the prompt's; the output's detokenizing never encodes
+    return threads
 
 
 async def test_short_prompt_is_tokenized_on_the_loop(harness: Harness, monkeypatch: pytest.MonkeyPatch):
