@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from deepinfer.model_store import resolve_model
 from deepinfer.tokenizer import Tokenizer
 from services.gateway import prompt_encoder
 from services.gateway.prompt_encoder import SegmentEncoder
@@ -32,15 +30,6 @@ CONVERSATIONS = [
         {"role": "user", "content": "And Japan? 🗾 <|im_end|> inside"},
     ],
 ]
-
-
-@pytest.fixture(scope="session")
-def prepared_dir(tmp_path_factory):
-    """The default model, prepared once per run (same cache as the other modules: only the first converts)."""
-    started = time.perf_counter()
-    model_dir = resolve_model(None, tmp_path_factory.getbasetemp() / "model-cache", progress=False)
-    print(f"\ndefault model ready in {time.perf_counter() - started:.1f} s at {model_dir}")
-    return model_dir
 
 
 @pytest.fixture(scope="module")

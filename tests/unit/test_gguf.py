@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import unicodedata
 
 import numpy as np
@@ -40,15 +39,6 @@ MESSAGES = [
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session")
-def prepared_dir(tmp_path_factory):
-    """The default model, prepared once per run (same cache as the other modules: only the first converts)."""
-    started = time.perf_counter()
-    model_dir = resolve_model(None, tmp_path_factory.getbasetemp() / "model-cache", progress=False)
-    print(f"\ndefault model ready in {time.perf_counter() - started:.1f} s at {model_dir}")
-    return model_dir
 
 
 @pytest.fixture(scope="module")

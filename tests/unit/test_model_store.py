@@ -26,16 +26,6 @@ BYTE_LEVEL_MERGES = ["Ġ t", "h e", "Ġt he"]
 SPM_PIECES = [("▁", -1.0), ("a", -2.0), ("b", -3.0), ("c", -4.0), ("▁a", -5.0), ("ab", -6.0), ("▁ab", -7.0)]
 
 
-@pytest.fixture(scope="session")
-def prepared_dir(tmp_path_factory):
-    """The default model, prepared once per run: every test module asks the same cache, the first converts."""
-    cache_dir = tmp_path_factory.getbasetemp() / "model-cache"
-    started = time.perf_counter()
-    model_dir = resolve_model(None, cache_dir, progress=False)
-    print(f"\ndefault model ready in {time.perf_counter() - started:.1f} s at {model_dir}")
-    return model_dir
-
-
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf q/k permutation (HF rotate-half halves → interleaved pairs)."""
     return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(

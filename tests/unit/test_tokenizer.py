@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from deepinfer.model_store import resolve_model
 from deepinfer.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopChecker, Tokenizer
 
 TEXTS = [
@@ -35,15 +34,6 @@ CONVERSATIONS = {
         {"role": "user", "content": "And Japan? 🗾"},
     ],
 }
-
-
-@pytest.fixture(scope="session")
-def prepared_dir(tmp_path_factory):
-    """The default model, prepared once per run (same cache as the other modules: only the first converts)."""
-    started = time.perf_counter()
-    model_dir = resolve_model(None, tmp_path_factory.getbasetemp() / "model-cache", progress=False)
-    print(f"\ndefault model ready in {time.perf_counter() - started:.1f} s at {model_dir}")
-    return model_dir
 
 
 @pytest.fixture(scope="module")
