@@ -59,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from admission_probe import FakeDevice, Probe  # noqa: E402
 
+from bench.results_io import emit_json_line
+
 GATEWAY = "gw-burst"
 GIL_SWITCH_INTERVAL_S = 0.0005
 STORE_SECRET = "burst-" + "s" * 26
@@ -354,10 +356,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args)
     print_table(result)
-    line = json.dumps(result)
-    print(line)
-    if args.out is not None:
-        args.out.write_text(line + "\n")
+    emit_json_line(result, args.out)
 
 
 if __name__ == "__main__":

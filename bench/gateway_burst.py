@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.results_io import emit_json_line  # noqa: E402
 from bench.serve_hops import cpu_seconds, histogram_breakdown, scrape  # noqa: E402
 from deepinfer.config import CommonSettings  # noqa: E402
 from deepinfer.model_store import resolve_model  # noqa: E402
@@ -258,11 +259,7 @@ def main() -> int:
     args = parser.parse_args()
     result = asyncio.run(run(args))
     print_table(result)
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        with args.out.open("a") as out:
-            out.write(line + "\n")
+    emit_json_line(result, args.out, append=True)
     return 0
 
 

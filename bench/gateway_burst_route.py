@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "shared"))
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import emit_json_line  # noqa: E402
 from bench.serve_hops import cpu_seconds  # noqa: E402
 from deepinfer import subjects  # noqa: E402
 from deepinfer.bus import Bus  # noqa: E402
@@ -122,11 +122,7 @@ def main() -> int:
     print(f"{'N':>4}{'sched CPU us/route':>20}{'RTT p50 ms':>12}{'p99 ms':>9}")
     for b in result["bursts"]:
         print(f"{b['n']:>4}{b['scheduler_cpu_us_per_route']:>20.0f}{b['rtt_p50_ms']:>12.2f}{b['rtt_p99_ms']:>9.2f}")
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        with args.out.open("a") as out:
-            out.write(line + "\n")
+    emit_json_line(result, args.out, append=True)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import resource
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench.results_io import emit_json_line
 
 PROMPT_LEN = 30
 #: The tiny model's context: room for long windows of steps.
@@ -327,10 +328,7 @@ def main() -> None:
     fake_s = None if args.fake_step is None else (args.fake_step[0] / 1e6, args.fake_step[1] / 1e6)
     result = run(args.concurrency, args.steps, args.repeats, fake_s)
     print_table(result)
-    line = json.dumps(result)
-    print(line)
-    if args.out is not None:
-        args.out.write_text(line + "\n")
+    emit_json_line(result, args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import resource
 import statistics
@@ -46,6 +45,7 @@ sys.path.insert(0, str(ROOT / "shared"))
 sys.path.insert(0, str(ROOT))
 
 from bench.loop_cost import GIL_SWITCH_INTERVAL_S, StepClock  # noqa: E402
+from bench.results_io import emit_json_line  # noqa: E402
 from bench.serve_hops import cpu_seconds  # noqa: E402
 
 SECRET = "w" * 32
@@ -306,10 +306,7 @@ def main() -> None:
           f"{result['fake_step_us'][0]}+{result['fake_step_us'][1]} µs, {args.steps} steps):")
     for key, value in p.items():
         print(f"  {key}: {value}")
-    line = json.dumps(result)
-    print(line)
-    if args.out is not None:
-        args.out.write_text(line + "\n")
+    emit_json_line(result, args.out)
 
 
 if __name__ == "__main__":
