@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import Request, RequestStatus, append_sampled_token
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput, _Step
 
 
@@ -113,17 +113,26 @@ class AsyncScheduler(Scheduler):
             request_id = request.request_id
             if live.get(request_id) is not request:
                 continue  # finished or aborted since schedule(): an extra token, never emitted
-            was_preempted = request.status is preempted
+            status = request.status
+            was_preempted = status is preempted
             sample = scheduled.sample
             if sample:
                 placeholders[request_id] -= 1
                 token_ids = sampled_token_ids[request_id]
-                new_token_ids = self._append_sampled(request, token_ids, max_model_len)
-            status = request.status
+                if len(token_ids) == 1:  # the decode step's case
+                    token_id = token_ids[0]
+                    new_token_ids = [token_id]
+                    if append_sampled_token(request, token_id, max_model_len):
+                        status = request.status
+                else:
+                    new_token_ids = self._append_sampled(request, token_ids, max_model_len)
+                    status = request.status
             if caching and (status is running or status.is_finished):
                 # Blocks full of known tokens; their KV is written by this step or one queued after it. A request
                 # that just finished still owns its blocks here (retired below), so its prompt stays cached.
-                num_known = min(request.num_computed_tokens, request.num_tokens)
+                num_known, num_tokens = request.num_computed_tokens, len(request.all_token_ids)
+                if num_known > num_tokens:
+                    num_known = num_tokens
                 if num_known // block_size > num_cached_blocks.get(request_id, 0):  # cache_blocks' early-out
                     cache_blocks(request, num_known)
             if not sample:

@@ -32,25 +32,33 @@ class SampledTokenBuffer:
         self.token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)  # [rows]
         self._staging = HostStaging(device)
 
-    def _indices(self, *lists: Sequence[int]) -> torch.Tensor:
-        """The lists as one int64 tensor [len(lists), n] on the device (one copy from reused pinned memory)."""
-        return self._staging.int64_rows(lists)
-
     def _ensure_rows(self, num_rows: int) -> None:
         if num_rows > self.token_ids.numel():  # the block table grew its rows
             grown = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
             grown[: self.token_ids.numel()] = self.token_ids
             self.token_ids = grown
 
-    def fill(self, input_ids: torch.Tensor, placeholder_indices: Sequence[int], rows: Sequence[int]) -> None:
-        """input_ids[placeholder_indices] = the last token sampled in `rows`, on the device (no host sync)."""
-        index = self._indices(placeholder_indices, rows)
-        input_ids.index_copy_(0, index[0], self.token_ids.index_select(0, index[1]))
+    def fill(
+        self,
+        input_ids: torch.Tensor,
+        placeholder_indices: Sequence[int],
+        rows: Sequence[int],
+        sampled_rows: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """input_ids[placeholder_indices] = the last token sampled in `rows`, on the device (no host sync).
 
-    def record(self, rows: Sequence[int], token_ids: torch.Tensor, num_rows: int) -> None:
-        """Remember a step's sampled ids [S] under the sampled requests' rows (`num_rows`: the table's rows)."""
+        `sampled_rows` (the rows this step's record() writes) travel in the same copy: returned on the device.
+        """
+        indices, read, sampled = self._staging.int64_lists((placeholder_indices, rows, sampled_rows))
+        input_ids.index_copy_(0, indices, self.token_ids.index_select(0, read))
+        return sampled
+
+    def record(self, rows: Sequence[int] | torch.Tensor, token_ids: torch.Tensor, num_rows: int) -> None:
+        """Remember a step's sampled ids [S] under the sampled requests' rows (host ints, or the device index
+        fill() returned); `num_rows`: the table's rows."""
         self._ensure_rows(num_rows)
-        self.token_ids.index_copy_(0, self._indices(rows)[0], token_ids)
+        index = rows if isinstance(rows, torch.Tensor) else self._staging.int64_lists((rows,))[0]
+        self.token_ids.index_copy_(0, index, token_ids)
 
 
 class PendingSample:

@@ -118,6 +118,7 @@ class HostBatch:
     block_table_rows: list[int] = field(default_factory=list)  # [B]: row of each sequence in the BlockTable
     logits_indices: list[int] = field(default_factory=list)  # [S]: row of each sampled request's last token
     sampled: list[ScheduledRequest] = field(default_factory=list)  # [S]
+    sampled_rows: list[int] = field(default_factory=list)  # [S]: block-table row of each sampled request
     #: Longest block list among the sequences (the width of the step's block table).
     max_num_blocks: int = 0
     #: Async scheduling: rows of input_ids whose token the previous step sampled and the host has not seen yet
@@ -159,7 +160,7 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
     batch = HostBatch()
     input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
     query_lens, seq_lens, table_rows = batch.query_lens, batch.seq_lens, batch.block_table_rows
-    logits_indices, sampled = batch.logits_indices, batch.sampled
+    logits_indices, sampled, sampled_rows = batch.logits_indices, batch.sampled, batch.sampled_rows
     update, rows, all_block_ids, max_num_blocks = block_table.update, block_table.rows, block_table.block_ids, 0
     for s in scheduled:
         # A running request without new blocks keeps its row as it is (update()'s every-step case, inline).
@@ -186,6 +187,7 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
         if s.sample:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(s)
+            sampled_rows.append(row)
     batch.max_num_blocks = max_num_blocks
     return batch
 
@@ -205,6 +207,7 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
         block_table_rows=batch.block_table_rows + [NULL_ROW] * num_pad,
         logits_indices=batch.logits_indices,
         sampled=batch.sampled,
+        sampled_rows=batch.sampled_rows,
         max_num_blocks=max(batch.max_num_blocks, 1),
         placeholder_indices=batch.placeholder_indices,
         placeholder_rows=batch.placeholder_rows,

@@ -189,6 +189,27 @@ class _StopRule:
         return cls(getattr(params, "max_tokens", None), getattr(params, "min_tokens", 0) or 0, eos, stop_ids)
 
 
+def append_sampled_token(request: Request, token_id: int, max_model_len: int) -> bool:
+    """Append one sampled token and finish the request if it ends it; True when it did (the decode step's case:
+    `append_output_token_id` then `check_stop`, inline, with check_stop only when the token may end it)."""
+    output_token_ids, all_token_ids = request.output_token_ids, request._all_token_ids
+    output_token_ids.append(token_id)
+    all_token_ids.append(token_id)
+    grammar = request.grammar
+    if grammar is not None:
+        grammar.accept(token_id)
+    rule = request._stop_rule or request.stop_rule
+    max_tokens = rule.max_tokens
+    if (
+        token_id in rule.stop_ids
+        or grammar is not None
+        or (max_tokens is not None and len(output_token_ids) >= max_tokens)
+        or len(all_token_ids) >= max_model_len
+    ):
+        return check_stop(request, max_model_len)
+    return False
+
+
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Finish the request if its last token ends it; True when it did.
 

@@ -89,6 +89,8 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         #: Async scheduling: the last sampled id of each block-table row, read by the next step's placeholders.
         self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, self.device)
+        #: This step's sampled rows on the device, when they travelled with its placeholder fill.
+        self._staged_sampled_rows: torch.Tensor | None = None
         # Columns grow on demand when max_model_len is unknown.
         self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
         self.batch_invariant = batch_invariant
@@ -166,14 +168,18 @@ class ModelRunner:
         if launched is None:
             return PendingSample(None, [])
         out, chosen, sampled, needs_sync = launched
-        rows = self.block_table.rows
-        self.sampled_tokens.record([rows[s.request_id] for s in sampled], out.token_ids, self.block_table.table.shape[0])
+        rows = self._staged_sampled_rows  # uploaded with the placeholder fill
+        if rows is None:
+            table_rows = self.block_table.rows
+            rows = [table_rows[s.request_id] for s in sampled]
+        self.sampled_tokens.record(rows, out.token_ids, self.block_table.table.shape[0])
         return PendingSample(out, chosen, needs_sync)
 
     def _forward_and_sample(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[SamplerOutput, list[Request], list[ScheduledRequest], bool] | None:
         """(sampler output, sampled requests, their ScheduledRequests, host sync needed); None when none samples."""
+        self._staged_sampled_rows = None
         if self.batch_invariant:
             hidden, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
         else:
@@ -243,8 +249,17 @@ class ModelRunner:
         return hidden[inputs.logits_indices]
 
     def _fill_placeholders(self, batch: HostBatch) -> Callable[[torch.Tensor], None]:
-        """Writes the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device."""
-        return lambda input_ids: self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows)
+        """Writes the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device.
+        The batch's sampled rows go in the same copy (`_staged_sampled_rows`, for execute_async's record), unless
+        the step is split in two forwards (batch-invariant mode)."""
+        sampled_rows = () if self.batch_invariant else batch.sampled_rows
+
+        def fill(input_ids: torch.Tensor) -> None:
+            staged = self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows, sampled_rows)
+            if sampled_rows:
+                self._staged_sampled_rows = staged
+
+        return fill
 
     def _forward_invariant(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]

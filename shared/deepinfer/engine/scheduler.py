@@ -34,7 +34,7 @@ from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.request import Request, RequestStatus, check_stop
+from deepinfer.engine.request import Request, RequestStatus, append_sampled_token, check_stop
 from deepinfer.engine.scheduler_loading import LoadingRequests
 from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
@@ -232,8 +232,7 @@ class Scheduler(LoadingRequests):
     def _append_sampled(request: Request, token_ids: Sequence[int], max_model_len: int) -> list[int]:
         """Append sampled tokens up to the first that stops the request; the tokens kept."""
         if len(token_ids) == 1:
-            request.append_output_token_id(token_ids[0])
-            check_stop(request, max_model_len)
+            append_sampled_token(request, token_ids[0], max_model_len)
             return list(token_ids)
         kept: list[int] = []
         for token_id in token_ids:

@@ -63,3 +63,13 @@ class HostStaging:
         for i, values in enumerate(rows):
             host[i] = values
         return self.upload(nbytes).view(torch.int64).view(num_rows, n)
+
+    def int64_lists(self, lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+        """Int lists of any lengths as int64 tensors on the device: views of one upload, one per list."""
+        sizes = [len(values) for values in lists]
+        nbytes = 8 * sum(sizes)
+        host, start = self.acquire(nbytes).view(np.int64), 0
+        for values, size in zip(lists, sizes, strict=True):
+            host[start : start + size] = values
+            start += size
+        return self.upload(nbytes).view(torch.int64).split(sizes)
