@@ -142,3 +142,23 @@ def test_logprobs_capped_at_a_small_vocab():
     meta = SamplingMetadataBuilder("cpu").build(*step.args(), **step.kwargs())
     check(meta, step)
     assert meta.max_num_logprobs == 8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_seeds_none_reads_each_params_seed_like_the_reference(seed):
+    # The engine passes seeds=None: the seeds (int64, uint64, negative) come from the params, per composition.
+    rng = random.Random(seed)
+    builder = SamplingMetadataBuilder("cpu")
+    pool = [random_params(rng, VOCAB) for _ in range(40)]
+    for i in range(12):
+        batch = pool[:20] if i % 3 else rng.sample(pool, rng.randrange(1, 40))
+        step = random_step(rng, batch, VOCAB, [3])
+        args = list(step.args())
+        args[2] = None
+        check(builder.build(*args, **step.kwargs()), step)
+
+
+def test_seeds_none_needs_every_params_seed():
+    builder = SamplingMetadataBuilder("cpu")
+    with pytest.raises(ValueError, match="no seed"):
+        builder.build([SamplingParams(seed=1), SamplingParams()], [0, 0], None, [[1], [1]], [[], []], 10)

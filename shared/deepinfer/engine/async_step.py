@@ -61,25 +61,78 @@ class SampledTokenBuffer:
         self.token_ids.index_copy_(0, index, token_ids)
 
 
+class SampleLanding:
+    """Reused host memory (pinned on CUDA) that a step's sampled tensors land in, instead of a pinned allocation
+    per tensor per step: a ring of `num_slots` steps, each with its buffers and the event of its copies.
+
+    A slot is written again `num_slots` launches later. The engine reads a step's tokens (`PendingSample.result`)
+    before it launches the step after next, so two slots would do; a PendingSample read too late raises.
+    """
+
+    def __init__(self, pinned: bool, num_slots: int = 3) -> None:
+        self.pinned = pinned
+        self._buffers: list[list[torch.Tensor | None]] = [[None] * 4 for _ in range(num_slots)]
+        self._events: list[torch.cuda.Event | None] = [None] * num_slots
+        #: Launches that wrote each slot, so a PendingSample can tell whether its slot was written since.
+        self.generations = [0] * num_slots
+        self._slot = num_slots - 1
+
+    def land(self, tensors: Sequence[torch.Tensor | None]) -> tuple[int, int, list[torch.Tensor | None]]:
+        """Queue non_blocking copies of `tensors` into the next slot: (slot, its generation, host views)."""
+        slot = self._slot = (self._slot + 1) % len(self._buffers)
+        self.generations[slot] += 1
+        buffers, host = self._buffers[slot], []
+        for i, t in enumerate(tensors):
+            if t is None:
+                host.append(None)
+                continue
+            buffer, numel = buffers[i], t.numel()
+            if buffer is None or buffer.dtype != t.dtype or buffer.numel() < numel:
+                buffer = buffers[i] = torch.empty(max(2 * numel, 64), dtype=t.dtype, pin_memory=self.pinned)
+            view = buffer[:numel].view(t.shape)
+            view.copy_(t, non_blocking=self.pinned)
+            host.append(view)
+        if self.pinned:
+            event = self._events[slot]
+            if event is None:
+                event = self._events[slot] = torch.cuda.Event()
+            event.record()
+        return slot, self.generations[slot], host
+
+    def wait(self, slot: int, generation: int) -> None:
+        """Block until the slot's copies have landed; RuntimeError when a later launch reused the slot."""
+        if self.generations[slot] != generation:
+            raise RuntimeError("sampled tokens read after their host slot was reused (more than one step unread)")
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+
+
 class PendingSample:
     """A launched step's sampled tokens on their way to the host; `result()` waits only for that step.
 
     `needs_sync`: the next step's sampling reads these tokens on the host side (penalties over the output
-    tokens), so the engine must update with them before scheduling the next step.
+    tokens), so the engine must update with them before scheduling the next step. `landing`: where the tensors
+    are copied (the CUDA case); without it the tensors are read as they are (the CPU case).
     """
 
-    def __init__(self, out: SamplerOutput | None, chosen: list[Request], needs_sync: bool = False) -> None:
+    def __init__(
+        self,
+        out: SamplerOutput | None,
+        chosen: list[Request],
+        needs_sync: bool = False,
+        landing: SampleLanding | None = None,
+    ) -> None:
         self.chosen = chosen
         self.needs_sync = needs_sync
-        self._event: torch.cuda.Event | None = None
+        self._landing = landing
+        self._slot = self._generation = 0
         self._host: list[torch.Tensor | None] = []
         if out is None:
             return
         tensors = [out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs]
-        if out.token_ids.device.type == "cuda":
-            self._host = [None if t is None else _to_pinned(t) for t in tensors]
-            self._event = torch.cuda.Event()
-            self._event.record()
+        if landing is not None:
+            self._slot, self._generation, self._host = landing.land(tensors)
         else:
             self._host = tensors
 
@@ -87,8 +140,8 @@ class PendingSample:
         """request_id → its sampled token (with logprobs), once the copy has landed."""
         if not self._host:
             return {}
-        if self._event is not None:
-            self._event.synchronize()
+        if self._landing is not None:
+            self._landing.wait(self._slot, self._generation)
         return sampled_tokens(self.chosen, *(None if t is None else t.tolist() for t in self._host))
 
 
@@ -100,6 +153,8 @@ def sampled_tokens(
     top_logprobs: list[list[float]] | None,
 ) -> dict[str, SampledToken]:
     """request_id → SampledToken from one step's host lists (row i = chosen[i]; top-k cut to what it asked)."""
+    if top_ids is None:  # no row asked for top logprobs
+        return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(chosen, token_ids, logprobs, strict=True)}
     result: dict[str, SampledToken] = {}
     for i, request in enumerate(chosen):
         k = request.sampling_params.logprobs
@@ -108,9 +163,3 @@ def sampled_tokens(
             top = list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True))
         result[request.request_id] = SampledToken(token_ids[i], logprobs[i], top)
     return result
-
-
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

@@ -19,9 +19,10 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
-    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended."""
+    """What one step produced for one request: new tokens (with logprobs when asked) and how it ended (slotted:
+    the engine builds one per sampled request per step)."""
 
     request_id: str
     new_token_ids: list[int]

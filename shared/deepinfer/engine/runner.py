@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.defaults import DEFAULT_MAX_NUM_SEQS
-from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, sampled_tokens
+from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.request import Request, RequestStatus
@@ -89,6 +89,8 @@ class ModelRunner:
         self.stager = InputStager(self.device)
         #: Async scheduling: the last sampled id of each block-table row, read by the next step's placeholders.
         self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, self.device)
+        #: Reused pinned memory the sampled tensors come back to the host through (CUDA; None: read in place).
+        self.sample_landing = SampleLanding(pinned=True) if self.device.type == "cuda" else None
         #: This step's sampled rows on the device, when they travelled with its placeholder fill.
         self._staged_sampled_rows: torch.Tensor | None = None
         # Columns grow on demand when max_model_len is unknown.
@@ -173,7 +175,7 @@ class ModelRunner:
             table_rows = self.block_table.rows
             rows = [table_rows[s.request_id] for s in sampled]
         self.sampled_tokens.record(rows, out.token_ids, self.block_table.table.shape[0])
-        return PendingSample(out, chosen, needs_sync)
+        return PendingSample(out, chosen, needs_sync, self.sample_landing)
 
     def _forward_and_sample(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
@@ -192,12 +194,16 @@ class ModelRunner:
         with self._linear_mode():
             logits = self.model.compute_logits(hidden)
         chosen = [requests[s.request_id] for s in sampled]
+        if not self.batch_invariant and len(sampled) == batch.num_seqs:
+            positions = batch.seq_lens  # every sequence samples, at its last position
+        else:
+            positions = [s.num_computed_tokens + s.num_new_tokens for s in sampled]
         meta = self.sampling_metadata.build(
             [r.sampling_params for r in chosen],
-            positions=[s.num_computed_tokens + s.num_new_tokens for s in sampled],
-            seeds=[r.sampling_params.seed for r in chosen],
-            prompt_token_ids=[r.prompt_token_ids for r in chosen],
-            output_token_ids=_output_token_ids(chosen, sampled),
+            positions=positions,
+            seeds=None,  # each request's params carry its seed (EngineCore.new_request draws one when unset)
+            prompt_token_ids=_TokenLists(chosen, sampled, output=False),
+            output_token_ids=_TokenLists(chosen, sampled, output=True),
             vocab_size=logits.shape[-1],
             eos_token_ids=self.eos_token_ids,
             grammar_bitmasks=[None if r.grammar is None else r.grammar.bitmask() for r in chosen],
@@ -294,13 +300,25 @@ class ModelRunner:
         return sampled_tokens(chosen, *(None if t is None else t.tolist() for t in tensors))
 
 
-def _output_token_ids(chosen: list[Request], sampled: list[ScheduledRequest]) -> list[list[int]]:
-    """Each sampled request's output ids as the sampler sees them. A row fed a placeholder has one more output
-    token than the host knows: its count matters for min_tokens (penalties never see a placeholder: the engine
-    updates before scheduling after a step that used them), so a stand-in id is appended there."""
-    output_token_ids = [r.output_token_ids for r in chosen]
-    for i, s in enumerate(sampled):
-        if len(s.token_ids) < s.num_new_tokens and chosen[i].sampling_params.min_tokens:
-            output_token_ids[i] = [*output_token_ids[i], 0]
-    return output_token_ids
+class _TokenLists(Sequence[list[int]]):
+    """The sampled requests' prompt or output ids, row i = chosen[i], read only for the rows the sampler asks
+    (penalties, min_tokens). A row fed a placeholder has one more output token than the host knows: its count
+    matters for min_tokens (penalties never see a placeholder: the engine updates before scheduling after a step
+    that used them), so a stand-in id is appended there."""
 
+    __slots__ = ("_chosen", "_output", "_sampled")
+
+    def __init__(self, chosen: list[Request], sampled: list[ScheduledRequest], output: bool) -> None:
+        self._chosen, self._sampled, self._output = chosen, sampled, output
+
+    def __len__(self) -> int:
+        return len(self._chosen)
+
+    def __getitem__(self, i: int) -> list[int]:  # type: ignore[override]
+        request = self._chosen[i]
+        if not self._output:
+            return request.prompt_token_ids
+        s = self._sampled[i]
+        if len(s.token_ids) < s.num_new_tokens and request.sampling_params.min_tokens:
+            return [*request.output_token_ids, 0]
+        return request.output_token_ids

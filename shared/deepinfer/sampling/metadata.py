@@ -143,6 +143,7 @@ class _BatchConstants:
     key: tuple[int, ...]  # id() of each row's params; `rows` holds them, so no id is reused while this lives
     rows: list[RowConstants]
     top_k_bytes: np.ndarray  # uint8 [8 B]: int64 top_k
+    seed_bytes: np.ndarray | None  # uint8 [8 B]: int64 params.seed of every row; None when a row has none
     tail_bytes: np.ndarray  # uint8 [25 B]: float32 [6, B] stages, then bool [B] is_greedy
     flags: dict[str, Any]  # SamplingMetadata's host fields
     bias_rows: list[int]  # rows with a logit_bias or ids to ban below min_tokens
@@ -167,11 +168,22 @@ class _BatchConstants:
             "top_p_within_top_k": not any_row & TOP_P_ALONE,
             "max_num_logprobs": min(max([r.num_logprobs for r in rows]), vocab_size) if any_row & LOGPROBS else 0,
         }
+        seeds = [r.params.seed for r in rows]
+        seed_bytes = None if None in seeds else _int64_column(seeds).view(np.uint8)
         return cls(
-            key=key, rows=rows, top_k_bytes=np.ascontiguousarray(records["top_k"]).view(np.uint8), tail_bytes=tail,
+            key=key, rows=rows, top_k_bytes=np.ascontiguousarray(records["top_k"]).view(np.uint8),
+            seed_bytes=seed_bytes, tail_bytes=tail,
             flags=flags, bias_rows=_rows_with(rows, BIASED, any_row), repeated_rows=_rows_with(rows, REPEATED, any_row),
             penalised_rows=_rows_with(rows, PENALISED, any_row),
         )
+
+
+def _int64_column(values: Sequence[int]) -> np.ndarray:
+    """int64 [n] of ints in the int64 or uint64 range (a uint64 past int64's: its 64 bits, as the device holds it)."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return np.array([as_int64(v) for v in values], dtype=np.int64)
 
 
 def _rows_with(rows: list[RowConstants], flag: int, any_row: int) -> list[int]:
@@ -199,7 +211,7 @@ class SamplingMetadataBuilder:
         self,
         params_list: Sequence[SamplingParams],
         positions: Sequence[int],
-        seeds: Sequence[int],
+        seeds: Sequence[int] | None,
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         vocab_size: int,
@@ -208,16 +220,19 @@ class SamplingMetadataBuilder:
         grammar_bitmasks: Sequence[bytes | None] = (),
     ) -> SamplingMetadata:
         """Build one step's metadata. `seeds[i]` is `params.seed` when set, else the seed the engine drew at
-        admission (`deepinfer.sampling.seeds.draw_seed`); uint64 seeds are accepted. `eos_token_ids` and
+        admission (`deepinfer.sampling.seeds.draw_seed`); uint64 seeds are accepted. `seeds=None`: every row's
+        params carry its seed (the engine's requests do), read once per batch composition. `eos_token_ids` and
         `stop_token_ids` are banned (bias -inf) while a row has fewer than `min_tokens` output tokens.
         `grammar_bitmasks[i]`: row i's allowed next tokens from its grammar matcher (None: no grammar).
         """
         num_rows = len(params_list)
         for name, seq in (("positions", positions), ("seeds", seeds), ("prompt_token_ids", prompt_token_ids),
                           ("output_token_ids", output_token_ids)):
-            if len(seq) != num_rows:
+            if seq is not None and len(seq) != num_rows:
                 raise ValueError(f"{name} has {len(seq)} rows, params_list has {num_rows}")
         batch = self._batch_constants(params_list, vocab_size, eos_token_ids)
+        if seeds is None and batch.seed_bytes is None:
+            raise ValueError("seeds=None, but a row's params have no seed")
         top_k, seeds_t, positions_t, floats, is_greedy = self._stage(batch, positions, seeds)
         temperature, top_p, min_p, repetition, presence, frequency = floats
         prompt_mask = output_counts = None
@@ -262,7 +277,7 @@ class SamplingMetadataBuilder:
         return row
 
     def _stage(
-        self, batch: _BatchConstants, positions: Sequence[int], seeds: Sequence[int]
+        self, batch: _BatchConstants, positions: Sequence[int], seeds: Sequence[int] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
         """Write the step's columns into staging memory and copy them over: (top_k, seeds, positions, the six
         float stages, is_greedy) as views of one device tensor."""
@@ -271,10 +286,13 @@ class SamplingMetadataBuilder:
         host = self.staging.acquire(_ROW_BYTES * n)
         host[: 8 * n] = batch.top_k_bytes
         ints = host[:ints_end].view(np.int64).reshape(_NUM_INT64, n)
-        try:
-            ints[1] = seeds
-        except OverflowError:  # a uint64 seed past int64's range: its 64 bits as int64, as the device holds it
-            ints[1] = [as_int64(s) for s in seeds]
+        if seeds is None:
+            host[8 * n : 16 * n] = batch.seed_bytes
+        else:
+            try:
+                ints[1] = seeds
+            except OverflowError:  # a uint64 seed past int64's range: its 64 bits as int64, as the device holds it
+                ints[1] = [as_int64(s) for s in seeds]
         ints[2] = positions
         host[ints_end:] = batch.tail_bytes
         staged = self.staging.upload(_ROW_BYTES * n)
