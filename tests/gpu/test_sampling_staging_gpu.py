@@ -1,6 +1,7 @@
 """Sampling metadata and sampled-token indices staged through reused pinned memory on CUDA: every step's tensors
 equal the reference build's, also when the stream is held back so copies are still queued while later steps write
-(the ring must wait for them), and the sampler draws the same tokens from either metadata."""
+(the ring must wait for them), and the sampler draws the same tokens from either metadata. Sampled tensors come
+back through the reused pinned landing ring (SampleLanding) exactly, read one launch late as the engine does."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from deepinfer.engine.async_step import SampledTokenBuffer  # noqa: E402
+from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding  # noqa: E402
+from deepinfer.engine.request import Request  # noqa: E402
 from deepinfer.sampling.metadata import SamplingMetadataBuilder  # noqa: E402
-from deepinfer.sampling.sampler import Sampler  # noqa: E402
+from deepinfer.sampling.params import SamplingParams  # noqa: E402
+from deepinfer.sampling.sampler import Sampler, SamplerOutput  # noqa: E402
 from tests.sampling_reference import (  # noqa: E402
     metadata_differences,
     random_params,
@@ -73,3 +76,42 @@ def test_sampled_token_buffer_on_cuda_while_copies_queue():
         for index, row in zip(placeholders, read, strict=True):
             want[index] = mirror[row]
         assert input_ids.tolist() == want
+
+
+def test_sample_landing_on_cuda_reads_each_step_after_the_next_launch():
+    # As EngineCore runs it: step N+1's copies are queued before step N is read, and step N's copies are still
+    # queued behind held-back GPU work when result() is called, so it must wait for them (no sync before it).
+    rng = random.Random(2)
+    device = torch.device("cuda")
+    landing = SampleLanding(pinned=True)
+    previous = None
+    for step in range(41):
+        num_rows, k = rng.choice([1, 3, 64, 256]), rng.choice([0, 0, 2, 5])
+        torch.cuda._sleep(_DELAY_CYCLES)  # the tensors below are written after the host has moved on
+        ids = torch.randint(0, 50_000, (num_rows,), device=device)
+        logprobs = -torch.rand(num_rows, device=device)
+        top = torch.randint(0, 50_000, (num_rows, k), device=device) if k else None
+        top_lp = -torch.rand(num_rows, k, device=device) if k else None
+        out = SamplerOutput(ids, logprobs, top, top_lp)
+        params = SamplingParams(logprobs=k or None, seed=1)
+        chosen = [Request(f"s{step}-{i}", [1], params) for i in range(num_rows)]
+        pending = PendingSample(out, chosen, landing=landing)
+        if previous is not None:
+            got = previous[0].result()
+            host = [None if t is None else t.cpu() for t in (previous[1].token_ids, previous[1].logprobs,
+                                                             previous[1].top_logprob_ids, previous[1].top_logprobs)]
+            assert got == PendingSample(SamplerOutput(*host), previous[0].chosen).result()
+        previous = (pending, out)
+
+
+def test_fill_stages_the_sampled_rows_with_the_placeholders_on_cuda():
+    device = torch.device("cuda")
+    buffer = SampledTokenBuffer(8, device)
+    buffer.record([1, 2, 3], torch.tensor([11, 12, 13], device=device), 8)
+    input_ids = torch.full((4,), -1, dtype=torch.int64, device=device)
+    torch.cuda._sleep(_DELAY_CYCLES)
+    rows = buffer.fill(input_ids, [0, 2], [3, 1], sampled_rows=[3, 1, 5])
+    buffer.record(rows, torch.tensor([21, 22, 23], device=device), 8)
+    assert input_ids.tolist() == [13, -1, 11, -1]
+    assert buffer.token_ids.tolist() == [0, 22, 12, 21, 0, 23, 0, 0]
+
