@@ -56,7 +56,7 @@ class AsyncScheduler(Scheduler):
             num_pending = placeholders.get(r.request_id, 0)
             num_tokens = len(r.all_token_ids) + num_pending
             if num_pending:  # do the tokens in flight already reach max_model_len or max_tokens?
-                max_tokens = r.stop_rule.max_tokens
+                max_tokens = (r._stop_rule or r.stop_rule).max_tokens  # the attribute first: every request, every step
                 if num_tokens >= max_model_len or (
                     max_tokens is not None and len(r.output_token_ids) + num_pending >= max_tokens
                 ):
@@ -113,8 +113,7 @@ class AsyncScheduler(Scheduler):
             request_id = request.request_id
             if live.get(request_id) is not request:
                 continue  # finished or aborted since schedule(): an extra token, never emitted
-            status = request.status
-            was_preempted = status is preempted
+            status, stopped = request.status, False  # a live request has not finished before this update
             sample = scheduled.sample
             if sample:
                 placeholders[request_id] -= 1
@@ -122,12 +121,11 @@ class AsyncScheduler(Scheduler):
                 if len(token_ids) == 1:  # the decode step's case
                     token_id = token_ids[0]
                     new_token_ids = [token_id]
-                    if append_sampled_token(request, token_id, max_model_len):
-                        status = request.status
+                    stopped = append_sampled_token(request, token_id, max_model_len)
                 else:
                     new_token_ids = self._append_sampled(request, token_ids, max_model_len)
-                    status = request.status
-            if caching and (status is running or status.is_finished):
+                    stopped = request.status.is_finished
+            if caching and (status is running or stopped):
                 # Blocks full of known tokens; their KV is written by this step or one queued after it. A request
                 # that just finished still owns its blocks here (retired below), so its prompt stays cached.
                 num_known, num_tokens = request.num_computed_tokens, len(request.all_token_ids)
@@ -137,8 +135,8 @@ class AsyncScheduler(Scheduler):
                     cache_blocks(request, num_known)
             if not sample:
                 continue
-            if status.is_finished:
-                finished.append((request, was_preempted))
+            if stopped:
+                finished.append((request, status is preempted))  # preempted while its step was in flight?
             updates.append(
                 RequestUpdate(
                     request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,

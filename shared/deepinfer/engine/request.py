@@ -78,8 +78,10 @@ class Request:
         self.finish_reason: FinishReason | None = None
         #: The stop token id that ended the request (None for eos, length or abort).
         self.stop_reason: int | None = None
-        # One list appended in place, so slicing the next tokens each step costs O(new tokens), not O(context).
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        #: Prompt then output token ids (the live list: read it, never mutate it). One list appended in place, so
+        #: slicing the next tokens each step costs O(new tokens), not O(context); an attribute, not a property:
+        #: the scheduler reads it for every request every step.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_size: int | None = None
         self._hash_root: bytes = b""
         self._block_hashes: list[bytes] = []
@@ -88,14 +90,9 @@ class Request:
         self.grammar: Any = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then output token ids (the live list: read it, never mutate it)."""
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,14 +113,14 @@ class Request:
         """Append sampled tokens (their KV is computed by the next step)."""
         token_ids = list(token_ids)
         self.output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
         if self.grammar is not None:
             self.grammar.accept_all(token_ids)
 
     def append_output_token_id(self, token_id: int) -> None:
         """Append one sampled token (the decode step's case, without building a sequence)."""
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
@@ -155,7 +152,7 @@ class Request:
         num_full_blocks = self.num_tokens // block_size
         if num_full_blocks > num_hashed:
             parent = self._block_hashes[-1] if num_hashed else self._hash_root
-            new_tokens = self._all_token_ids[num_hashed * block_size : num_full_blocks * block_size]
+            new_tokens = self.all_token_ids[num_hashed * block_size : num_full_blocks * block_size]
             self._block_hashes.extend(hash_blocks(new_tokens, block_size, b"", "", start_parent=parent))
         return self._block_hashes
 
@@ -192,7 +189,7 @@ class _StopRule:
 def append_sampled_token(request: Request, token_id: int, max_model_len: int) -> bool:
     """Append one sampled token and finish the request if it ends it; True when it did (the decode step's case:
     `append_output_token_id` then `check_stop`, inline, with check_stop only when the token may end it)."""
-    output_token_ids, all_token_ids = request.output_token_ids, request._all_token_ids
+    output_token_ids, all_token_ids = request.output_token_ids, request.all_token_ids
     output_token_ids.append(token_id)
     all_token_ids.append(token_id)
     grammar = request.grammar
@@ -231,7 +228,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.finish(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
         return True
     max_tokens = rule.max_tokens
-    if (max_tokens is not None and num_output_tokens >= max_tokens) or len(request._all_token_ids) >= max_model_len:
+    if (max_tokens is not None and num_output_tokens >= max_tokens) or len(request.all_token_ids) >= max_model_len:
         request.finish(RequestStatus.FINISHED_LENGTH, FinishReason.LENGTH)
         return True
     return False
