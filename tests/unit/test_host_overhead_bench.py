@@ -42,3 +42,30 @@ def test_measure_async_reports_the_phases_and_unwraps_what_it_timed():
     for name in ("schedule", "update", "prepare", "graph_run", "graph_fill", "finish_in_flight", "host_tier_offload"):
         assert phases[name] > 0, name
     assert vars(SamplingMetadata)["build"] is build  # the class attribute is restored
+
+
+def test_graph_path_feeds_each_request_the_token_its_previous_step_sampled():
+    # The fake model's logits ignore the inputs, so check the inputs themselves: the ids in the static input
+    # buffer at each replay are the prompt's last token, then every token the request was given, in order.
+    core = host_overhead.build_async_engine(batch=8, context=40, block_size=16, max_tokens=12)
+    graphs, fed = core.runner.graphs, {}
+    run = graphs.run
+
+    def recording_run(batch, block_table, *args):
+        hidden = run(batch, block_table, *args)
+        for s, token_id in zip(batch.sampled, graphs.static64[0, : batch.num_seqs].tolist(), strict=True):
+            fed.setdefault(s.request_id, []).append(token_id)
+        return hidden
+
+    graphs.run = recording_run
+    tokens: dict[str, list[int]] = {}
+    for _ in range(40):
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not core.has_unfinished_requests() and core._in_flight is None:
+            break
+    assert sorted(tokens) == sorted(fed) and len(tokens) == 8
+    for request_id, sampled in tokens.items():
+        assert len(sampled) == 12
+        assert fed[request_id][1:] == sampled[: len(fed[request_id]) - 1], request_id
+    assert len({tuple(t) for t in tokens.values()}) > 1  # the tokens differ between requests
