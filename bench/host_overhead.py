@@ -197,7 +197,7 @@ def cpu_graph_runner(runner: ModelRunner, max_model_len: int) -> CudaGraphRunner
     graphs.seq_len_buckets = seq_len_buckets(max_model_len)
     graphs.max_bs, graphs.width = graphs.sizes[-1], -(-max_model_len // runner.block_size)
     graphs.inputs = GraphInputs(graphs.max_bs, graphs.width)
-    graphs.static64 = torch.zeros(3, graphs.max_bs, dtype=torch.int64)
+    graphs.static64 = torch.zeros(graphs.inputs.host64.shape, dtype=torch.int64)
     graphs.static32 = torch.zeros(graphs.inputs.host32.numel(), dtype=torch.int32)
     keys = [(bs, bucket) for bs in graphs.sizes for bucket in graphs.seq_len_buckets]
     graphs.graphs = {key: _NoOpGraph() for key in keys}

@@ -130,7 +130,9 @@ def test_graph_inputs_equal_the_padded_batch():
     inputs.host32.fill_(-5)  # poison: every live entry must be written
     n32 = inputs.fill(batch, table, bs=4)
     padded = pad_decode_batch(batch, 4)
-    assert inputs.host64[:, :4].tolist() == [padded.input_ids, padded.positions, padded.slot_mapping]
+    assert inputs.host64[:3, :4].tolist() == [padded.input_ids, padded.positions, padded.slot_mapping]
+    # Async scheduling's sampled rows ride along (no placeholder here: rows 3-4 are not read).
+    assert inputs.host64[5, :3].tolist() == batch.sampled_rows == [table.rows[r] for r in "abc"]
     assert inputs.host32[:4].tolist() == padded.seq_lens and n32 == inputs.seq_off + 4 * 4
     tables = inputs.host32[inputs.seq_off : n32].view(4, 4)
     assert tables[:, 0].tolist() == [3, 2, 9, 0] and tables[0, 1].item() == 4

@@ -50,8 +50,12 @@ class SampledTokenBuffer:
         `sampled_rows` (the rows this step's record() writes) travel in the same copy: returned on the device.
         """
         indices, read, sampled = self._staging.int64_lists((placeholder_indices, rows, sampled_rows))
-        input_ids.index_copy_(0, indices, self.token_ids.index_select(0, read))
+        self.fill_staged(input_ids, indices, read)
         return sampled
+
+    def fill_staged(self, input_ids: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor) -> None:
+        """fill() with its index lists already on the device (the CUDA graph's static buffer holds them)."""
+        input_ids.index_copy_(0, indices, self.token_ids.index_select(0, rows))
 
     def record(self, rows: Sequence[int] | torch.Tensor, token_ids: torch.Tensor, num_rows: int) -> None:
         """Remember a step's sampled ids [S] under the sampled requests' rows (host ints, or the device index

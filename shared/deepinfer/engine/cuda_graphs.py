@@ -8,7 +8,8 @@ partitions instead of max_model_len / 512 (16 at 8k), most of which would exit a
 Every graph reads its inputs from one set of static device buffers, filled before each replay by one
 non_blocking copy per dtype from pinned host buffers of the same layout (`GraphInputs`):
 
-    int64 [3, max_bs]                       input_ids | positions | slot_mapping
+    int64 [6, max_bs]                       input_ids | positions | slot_mapping | async scheduling's indices:
+                                            placeholder rows of input_ids | their block-table rows | sampled rows
     int32 [max_bs_aligned + max_bs * W]     seq_lens  | block_tables (row-major, W = max blocks per sequence)
     int32 [max_bs + 1]                      query_start_loc = 0, 1, 2, ... (fixed: one token per row)
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,18 @@ if TYPE_CHECKING:
 _ALIGN = 16
 #: Keys per split-K partition of the decode attention kernel (its default partition_size).
 DECODE_PARTITION_SIZE = 512
+
+
+#: Rows of the int64 static buffer: the graph's three inputs, then the async step's three index lists.
+_NUM_INT64_ROWS = 6
+
+
+class StagedIndices(NamedTuple):
+    """Async scheduling's index lists of a graph step, on the device (views of the static int64 buffer)."""
+
+    placeholder_indices: torch.Tensor  # [P] rows of input_ids fed a placeholder
+    placeholder_rows: torch.Tensor  # [P] the block-table row each one's token was sampled into
+    sampled_rows: torch.Tensor  # [S] the block-table row of each sampled request
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -71,7 +84,7 @@ class GraphInputs:
     def __init__(self, max_bs: int, width: int, pinned: bool = False) -> None:
         self.max_bs, self.width = max_bs, width
         self.seq_off = -(-max_bs // _ALIGN) * _ALIGN  # block_tables start in the int32 buffer
-        self.host64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
+        self.host64 = torch.zeros(_NUM_INT64_ROWS, max_bs, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(self.seq_off + max_bs * width, dtype=torch.int32, pin_memory=pinned)
         self._h64: np.ndarray = self.host64.numpy()
         self._h32: np.ndarray = self.host32.numpy()
@@ -87,6 +100,11 @@ class GraphInputs:
         h64[2, :num_seqs] = batch.slot_mapping
         h64[:2, num_seqs:bs] = 0  # padding rows: token 0 at position 0 ...
         h64[2, num_seqs:bs] = -1  # ... writing no KV
+        if batch.placeholder_indices:
+            num_placeholders = len(batch.placeholder_indices)
+            h64[3, :num_placeholders] = batch.placeholder_indices
+            h64[4, :num_placeholders] = batch.placeholder_rows
+        h64[5, : len(batch.sampled_rows)] = batch.sampled_rows
         h32[:num_seqs] = batch.seq_lens
         h32[num_seqs:bs] = 1  # ... attending to one key of the null block
         n32 = self.seq_off + bs * self.width
@@ -123,7 +141,7 @@ class CudaGraphRunner:
         self.max_bs = self.sizes[-1]
         self.width = -(-max_model_len // block_size)  # block-table columns: max blocks of one sequence
         self.inputs = GraphInputs(self.max_bs, self.width, pinned=True)
-        self.static64 = torch.zeros(3, self.max_bs, dtype=torch.int64, device=device)
+        self.static64 = torch.zeros(_NUM_INT64_ROWS, self.max_bs, dtype=torch.int64, device=device)
         self.static32 = torch.zeros(self.inputs.host32.numel(), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         #: (batch size, context bucket) -> graph and its output
@@ -187,11 +205,12 @@ class CudaGraphRunner:
         self,
         batch: HostBatch,
         block_table: BlockTable,
-        before_replay: Callable[[torch.Tensor], None] | None = None,
+        before_replay: Callable[[torch.Tensor, StagedIndices], None] | None = None,
     ) -> torch.Tensor:
         """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden].
 
-        `before_replay(input_ids)` runs on the static input ids [bs] after the copy (device-side fills).
+        `before_replay(input_ids, indices)` runs on the static input ids [bs] after the copy (device-side fills),
+        with the batch's placeholder and sampled rows, which came in the same copy.
         """
         bs = padded_batch_size(self.sizes, batch.num_seqs)
         assert bs is not None and batch.is_decode_only, (batch.num_seqs, batch.num_tokens)
@@ -202,7 +221,10 @@ class CudaGraphRunner:
         self.static32[:n32].copy_(self.inputs.host32[:n32], non_blocking=True)
         self._copied.record()
         if before_replay is not None:
-            before_replay(self.static64[0, :bs])
+            static64, num_placeholders = self.static64, len(batch.placeholder_indices)
+            indices = StagedIndices(static64[3, :num_placeholders], static64[4, :num_placeholders],
+                                    static64[5, : len(batch.sampled_rows)])
+            before_replay(static64[0, :bs], indices)
         self.graphs[key].replay()
         self.num_replays += 1
         return self.outputs[key]

@@ -38,7 +38,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.engine.cuda_graphs import CudaGraphRunner
+    from deepinfer.engine.cuda_graphs import CudaGraphRunner, StagedIndices
 
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
 #: takes its largest query tile (it picks min(largest, next_pow2(max_query_len)), largest <= 128).
@@ -234,16 +234,15 @@ class ModelRunner:
 
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
         """Final hidden states of the sampled rows [S, hidden]: a graph replay when one fits, else eager."""
-        fill = self._fill_placeholders(batch) if batch.placeholder_indices else None
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, self.block_table, fill)
+            hidden = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
             num_sampled = len(batch.sampled)
             if num_sampled == batch.num_seqs:
                 return hidden[:num_sampled]
             return hidden[torch.tensor(batch.logits_indices, device=self.device)]
         inputs = self.stager.stage(batch, self.block_table)
-        if fill is not None:
-            fill(inputs.input_ids)
+        if batch.placeholder_indices:
+            self._fill_placeholders(batch, inputs.input_ids)
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
@@ -254,16 +253,23 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden[inputs.logits_indices]
 
-    def _fill_placeholders(self, batch: HostBatch) -> Callable[[torch.Tensor], None]:
-        """Writes the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device.
+    def _fill_placeholders(self, batch: HostBatch, input_ids: torch.Tensor) -> None:
+        """Write the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device.
         The batch's sampled rows go in the same copy (`_staged_sampled_rows`, for execute_async's record), unless
         the step is split in two forwards (batch-invariant mode)."""
         sampled_rows = () if self.batch_invariant else batch.sampled_rows
+        staged = self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows, sampled_rows)
+        if sampled_rows:
+            self._staged_sampled_rows = staged
 
-        def fill(input_ids: torch.Tensor) -> None:
-            staged = self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows, sampled_rows)
-            if sampled_rows:
-                self._staged_sampled_rows = staged
+    def _graph_fill(self, batch: HostBatch) -> Callable[[torch.Tensor, StagedIndices], None]:
+        """_fill_placeholders for a graph replay: the index lists came with the graph's inputs (one copy)."""
+
+        def fill(input_ids: torch.Tensor, indices: StagedIndices) -> None:
+            if batch.placeholder_indices:
+                self.sampled_tokens.fill_staged(input_ids, indices.placeholder_indices, indices.placeholder_rows)
+            if not self.batch_invariant:
+                self._staged_sampled_rows = indices.sampled_rows
 
         return fill
 
