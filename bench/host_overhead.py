@@ -10,7 +10,7 @@ host arrays), the sampler's host work on a small vocabulary, and update(). Print
 `--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
 no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
-SamplingMetadata.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
+the runner's SamplingMetadataBuilder.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from deepinfer.engine.host_tier import OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS, 
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.sampling.metadata import SamplingMetadata
 from deepinfer.sampling.params import SamplingParams
 
 VOCAB, HIDDEN = 64, 8
@@ -203,6 +202,7 @@ def cpu_graph_runner(runner: ModelRunner, max_model_len: int) -> CudaGraphRunner
     graphs.graphs = {key: _NoOpGraph() for key in keys}
     graphs.outputs = {key: torch.zeros(key[0], HIDDEN) for key in keys}
     graphs.num_replays, graphs._copied = 0, _NoOpEvent()
+    graphs._step_views = {}
     graphs._capture_context = contextlib.nullcontext()
     return graphs
 
@@ -234,7 +234,7 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16) ->
     timer.wrap(runner, "prepare_batch", "prepare")
     timer.wrap(runner.graphs, "run", "graph_run")
     timer.wrap(runner.graphs.inputs, "fill", "graph_fill")
-    timer.wrap(SamplingMetadata, "build", "sampling_metadata")
+    timer.wrap(runner.sampling_metadata, "build", "sampling_metadata")
     timer.wrap(runner, "sampler", "sampler")
     timer.wrap(core, "_finish_in_flight", "finish_in_flight")
     timer.wrap(core.host_tier, "offload", "host_tier_offload")

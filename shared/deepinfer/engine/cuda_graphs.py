@@ -38,6 +38,8 @@ _ALIGN = 16
 DECODE_PARTITION_SIZE = 512
 
 
+#: Step shapes whose buffer slices a CudaGraphRunner keeps (bs x placeholders x sampled; cleared when full).
+_MAX_CACHED_VIEWS = 1024
 #: Rows of the int64 static buffer: the graph's three inputs, then the async step's three index lists.
 _NUM_INT64_ROWS = 6
 
@@ -150,6 +152,8 @@ class CudaGraphRunner:
         #: Replays so far (decode steps that ran as a graph).
         self.num_replays = 0
         self._copied = torch.cuda.Event()
+        #: (bs, placeholders, sampled rows) -> the step's slices of the static buffers (see _views).
+        self._step_views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, StagedIndices]] = {}
         self._capture_context = capture_context or contextlib.nullcontext()
 
     def can_run(self, batch: HostBatch) -> bool:
@@ -201,6 +205,21 @@ class CudaGraphRunner:
         """The smallest captured context bucket that holds max_seq_len."""
         return next((b for b in self.seq_len_buckets if b >= max_seq_len), self.seq_len_buckets[-1])
 
+    def _views(
+        self, bs: int, num_placeholders: int, num_sampled: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StagedIndices]:
+        """(device int32 part to copy, its host twin, input ids [bs], the index lists) of a step of this shape:
+        sliced once per shape, not every step (each slice is a torch call)."""
+        key = (bs, num_placeholders, num_sampled)
+        views = self._step_views.get(key)
+        if views is None:
+            if len(self._step_views) >= _MAX_CACHED_VIEWS:
+                self._step_views.clear()
+            n32, s64 = self.inputs.seq_off + bs * self.width, self.static64
+            indices = StagedIndices(s64[3, :num_placeholders], s64[4, :num_placeholders], s64[5, :num_sampled])
+            views = self._step_views[key] = (self.static32[:n32], self.inputs.host32[:n32], s64[0, :bs], indices)
+        return views
+
     def run(
         self,
         batch: HostBatch,
@@ -216,15 +235,13 @@ class CudaGraphRunner:
         assert bs is not None and batch.is_decode_only, (batch.num_seqs, batch.num_tokens)
         key = (bs, self.bucket(max(batch.seq_lens)))
         self._copied.synchronize()  # the previous replay's copy has left the pinned buffers
-        n32 = self.inputs.fill(batch, block_table, bs)
+        static32, host32, input_ids, indices = self._views(bs, len(batch.placeholder_indices), len(batch.sampled_rows))
+        self.inputs.fill(batch, block_table, bs)
         self.static64.copy_(self.inputs.host64, non_blocking=True)
-        self.static32[:n32].copy_(self.inputs.host32[:n32], non_blocking=True)
+        static32.copy_(host32, non_blocking=True)
         self._copied.record()
         if before_replay is not None:
-            static64, num_placeholders = self.static64, len(batch.placeholder_indices)
-            indices = StagedIndices(static64[3, :num_placeholders], static64[4, :num_placeholders],
-                                    static64[5, : len(batch.sampled_rows)])
-            before_replay(static64[0, :bs], indices)
+            before_replay(input_ids, indices)
         self.graphs[key].replay()
         self.num_replays += 1
         return self.outputs[key]
