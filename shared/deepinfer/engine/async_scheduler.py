@@ -139,8 +139,8 @@ class AsyncScheduler(Scheduler):
                 finished.append((request, status is preempted))  # preempted while its step was in flight?
             updates.append(
                 RequestUpdate(
-                    request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
-                    request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
+                    request_id, new_token_ids, None, request.finish_reason, request.stop_reason,
+                    request.num_cached_tokens, request.first_scheduled_time, request.num_store_cached_tokens,
                     request.num_host_cached_tokens,
                 )
             )

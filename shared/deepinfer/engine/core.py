@@ -365,13 +365,11 @@ class EngineCore:
 
 
 def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
-    outputs, get_sampled = [], sampled.get
+    """The scheduler's updates (EngineOutputs without logprobs) with each one's sampled token attached."""
+    get_sampled = sampled.get
     for u in updates:
-        token = get_sampled(u.request_id) if u.new_token_ids else None
-        outputs.append(
-            EngineOutput(
-                u.request_id, u.new_token_ids, None if token is None else [token], u.finish_reason, u.stop_reason,
-                u.num_cached_tokens, u.first_scheduled_time, u.num_store_cached_tokens, u.num_host_cached_tokens,
-            )
-        )
-    return outputs
+        if u.new_token_ids:
+            token = get_sampled(u.request_id)
+            if token is not None:
+                u.new_logprobs = [token]
+    return updates

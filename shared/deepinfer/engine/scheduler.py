@@ -216,8 +216,8 @@ class Scheduler(LoadingRequests):
                 finished.append(request)
             updates.append(
                 RequestUpdate(
-                    request.request_id, new_token_ids, request.finish_reason, request.num_cached_tokens,
-                    request.stop_reason, request.first_scheduled_time, request.num_store_cached_tokens,
+                    request.request_id, new_token_ids, None, request.finish_reason, request.stop_reason,
+                    request.num_cached_tokens, request.first_scheduled_time, request.num_store_cached_tokens,
                     request.num_host_cached_tokens,
                 )
             )

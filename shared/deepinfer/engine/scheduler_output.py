@@ -1,11 +1,11 @@
 """What one scheduler step hands the runner (`SchedulerOutput` of `ScheduledRequest`s) and what it reports per
-request once the step's tokens are known (`RequestUpdate`). No torch."""
+request once the step's tokens are known (`RequestUpdate`, the engine's `EngineOutput`). No torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.protocol import FinishReason
+from deepinfer.engine.outputs import EngineOutput
 
 
 @dataclass(slots=True)
@@ -40,20 +40,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
 
 
-@dataclass(slots=True)
-class RequestUpdate:
-    """Result of a step for one request: tokens it gained and, when it ended, why (not frozen: a frozen
-    dataclass's __init__ costs 4x, and the scheduler builds one per sampled request per step)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-    #: The stop token id that ended the request, if one did.
-    stop_reason: int | None = None
-    #: Request.first_scheduled_time (time.monotonic()), for the queue / compute split of a request's latency.
-    first_scheduled_time: float | None = None
-    #: Of num_cached_tokens, those loaded from the kvcache store.
-    num_store_cached_tokens: int = 0
-    #: Of num_cached_tokens, those loaded from the worker's host-memory tier.
-    num_host_cached_tokens: int = 0
+#: Result of a step for one request: tokens it gained and, when it ended, why. It is the EngineOutput the engine
+#: hands out, built once per sampled request per step: the scheduler leaves `new_logprobs` None, and EngineCore
+#: attaches the sampled token (with its logprobs) to the same object (one object per request per step, not two).
+RequestUpdate = EngineOutput
