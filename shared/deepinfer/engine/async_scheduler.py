@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import Request, RequestStatus, append_sampled_token
-from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput, _Step
+from deepinfer.engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, _Step
 
 
 class AsyncScheduler(Scheduler):
@@ -71,22 +71,42 @@ class AsyncScheduler(Scheduler):
         return num_new_tokens if threshold is None else min(num_new_tokens, threshold)
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
-        output = super()._build_output(step)
-        placeholders = self.num_output_placeholders
-        requests = [request for request, _ in step.entries.values()]
-        for scheduled, request in zip(output.scheduled, requests, strict=True):
-            num_new_tokens = scheduled.num_new_tokens
-            # A placeholder is fed: the known tokens stop short of num_new_tokens and the step samples.
-            if len(scheduled.token_ids) < num_new_tokens:
+        """As the base, in the same loop: a fed placeholder samples and counts one more, and num_computed_tokens
+        advances now (module doc)."""
+        output = SchedulerOutput(
+            preempted_request_ids=step.preempted_request_ids,
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = []
+        sent, req_to_blocks = self._num_sent_blocks, self.kv_manager.req_to_blocks
+        placeholders, scheduled, requests, num_batched_tokens = self.num_output_placeholders, output.scheduled, [], 0
+        for request, num_new_tokens in step.entries.values():
+            request_id, start = request.request_id, request.num_computed_tokens
+            all_token_ids, blocks = request.all_token_ids, req_to_blocks.get(request_id, ())
+            num_sent = sent.get(request_id)
+            # The every-step case: no block since the last step.
+            new_block_ids = [] if num_sent == len(blocks) else self._send_block_ids(request_id, blocks, num_sent)
+            end = start + num_new_tokens
+            token_ids = all_token_ids[start:end]
+            num_known = len(token_ids)
+            if num_known < num_new_tokens:  # a placeholder is fed: the known tokens stop short, and the step samples
                 # Never on a fresh runner row: the placeholder's id sits in the row that sampled it.
-                assert not scheduled.is_new, scheduled.request_id
-                num_pending = placeholders.get(request.request_id, 0)
-                assert num_pending == num_new_tokens - len(scheduled.token_ids), (scheduled.request_id, num_pending)
-                scheduled.sample = True
-                placeholders[request.request_id] = num_pending + 1
-            elif scheduled.sample:
-                placeholders[request.request_id] = placeholders.get(request.request_id, 0) + 1
-            request.num_computed_tokens += num_new_tokens
+                assert num_sent is not None, request_id
+                num_pending = placeholders.get(request_id, 0)
+                assert num_pending == num_new_tokens - num_known, (request_id, num_pending)
+                sample = True
+                placeholders[request_id] = num_pending + 1
+            else:
+                sample = end == len(all_token_ids)
+                if sample:
+                    placeholders[request_id] = placeholders.get(request_id, 0) + 1
+            scheduled.append(
+                ScheduledRequest(request_id, token_ids, start, num_new_tokens, new_block_ids, sample, num_sent is None)
+            )
+            request.num_computed_tokens = end
+            requests.append(request)
+            num_batched_tokens += num_new_tokens
+        output.num_batched_tokens = num_batched_tokens
         self._in_flight.append((output, requests))
         return output
 

@@ -360,13 +360,9 @@ class Scheduler(LoadingRequests):
         for request, num_new_tokens in step.entries.values():
             request_id, start = request.request_id, request.num_computed_tokens
             all_token_ids, blocks = request.all_token_ids, req_to_blocks.get(request_id, ())
-            num_sent, num_blocks = sent.get(request_id), len(blocks)
-            if num_sent == num_blocks:
-                new_block_ids = []  # the every-step case: no block since the last step
-            else:
-                new_blocks = blocks if num_sent is None else blocks[num_sent:]
-                sent[request_id] = num_blocks
-                new_block_ids = [block.block_id for block in new_blocks]
+            num_sent = sent.get(request_id)
+            # The every-step case: no block since the last step.
+            new_block_ids = [] if num_sent == len(blocks) else self._send_block_ids(request_id, blocks, num_sent)
             end = start + num_new_tokens
             scheduled.append(
                 ScheduledRequest(
@@ -377,6 +373,11 @@ class Scheduler(LoadingRequests):
             num_batched_tokens += num_new_tokens
         output.num_batched_tokens = num_batched_tokens
         return output
+
+    def _send_block_ids(self, request_id: str, blocks: Sequence[KVCacheBlock], num_sent: int | None) -> list[int]:
+        """The ids of a request's blocks the runner has not been sent (all of them when num_sent is None)."""
+        self._num_sent_blocks[request_id] = len(blocks)
+        return [block.block_id for block in (blocks if num_sent is None else blocks[num_sent:])]
 
     def _retire(self, request: Request) -> None:
         if request.hold_blocks and request.finish_reason is not FinishReason.ABORT:
