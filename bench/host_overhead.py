@@ -5,7 +5,8 @@ with a fake model step (no GPU), at batch 256 and 2k tokens of context.
 
 The fake model returns tiny tensors at once, so what is timed is what the host adds to every step in series
 with the GPU: schedule(), the runner's flat batch and staging (and the CUDA-graph input fill, done here into
-host arrays), the sampler's host work on a small vocabulary, and update(). Prints ms per step and one JSON line.
+host arrays), the sampler's host work on a small vocabulary, and update(). Prints ms per step and one JSON line
+(`step_cpu_ms`: the process's CPU time per step, which time taken by other processes on a shared machine leaves out).
 
 `--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
@@ -141,17 +142,19 @@ def measure(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
     for _ in range(3):
         step(scheduler, runner)
     timer.reset()
-    per_step = []
+    per_step, cpu_per_step = [], []
     for _ in range(3):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step(scheduler, runner)
         per_step.append((time.perf_counter() - start) / steps)
+        cpu_per_step.append((time.process_time() - cpu_start) / steps)
     phases = {name: round(1e3 * s / (3 * steps), 3) for name, s in timer.seconds.items()}
     phases["sample+rest_of_execute"] = round(phases.pop("execute") - phases["prepare"] - phases["stage"], 3)
     fill_ms = graph_fill_ms(scheduler, runner, steps)
     return {"batch": batch, "context": context, "step_ms": round(1e3 * statistics.median(per_step), 3),
-            "phases_ms": phases, "graph_fill_ms": fill_ms}
+            "step_cpu_ms": round(1e3 * statistics.median(cpu_per_step), 3), "phases_ms": phases,
+            "graph_fill_ms": fill_ms}
 
 
 def graph_fill_ms(scheduler: Scheduler, runner: ModelRunner, steps: int) -> float:
@@ -242,12 +245,13 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16) ->
         for _ in range(3):
             core.step()
         timer.reset()
-        per_step = []
+        per_step, cpu_per_step = [], []
         for _ in range(3):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 core.step()
             per_step.append((time.perf_counter() - start) / steps)
+            cpu_per_step.append((time.process_time() - cpu_start) / steps)
         replays = runner.graphs.num_replays
     finally:
         timer.restore()
@@ -258,6 +262,7 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16) ->
     phases["rest_of_finish"] = round(phases["finish_in_flight"] - phases["update"], 3)
     step_ms = 1e3 * statistics.median(per_step)
     return {"mode": "async", "batch": batch, "context": context, "step_ms": round(step_ms, 3),
+            "step_cpu_ms": round(1e3 * statistics.median(cpu_per_step), 3),
             "step_ms_without_sampling": round(step_ms - phases["sampling_metadata"] - phases["sampler"], 3),
             "phases_ms": phases}
 
