@@ -252,6 +252,19 @@ def test_placeholder_positions_and_blocks():
     assert scheduler.block_pool.num_free_blocks == 11 and scheduler.num_output_placeholders == {}
 
 
+def test_update_without_a_token_for_a_sampling_request_changes_nothing():
+    scheduler = async_scheduler()
+    for request_id, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6])):
+        scheduler.add_request(Request(request_id, prompt, Params(max_tokens=8)))
+    s1 = scheduler.schedule()
+    for bad in ({"a": [10]}, {"a": [10], "b": []}, {"b": [11], "c": [12]}):
+        with pytest.raises(ValueError, match=r"no sampled token for requests \['(a|b)'\]"):
+            scheduler.update(s1, bad)
+    assert scheduler.num_output_placeholders == {"a": 1, "b": 1} and scheduler.num_in_flight == 1
+    assert [r.output_token_ids for r in scheduler.running] == [[], []]
+    assert [u.new_token_ids for u in scheduler.update(s1, {"a": [10], "b": [11]})] == [[10], [11]]
+
+
 def test_late_stop_discards_the_extra_token():
     scheduler = async_scheduler()
     scheduler.add_request(Request("a", [1, 2, 3, 4], Params(max_tokens=8, stop_token_ids=(10,))))

@@ -30,6 +30,9 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import Request, RequestStatus, append_sampled_token
 from deepinfer.engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, _Step
 
+#: update()'s stand-in for the tokens of a request that did not sample (truthy: only a sampled one may be missing).
+_NOT_SAMPLED = (None,)
+
 
 class AsyncScheduler(Scheduler):
     """A Scheduler whose schedule() may run once more before update() of the previous step (see module doc)."""
@@ -116,10 +119,10 @@ class AsyncScheduler(Scheduler):
         """Apply the oldest in-flight step's tokens: resolve placeholders, cache full blocks, finish, discard."""
         if not self._in_flight or self._in_flight[0][0] is not output:
             raise ValueError("update() must take the oldest scheduled step that has not been updated")
-        missing = [
-            s.request_id for s in output.scheduled if s.sample and not sampled_token_ids.get(s.request_id)
-        ]
-        if missing:  # checked before any change, so a bad runner result leaves the scheduler as it was
+        get_tokens = sampled_token_ids.get
+        step_tokens = [get_tokens(s.request_id) if s.sample else _NOT_SAMPLED for s in output.scheduled]
+        if not all(step_tokens):  # checked before any change, so a bad runner result leaves the scheduler as it was
+            missing = [s.request_id for s, token_ids in zip(output.scheduled, step_tokens, strict=True) if not token_ids]
             raise ValueError(f"no sampled token for requests {missing}, which had to sample")
         _, scheduled_requests = self._in_flight.popleft()
         live, placeholders = self.requests, self.num_output_placeholders
@@ -129,7 +132,7 @@ class AsyncScheduler(Scheduler):
         caching = kv_manager.block_pool.enable_caching
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         updates, finished = [], []
-        for scheduled, request in zip(output.scheduled, scheduled_requests, strict=True):
+        for scheduled, request, token_ids in zip(output.scheduled, scheduled_requests, step_tokens, strict=True):
             request_id = request.request_id
             if live.get(request_id) is not request:
                 continue  # finished or aborted since schedule(): an extra token, never emitted
@@ -137,7 +140,6 @@ class AsyncScheduler(Scheduler):
             sample = scheduled.sample
             if sample:
                 placeholders[request_id] -= 1
-                token_ids = sampled_token_ids[request_id]
                 if len(token_ids) == 1:  # the decode step's case
                     token_id = token_ids[0]
                     new_token_ids = [token_id]
