@@ -2,8 +2,12 @@
 back to the host through pinned memory without stalling the next launch.
 
     step N      forward → sample → token_ids [S] ──index_copy──► SampledTokenBuffer.token_ids [rows]
-                                        └──non_blocking copy──► pinned host + event      (PendingSample)
+                                        └──non_blocking copy──► pinned host + event      (PendingSample, into a
+                                                                 reused SampleLanding slot)
     step N+1    input_ids[placeholder_indices] = SampledTokenBuffer.token_ids[placeholder_rows]   (on device)
+
+The index lists (placeholder indices, their rows, the rows step N+1 samples into) reach the device with the CUDA
+graph's static inputs (`cuda_graphs.StagedIndices`), or eagerly in one staging upload (`fill`).
 
 Rows are the requests' block-table rows: a request keeps its row while it runs, so the row it sampled into at
 step N is the row step N+1 reads (a request that stopped or was preempted in between takes no placeholder).
