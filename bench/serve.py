@@ -107,8 +107,9 @@ def summarize(load: LoadResult, concurrency: int, procs: int) -> dict:
     }
 
 
-def offline_point(args, model: str, concurrency: int, engine_options: dict) -> dict:
-    """The offline engine on the same prompts, at most `concurrency` at a time."""
+def offline_point(args, model: str, concurrency: int, engine_options: dict, gc_freeze: bool = False) -> dict:
+    """The offline engine on the same prompts, at most `concurrency` at a time; `gc_freeze`: the loaded engine's
+    objects frozen out of the collector's walks for the measured window, as the workers freeze theirs."""
     import torch
 
     from deepinfer import LLM, SamplingParams
@@ -119,6 +120,9 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
     llm = LLM(model, progress=False, max_num_seqs=concurrency, **engine_options)
     try:
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         ttft = time_first_tokens(llm.engine)
         graphs = llm.engine.runner.graphs
@@ -129,6 +133,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
         steps = ttft.steps - steps_before
         graph_share = ((graphs.num_replays if graphs else 0) - replays_before) / max(1, steps)
     finally:
+        gc.unfreeze()  # else the collect below cannot free the engine's KV cache
         llm.close()
         del llm
         gc.collect()  # the engine's reference cycles hold its KV cache until collected
