@@ -7,7 +7,7 @@
 #         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | offgc (offline c=64 without/with gc.freeze) | offprof64 (py-spy of offgc, one repeat)
 #         | nohost64-N (c=64, host tier off) | pin1-N / pin2-N / base-N (sweep 1,64,256, no offline: the decode
 #         worker's threads on one core / two cores / unpinned) | mbt512-N / mbt8k-N (c=256, max_num_batched_tokens 512 / 8192)
-#         | gw8-N (c=64 and 256 with 8 gateway processes)
+#         | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -84,6 +84,7 @@ for variant in "$@"; do
         mbt512-*) run "$variant" 120 --random-model llama-1b --sweep 256 --no-offline --env DEEPINFER_DECODE_MAX_NUM_BATCHED_TOKENS=512 ;;
         mbt8k-*) run "$variant" 120 --random-model llama-1b --sweep 256 --no-offline --env DEEPINFER_DECODE_MAX_NUM_BATCHED_TOKENS=8192 ;;
         gw8-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --gateways 8 ;;
+        sched2-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --schedulers 2 ;;
         handoff) python3 bench/gil_handoff.py --cpu 3 --out "$OUT/handoff.json" > "$OUT/handoff.log" 2>&1; tail -6 "$OUT/handoff.log" ;;
         hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;

@@ -186,7 +186,8 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
-                  num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode)
+                  num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode,
+                  **({"num_schedulers": args.schedulers} if args.schedulers else {}))
     stack.start()
     stack.wait_ready()
     return stack, [stack.base_url]
@@ -306,6 +307,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")
+    parser.add_argument("--schedulers", type=int, default=None, help="scheduler processes (default: deepinfer up's)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: removed)")
     parser.add_argument("--no-offline", action="store_true")
