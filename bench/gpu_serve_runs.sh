@@ -7,7 +7,7 @@
 #         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | offgc (offline c=64 without/with gc.freeze) | offprof64 (py-spy of offgc, one repeat)
 #         | nohost64-N (c=64, host tier off) | pin1-N / pin2-N / base-N (sweep 1,64,256, no offline: the decode
 #         worker's threads on one core / two cores / unpinned) | mbt512-N / mbt8k-N (c=256, max_num_batched_tokens 512 / 8192)
-#         | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
+#         | trace1 (c=1 traced; bench/trace_ttft.py: the first token's path) | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -58,6 +58,8 @@ for variant in "$@"; do
             --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 --env DEEPINFER_PREFILL_GIL_SWITCH_INTERVAL_S=0.0005 ;;
         split8b) run split8b 300 --random-model llama-8b --sweep 1,64 ;;
         aggregated8b) run aggregated8b 200 --random-model llama-8b --sweep 1,64 --prefill 0 --no-offline ;;
+        trace1) run trace1 100 --random-model llama-1b --sweep 1 --no-offline --trace
+            python3 bench/trace_ttft.py /tmp/trace1-logs/traces --out "$OUT/trace1-ttft.json" | tee "$OUT/trace1-ttft.log" ;;
         trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
         nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
