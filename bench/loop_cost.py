@@ -1,7 +1,7 @@
 """Per-step host cost of the decode worker's service path, on this CPU, at concurrency 1 and 64.
 
     PYTHONPATH=shared:. python bench/loop_cost.py [--concurrency 1 64] [--steps 600] [--repeats 3]
-        [--fake-step HOST_US DEVICE_US] [--trace [--token-spans first_last|all]] [--out FILE]
+        [--fake-step HOST_US DEVICE_US] [--trace [--token-spans first_last|all] [--unsampled]] [--out FILE]
 
 The real decode side: `DecodeHandler` (EngineLoop, the token batch path, heartbeats, KV events) on a tiny
 random llama, a real nats-server on a free port and a subscriber process draining the token subject. Requests
@@ -22,8 +22,9 @@ service's tokens/s over the offline engine's at equal steps.
 With `--trace` the decode worker runs the file exporter (`DEEPINFER_OTEL_EXPORTER=file`) and every request is
 admitted inside a sampled trace, as a gateway's `traceparent` brings it (`decode.admission` under a remote
 parent): its token batches become spans as `--token-spans` says (unset: the code's default; the setting is only
-passed when given, so the bench also runs an older checkout through PYTHONPATH). "spans" is what the exporter
-wrote per window step (all of the run's spans / the run's steps after the prompts).
+passed when given, so the bench also runs an older checkout through PYTHONPATH); with `--unsampled` the parent
+is one a gateway left out (`parentbased_traceidratio`: the traceparent's sampled flag off). "spans" is what the
+exporter wrote per window step (all of the run's spans / the run's steps after the prompts).
 
 The GIL switch interval is the services' (0.5 ms). Prints a table and one JSON line (saved with --out).
 """
@@ -156,6 +157,8 @@ class Tracing:
 
     directory: Path
     token_spans: str | None = None
+    #: The gateway's traceparent says sampled (else: a request the gateway's sampler left out).
+    sampled: bool = True
 
     def settings(self) -> dict:
         """CommonSettings keywords."""
@@ -213,7 +216,7 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
         clock.wrap(handler.runtime.core)
         start_mark, end_mark = clock.mark(loop, first), clock.mark(loop, first + steps)
         max_tokens = first + steps + 10
-        admit = handler.decode if tracing is None else lambda r: _admit_traced(handler, r)
+        admit = handler.decode if tracing is None else lambda r: _admit_traced(handler, r, tracing.sampled)
         accepted = await asyncio.gather(*(admit(r) for r in _requests(concurrency, max_tokens)))
         assert all(a.error is None for a in accepted), next(a.error for a in accepted if a.error)
         loop_cpu_start = await start_mark
@@ -240,13 +243,13 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
     return result
 
 
-async def _admit_traced(handler, request):
+async def _admit_traced(handler, request, sampled: bool):
     """`handler.decode(request)` as the worker runs it for a traced caller: a `decode.admission` span under the
-    sampled remote parent a gateway's traceparent makes."""
+    remote parent a gateway's traceparent makes (its sampled flag as given)."""
     from opentelemetry import context as otel_context
     from opentelemetry import propagate
 
-    headers = {"traceparent": f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"}
+    headers = {"traceparent": f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-{'01' if sampled else '00'}"}
     token = otel_context.attach(propagate.extract(headers))
     try:
         with handler.runtime.hops.span("admission"):
@@ -287,7 +290,7 @@ def _fake(fake_s: tuple[float, float] | None, first: int, steps: int) -> FakeSte
 
 
 def run(concurrencies: list[int], steps: int, repeats: int, fake_s: tuple[float, float] | None = None,
-        trace: bool = False, token_spans: str | None = None) -> dict:
+        trace: bool = False, token_spans: str | None = None, sampled: bool = True) -> dict:
     """Median over `repeats` of each number, per concurrency."""
     import torch
 
@@ -299,7 +302,7 @@ def run(concurrencies: list[int], steps: int, repeats: int, fake_s: tuple[float,
     points = []
     with tempfile.TemporaryDirectory(prefix="loop-cost-") as tmp:
         model_dir = make_tiny_checkpoint(Path(tmp) / "llama", "llama", max_position_embeddings=MAX_MODEL_LEN)
-        tracing = Tracing(Path(tmp) / "traces", token_spans) if trace else None
+        tracing = Tracing(Path(tmp) / "traces", token_spans, sampled) if trace else None
         server = NatsServer()
         server.start()
         try:
@@ -314,7 +317,7 @@ def run(concurrencies: list[int], steps: int, repeats: int, fake_s: tuple[float,
     return {"bench": "loop_cost", "model": "tiny-llama", "device": "cpu", "steps": steps, "repeats": repeats,
             "gil_switch_interval_s": GIL_SWITCH_INTERVAL_S,
             "fake_step_us": None if fake_s is None else [round(1e6 * v) for v in fake_s],
-            "trace": trace, "token_spans": token_spans, "points": points}
+            "trace": trace, "token_spans": token_spans, "sampled": sampled, "points": points}
 
 
 def _median(runs: list[dict]) -> dict:
@@ -330,7 +333,10 @@ def print_table(result: dict) -> None:
     """One row per concurrency, µs per step."""
     fake = result["fake_step_us"]
     model = result["model"] if fake is None else f"fake step: {fake[0]} µs host + {fake[1]} µs device"
-    traced = f", traced (token spans: {result['token_spans'] or 'default'})" if result.get("trace") else ""
+    traced = ""
+    if result.get("trace"):
+        unsampled = "" if result.get("sampled", True) else ", not sampled"
+        traced = f", traced (token spans: {result['token_spans'] or 'default'}{unsampled})"
     print(f"µs per decode step ({model} on {result['device']}{traced}, median [least] of {result['repeats']} "
           f"windows of {result['steps']} steps); step ratio: offline step period / service step period")
     header = ("c", "(a) eng cpu out", "(a) eng wall out", "(b) loop cpu", "of it sys", "step wall", "step cpu",
@@ -384,10 +390,12 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="the file exporter on, every request traced")
     parser.add_argument("--token-spans", choices=["first_last", "all"],
                         help="with --trace: otel_token_spans (unset: the code's default)")
+    parser.add_argument("--unsampled", action="store_true",
+                        help="with --trace: every request's traceparent says not sampled (a gateway left it out)")
     parser.add_argument("--out", type=Path, help="also write the JSON here (e.g. bench/results/...json)")
     args = parser.parse_args()
     fake_s = None if args.fake_step is None else (args.fake_step[0] / 1e6, args.fake_step[1] / 1e6)
-    result = run(args.concurrency, args.steps, args.repeats, fake_s, args.trace, args.token_spans)
+    result = run(args.concurrency, args.steps, args.repeats, fake_s, args.trace, args.token_spans, not args.unsampled)
     print_table(result)
     emit_json_line(result, args.out)
 

@@ -170,9 +170,11 @@ async def test_a_traced_request_gets_its_chosen_token_batch_spans(nats_server, t
     try:
         token = CommonSettings(model=str(tiny_dir)).model_token
         tokens: list[int] = []
+        headers: list[dict | None] = []
         done = asyncio.Event()
 
         async def on_batch(batch: TokenBatch, msg) -> None:
+            headers.append(msg.headers)
             for chunk in batch.chunks:
                 tokens.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
@@ -188,6 +190,7 @@ async def test_a_traced_request_gets_its_chosen_token_batch_spans(nats_server, t
     finally:
         await handler.close()
     assert tokens == reference(tiny_dir, PROMPTS[0])
+    assert headers == [None] * len(headers)  # a token batch carries no trace context: nothing injected per step
     spans = [s for s in exporter.get_finished_spans() if s.name == "decode.token_batch"]
     admission = next(s for s in exporter.get_finished_spans() if s.name == "decode.admission")
     steps = sorted(s.attributes["step"] for s in spans)
