@@ -50,6 +50,7 @@ from deepinfer.protocol.token_wire import STEADY_MIDDLE, num_chunks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
+from deepinfer.telemetry.hops import TokenSpans
 from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
@@ -77,8 +78,8 @@ class _Stream:
     steady: bool = False
     #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
     num_tokens: int = 0
-    #: The request's trace context when it is traced (its token batches become spans there), else None.
-    trace_context: Context | None = None
+    #: When the request is traced: which of its token batches become spans, and their parent; else None.
+    token_spans: TokenSpans | None = None
 
 
 class DecodeHandler:
@@ -197,7 +198,8 @@ class DecodeHandler:
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
-                                            trace_context=otel_context.get_current() if traced else None,
+                                            token_spans=self.runtime.hops.token_spans(otel_context.get_current())
+                                            if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
             kv = None
@@ -299,9 +301,9 @@ class DecodeHandler:
             else:
                 self._add_chunk(pieces, stream, output)
             stream.num_tokens += len(new_token_ids)
-            if stream.trace_context is not None:
+            if stream.token_spans is not None and stream.token_spans.wanted(output.finish_reason is not None):
                 traced = traced if traced is not None else []
-                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
+                traced.append((stream.gateway_id, stream.token_spans.context, len(new_token_ids)))
             if output.finish_reason is not None:
                 del streams[output.request_id]
         if batches:
@@ -309,19 +311,21 @@ class DecodeHandler:
 
     def _publish(self, batches: dict[str, list[bytes]], started_s: float,
                  traced: list[tuple[str, Context, int]] | None) -> None:
-        """Send this step's batches; each traced request in them gets a `decode.token_batch` span (outputs
-        received → published)."""
+        """Send this step's batches; with tracing on each is a `token_batch` hop observation (outputs received →
+        published), and the traced requests' batches that their `TokenSpans` picked are `decode.token_batch` spans."""
         step, writer = self._step, self._writer
         messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
                     batches.items()]
         if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
             for subject, payload in messages:
                 run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
-        if traced is not None:
+        hops = self.runtime.hops
+        if hops.recording:
             published_s = time.monotonic()
-            for gateway_id, context, num_tokens in traced:
-                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                         num_tokens=num_tokens, num_chunks=num_chunks(batches[gateway_id]))
+            hops.observe("token_batch", published_s - started_s, len(messages))
+            for gateway_id, context, num_tokens in traced or ():
+                hops.record_span("token_batch", started_s, published_s, context, step=step, num_tokens=num_tokens,
+                                 num_chunks=num_chunks(batches[gateway_id]))
 
     def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
         """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""
