@@ -46,7 +46,7 @@ from deepinfer.protocol import (
     WorkerRole,
     chunk_prefix,
 )
-from deepinfer.protocol.token_wire import STEADY_MIDDLE, num_chunks
+from deepinfer.protocol.token_wire import PACKED_COUNTS, STEADY_MIDDLE, num_chunks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
@@ -64,14 +64,16 @@ ABORT_FLUSH_S = 1.0
 MAX_CACHED_SUBJECTS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stream:
-    """Where a running request's tokens go."""
+    """Where a running request's tokens go (slotted: the per-step loop reads it once per output)."""
 
     gateway_id: str
     want_logprobs: bool
     #: The bytes its every TokenChunk starts with (`chunk_prefix`).
     prefix: bytes
+    #: Its gateway's batch of the step in progress (`DecodeHandler._batch_pieces`): its chunks go there.
+    pieces: list[bytes]
     sent_first: bool = False
     #: Its chunks are steady now (`TokenBatchWriter.add_steady`): the first went, no logprobs (until the last).
     steady: bool = False
@@ -100,6 +102,9 @@ class DecodeHandler:
         self._writer = TokenBatchWriter(self.runtime.worker_id)
         #: tokens(model, gateway_id) by gateway id: built once, not per step.
         self._token_subjects: dict[str, str] = {}
+        #: Each gateway's batch of the step in progress, by gateway id: one list per gateway, kept from step to step
+        #: (emptied after each publish) and held by its streams, so a chunk goes to it without a lookup.
+        self._batches: dict[str, list[bytes]] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
 
@@ -197,6 +202,7 @@ class DecodeHandler:
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
+                                            self._batch_pieces(request.gateway_id),
                                             trace_context=otel_context.get_current() if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
@@ -282,30 +288,46 @@ class DecodeHandler:
         (`Bus.publish_now`: no coroutine, no task, no extra turn of the loop)."""
         self._step += 1
         started_s = time.monotonic()
-        streams, writer = self._streams, self._writer
-        pack, steady_middle = writer.pack, STEADY_MIDDLE
-        batches: dict[str, list[bytes]] = {}
+        streams, writer, steady_middle = self._streams, self._writer, STEADY_MIDDLE
+        one_token, counts, token_ids = writer.one_token, writer.counts, writer.token_ids
         traced: list[tuple[str, Context, int]] | None = None
-        for output in outputs:
-            stream = streams.get(output.request_id)
-            if stream is None:
-                continue
-            new_token_ids = output.new_token_ids
-            pieces = batches.get(stream.gateway_id)
-            if pieces is None:
-                pieces = batches[stream.gateway_id] = writer.open()
-            if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
-                pieces += (stream.prefix, pack(new_token_ids), steady_middle, pack(stream.num_tokens))
-            else:
-                self._add_chunk(pieces, stream, output)
-            stream.num_tokens += len(new_token_ids)
-            if stream.trace_context is not None:
-                traced = traced if traced is not None else []
-                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
-            if output.finish_reason is not None:
-                del streams[output.request_id]
-        if batches:
-            self._publish(batches, started_s, traced)
+        try:
+            for output in outputs:
+                stream = streams.get(output.request_id)
+                if stream is None:
+                    continue
+                new_token_ids = output.new_token_ids
+                if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
+                    num_tokens = stream.num_tokens
+                    stream.pieces += (
+                        stream.prefix,
+                        (len(new_token_ids) == 1 and one_token.get(new_token_ids[0])) or token_ids(new_token_ids),
+                        steady_middle,
+                        counts[num_tokens] if num_tokens < PACKED_COUNTS else writer.pack(num_tokens),
+                    )
+                else:
+                    self._add_chunk(stream.pieces, stream, output)
+                stream.num_tokens += len(new_token_ids)
+                if stream.trace_context is not None:
+                    traced = traced if traced is not None else []
+                    traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
+                if output.finish_reason is not None:
+                    del streams[output.request_id]
+            batches = {gateway_id: pieces for gateway_id, pieces in self._batches.items() if len(pieces) > 1}
+            if batches:
+                self._publish(batches, started_s, traced)
+        finally:  # every batch starts the next step empty, even past a failure
+            for pieces in self._batches.values():
+                del pieces[1:]
+
+    def _batch_pieces(self, gateway_id: str) -> list[bytes]:
+        """The list a gateway's chunks of the step in progress go to (`TokenBatchWriter.open`), made once."""
+        pieces = self._batches.get(gateway_id)
+        if pieces is None:
+            if len(self._batches) >= MAX_CACHED_SUBJECTS:  # gateways restart under new ids: keep those in use
+                self._batches = {stream.gateway_id: stream.pieces for stream in self._streams.values()}
+            pieces = self._batches[gateway_id] = self._writer.open()
+        return pieces
 
     def _publish(self, batches: dict[str, list[bytes]], started_s: float,
                  traced: list[tuple[str, Context, int]] | None) -> None:

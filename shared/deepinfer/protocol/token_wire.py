@@ -8,13 +8,16 @@ last) is then four pieces, two of them packed per step:
     prefix | token_ids | nil logprobs ... nil error, "num_previous_tokens" key | num_previous_tokens
 
 (every chunk is these four pieces, `add` joins the middle of any other), and one gateway's batch is one
-`b"".join` of its chunks' pieces behind the batch header. The bytes are those of
+`b"".join` of its chunks' pieces behind the batch header. Most steady pieces are not even packed: a one-token
+array is packed once per token id and kept (`one_token`), and counts below PACKED_COUNTS are packed once per
+process (`counts`): a pack call costs more than the bytes it writes (argument parsing, a new bytes object). The bytes are those of
 `TokenBatch(...).to_bytes()` (field order, types, the `v` of every model): `tests/unit/test_token_wire.py` checks
 them against the models for every kind of chunk. The gateway decodes them with `TokenBatch.from_bytes`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import msgpack
@@ -35,6 +38,10 @@ _KEY = {name: _pack(name) for name in _CHUNK_FIELDS + _BATCH_FIELDS}
 #: After the token ids of a steady chunk: every optional field nil, then the key of num_previous_tokens.
 STEADY_MIDDLE = b"".join(_KEY[name] + _pack(None) for name in _CHUNK_FIELDS[3:-1]) + _KEY["num_previous_tokens"]
 _NIL = _pack(None)
+#: num_previous_tokens below this are packed once per process (`TokenBatchWriter.counts`).
+PACKED_COUNTS = 1 << 16
+#: One-token arrays a writer keeps packed (`TokenBatchWriter.one_token`): every token id of a usual vocabulary.
+MAX_ONE_TOKEN_ARRAYS = 1 << 18
 
 
 def chunk_prefix(request_id: str) -> bytes:
@@ -50,6 +57,10 @@ class TokenBatchWriter:
     def __init__(self, worker_id: str) -> None:
         #: msgpack of one value (what add_steady packs: the token ids, num_previous_tokens).
         self.pack = msgpack.Packer().pack
+        #: msgpack of `[token_id]` by token id, kept as tokens come (`token_ids`).
+        self.one_token: dict[int, bytes] = {}
+        #: msgpack of every count below PACKED_COUNTS, by count.
+        self.counts = _packed_counts()
         self._head = _BATCH_HEADER + _V + _KEY["worker_id"] + _pack(worker_id) + _KEY["step"]
 
     @staticmethod
@@ -60,8 +71,21 @@ class TokenBatchWriter:
     def add_steady(self, pieces: list[bytes], prefix: bytes, token_ids: Sequence[int],
                    num_previous_tokens: int) -> None:
         """A chunk with only new tokens: no logprobs, finish reason, cached tokens or error."""
-        pack = self.pack
-        pieces += (prefix, pack(token_ids), STEADY_MIDDLE, pack(num_previous_tokens))
+        count = self.counts[num_previous_tokens] if num_previous_tokens < PACKED_COUNTS else self.pack(
+            num_previous_tokens)
+        pieces += (prefix, self.token_ids(token_ids), STEADY_MIDDLE, count)
+
+    def token_ids(self, token_ids: Sequence[int]) -> bytes:
+        """msgpack of `token_ids`; a one-token array is packed once per token id (then `one_token[token_id]`)."""
+        if len(token_ids) != 1:
+            return self.pack(token_ids)
+        token_id = token_ids[0]
+        packed = self.one_token.get(token_id)
+        if packed is None:
+            packed = self.pack(token_ids)
+            if len(self.one_token) < MAX_ONE_TOKEN_ARRAYS and type(token_id) is int:
+                self.one_token[token_id] = packed
+        return packed
 
     def add(
         self,
@@ -92,6 +116,11 @@ class TokenBatchWriter:
         """The batch's bytes: `TokenBatch(worker_id, step, chunks).to_bytes()`."""
         pieces[0] = self._head + self.pack(step) + _KEY["chunks"] + _array_header(num_chunks(pieces))
         return b"".join(pieces)
+
+
+@functools.cache
+def _packed_counts() -> tuple[bytes, ...]:
+    return tuple(_pack(count) for count in range(PACKED_COUNTS))
 
 
 def num_chunks(pieces: list[bytes]) -> int:
