@@ -50,7 +50,6 @@ from deepinfer.protocol.token_wire import PACKED_COUNTS, STEADY_MIDDLE, num_chun
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
-from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -336,9 +335,7 @@ class DecodeHandler:
         step, writer = self._step, self._writer
         messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
                     batches.items()]
-        if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
-            for subject, payload in messages:
-                run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
+        self.runtime.publish_step(messages, "token-batch")  # with the step's KV event batch when it has one
         if traced is not None:
             published_s = time.monotonic()
             for gateway_id, context, num_tokens in traced:

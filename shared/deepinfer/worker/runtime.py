@@ -103,6 +103,9 @@ class WorkerRuntime:
         self._published_load = (0, 0, 0)
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
+        self._kv_events_subject = subjects.kv_events(self.model, self.worker_id)
+        #: The messages of the step being handled when it has KV events (`publish_step` adds to them), else None.
+        self._step_messages: list[tuple[str, bytes]] | None = None
         #: The engine's load last compared with the published load.
         self._checked_load: EngineStats | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
@@ -335,16 +338,38 @@ class WorkerRuntime:
                 log.warning("heartbeat failed", exc_info=True)
 
     def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent], seq: int) -> None:
-        if outputs:
-            self.on_outputs(outputs)
-        if events and self.store is not None:
+        if not events:
+            if outputs:
+                self.on_outputs(outputs)
+            self._heartbeat_on_load_change()
+            return
+        # The step's token batches (published by the role handler through publish_step) and its KV event batch
+        # go to the socket in one write: one sendmsg, one GIL handoff, not two. Same messages, same order.
+        messages: list[tuple[str, bytes]] = []
+        self._step_messages = messages
+        try:
+            if outputs:
+                self.on_outputs(outputs)
+        finally:
+            self._step_messages = None
+        messages.append((self._kv_events_subject,
+                         encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)))
+        self.publish_step(messages, "kv-events")
+        if self.store is not None:
             self.store.on_kv_events(events)
-        if events:
-            batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
-            subject = subjects.kv_events(self.model, self.worker_id)
-            if not self.bus.publish_now([(subject, batch)]):  # not connected: publish buffers or fails (logged)
-                run_eagerly(self.tasks, self.bus.publish(subject, batch), name="kv-events")
         self._heartbeat_on_load_change()
+
+    def publish_step(self, messages: list[tuple[str, bytes]], name: str) -> None:
+        """Send a step's pre-encoded messages now (`publish_now`), or with the step's KV event batch when the step
+        has one (`_on_step` writes them together). Not connected: each goes through `publish`, which buffers
+        while reconnecting or fails (logged, counted) as a background publish does."""
+        held = self._step_messages
+        if held is not None:
+            held += messages
+            return
+        if not self.bus.publish_now(messages):
+            for subject, payload in messages:
+                run_eagerly(self.tasks, self.bus.publish(subject, payload), name=name)
 
     def _heartbeat_on_load_change(self) -> None:
         """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
