@@ -335,7 +335,7 @@ class DecodeHandler:
         step, writer = self._step, self._writer
         messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
                     batches.items()]
-        self.runtime.publish_step(messages, "token-batch")  # with the step's KV event batch when it has one
+        self.runtime.outbox.publish(messages, "token-batch")  # with the step's KV event batch when it has one
         if traced is not None:
             published_s = time.monotonic()
             for gateway_id, context, num_tokens in traced:

@@ -279,7 +279,7 @@ async def test_a_steps_token_batches_and_kv_event_batch_go_in_one_write(connecte
     bus = _WriteRecorder(connected)
     runtime = _runtime(bus)
     tokens = [("tokens.gw-a", b"batch a"), ("tokens.gw-b", b"batch b")]
-    runtime.on_outputs = lambda outputs: runtime.publish_step(tokens, "token-batch")
+    runtime.on_outputs = lambda outputs: runtime.outbox.publish(tokens, "token-batch")
     output = EngineOutput("r0", [7], None, None, None, 0)
 
     runtime._on_step([output], [Stored([b"h" * 16], None)], 5)  # a step with KV events: one write of all three
@@ -294,7 +294,7 @@ async def test_a_steps_token_batches_and_kv_event_batch_go_in_one_write(connecte
     assert [KvEventBatch.from_bytes(flat[i][1]).seq for i in (2, 5)] == [5, 6]
     if connected:
         assert [len(write) for write in bus.writes] == [3, 2, 1]
-    assert runtime._step_messages is None
+    assert runtime.outbox.release() == []  # nothing left held
 
 
 # -- StepWakeup ---------------------------------------------------------------------------------------------------

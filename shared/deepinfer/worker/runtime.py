@@ -42,12 +42,12 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
-from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
 from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
+from deepinfer.worker.outbox import Outbox
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
 
@@ -95,6 +95,8 @@ class WorkerRuntime:
         self._heartbeat_task: asyncio.Task[None] | None = None
         #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
         self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
+        #: Per-step batches and replies on their way to the socket, in as few writes as possible.
+        self.outbox = Outbox(bus, self.tasks)
         #: Spans and `deepinfer_<role>_hop_seconds` of the hops a request takes here.
         self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
@@ -104,8 +106,6 @@ class WorkerRuntime:
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
         self._kv_events_subject = subjects.kv_events(self.model, self.worker_id)
-        #: The messages of the step being handled when it has KV events (`publish_step` adds to them), else None.
-        self._step_messages: list[tuple[str, bytes]] | None = None
         #: The engine's load last compared with the published load.
         self._checked_load: EngineStats | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
@@ -280,7 +280,8 @@ class WorkerRuntime:
                 except Exception as exc:
                     log.exception("%s %s failed", self.role.value, hop)
                     reply = on_failure(error_detail(exc, f"{self.role.value} {hop} failed"))
-                await self.bus.reply(msg, reply)
+                if not self.outbox.reply_soon(msg, reply):  # queued: written with the others of this turn
+                    await self.bus.reply(msg, reply)
 
         self.tasks.spawn(run(), name=f"{hop}-{request_id}")
 
@@ -343,33 +344,20 @@ class WorkerRuntime:
                 self.on_outputs(outputs)
             self._heartbeat_on_load_change()
             return
-        # The step's token batches (published by the role handler through publish_step) and its KV event batch
-        # go to the socket in one write: one sendmsg, one GIL handoff, not two. Same messages, same order.
-        messages: list[tuple[str, bytes]] = []
-        self._step_messages = messages
+        # The step's token batches (the role handler's `outbox.publish`) and its KV event batch go to the socket in
+        # one write: one sendmsg, one GIL handoff, not two. Same messages, same order.
+        self.outbox.hold()
         try:
             if outputs:
                 self.on_outputs(outputs)
         finally:
-            self._step_messages = None
+            messages = self.outbox.release()
         messages.append((self._kv_events_subject,
                          encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)))
-        self.publish_step(messages, "kv-events")
+        self.outbox.publish(messages, "kv-events")
         if self.store is not None:
             self.store.on_kv_events(events)
         self._heartbeat_on_load_change()
-
-    def publish_step(self, messages: list[tuple[str, bytes]], name: str) -> None:
-        """Send a step's pre-encoded messages now (`publish_now`), or with the step's KV event batch when the step
-        has one (`_on_step` writes them together). Not connected: each goes through `publish`, which buffers
-        while reconnecting or fails (logged, counted) as a background publish does."""
-        held = self._step_messages
-        if held is not None:
-            held += messages
-            return
-        if not self.bus.publish_now(messages):
-            for subject, payload in messages:
-                run_eagerly(self.tasks, self.bus.publish(subject, payload), name=name)
 
     def _heartbeat_on_load_change(self) -> None:
         """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
