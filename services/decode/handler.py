@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
@@ -106,6 +107,7 @@ class DecodeHandler:
         self._batches: dict[str, list[bytes]] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
+        self._admitted: dict[str, Counter] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def load(self) -> None:
@@ -218,7 +220,10 @@ class DecodeHandler:
         except ValueError as exc:
             self._streams.pop(request_id, None)
             return _refused(request_id, error_detail(exc, "invalid request"))
-        self._requests.labels(kv).inc()
+        admitted = self._admitted.get(kv)
+        if admitted is None:  # `labels` takes a lock and builds its key each call: once per kind here
+            admitted = self._admitted[kv] = self._requests.labels(kv)
+        admitted.inc()
         return DecodeAccepted(request_id=request_id, status=DecodeStatus.ACCEPTED)
 
     async def _admit(self, request: DecodeRequest, params: SamplingParams, payloads: list[bytes] | None) -> str:
