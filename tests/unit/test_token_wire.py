@@ -108,3 +108,14 @@ def test_the_one_token_cache_stops_growing_at_its_bound(monkeypatch):
     writer = TokenBatchWriter("decode-1")
     assert [writer.token_ids([t]) for t in range(10)] == [msgpack.packb([t]) for t in range(10)]
     assert len(writer.one_token) == 4
+
+
+def test_last_chunks_reuse_their_middle_and_stay_the_models_bytes():
+    writer = TokenBatchWriter("decode-1")
+    chunks = [{"request_id": "s", "token_ids": [9], "finish_reason": FinishReason.STOP, "num_previous_tokens": 3},
+              {"request_id": "l", "token_ids": [], "finish_reason": FinishReason.LENGTH, "num_previous_tokens": 0},
+              {"request_id": "e", "token_ids": [], "finish_reason": FinishReason.STOP, "num_cached_tokens": 4},
+              {"request_id": "x", "token_ids": [1], "finish_reason": FinishReason.STOP, "num_previous_tokens": 300}]
+    for step in (1, 2):  # the second step's last chunks take the middles kept by the first
+        models = TokenBatch(worker_id="decode-1", step=step, chunks=[TokenChunk(**c) for c in chunks])
+        assert _write(writer, step, [], chunks) == models.to_bytes()

@@ -61,6 +61,8 @@ class TokenBatchWriter:
         self.one_token: dict[int, bytes] = {}
         #: msgpack of every count below PACKED_COUNTS, by count.
         self.counts = _packed_counts()
+        #: The middle of a chunk with only a finish reason (a last chunk), by finish reason (None: steady).
+        self._finish_middles: dict[FinishReason | None, bytes] = {}
         self._head = _BATCH_HEADER + _V + _KEY["worker_id"] + _pack(worker_id) + _KEY["step"]
 
     @staticmethod
@@ -102,14 +104,19 @@ class TokenBatchWriter:
     ) -> None:
         """Any chunk (the first one, with logprobs, the last one, an error)."""
         pack = self.pack
-        middle = b"".join((
-            _KEY["logprobs"], _NIL if logprobs is None else pack([lp.model_dump(mode="python") for lp in logprobs]),
-            _KEY["finish_reason"], pack(finish_reason),
-            _KEY["num_cached_tokens"], pack(num_cached_tokens),
-            _KEY["cached_tokens_by_tier"], pack(cached_tokens_by_tier),
-            _KEY["error"], _NIL if error is None else pack(error.model_dump(mode="python")),
-            _KEY["num_previous_tokens"],
-        ))
+        plain = logprobs is None and num_cached_tokens is None and cached_tokens_by_tier is None and error is None
+        middle = self._finish_middles.get(finish_reason) if plain else None  # a last chunk: one per finish reason
+        if middle is None:
+            middle = b"".join((
+                _KEY["logprobs"], _NIL if logprobs is None else pack([lp.model_dump(mode="python") for lp in logprobs]),
+                _KEY["finish_reason"], pack(finish_reason),
+                _KEY["num_cached_tokens"], pack(num_cached_tokens),
+                _KEY["cached_tokens_by_tier"], pack(cached_tokens_by_tier),
+                _KEY["error"], _NIL if error is None else pack(error.model_dump(mode="python")),
+                _KEY["num_previous_tokens"],
+            ))
+            if plain:
+                self._finish_middles[finish_reason] = middle
         pieces += (prefix, pack(token_ids), middle, pack(num_previous_tokens))
 
     def close(self, pieces: list[bytes], step: int) -> bytes:
