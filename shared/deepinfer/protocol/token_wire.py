@@ -9,10 +9,11 @@ last) is then four pieces, two of them packed per step:
 
 (every chunk is these four pieces, `add` joins the middle of any other), and one gateway's batch is one
 `b"".join` of its chunks' pieces behind the batch header. Most steady pieces are not even packed: a one-token
-array is packed once per token id and kept (`one_token`), and counts below PACKED_COUNTS are packed once per
-process (`counts`): a pack call costs more than the bytes it writes (argument parsing, a new bytes object). The bytes are those of
-`TokenBatch(...).to_bytes()` (field order, types, the `v` of every model): `tests/unit/test_token_wire.py` checks
-them against the models for every kind of chunk. The gateway decodes them with `TokenBatch.from_bytes`.
+array is packed once per token id and kept (`one_token`), counts below PACKED_COUNTS once per process
+(`counts`), a last chunk's middle once per finish reason: a pack call costs more than the few bytes it writes
+(argument parsing, a new bytes object). The bytes are those of `TokenBatch(...).to_bytes()` (field order,
+types, the `v` of every model): `tests/unit/test_token_wire.py` checks them against the models for every kind of
+chunk. The gateway decodes them with `TokenBatch.from_bytes`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ STEADY_MIDDLE = b"".join(_KEY[name] + _pack(None) for name in _CHUNK_FIELDS[3:-1
 _NIL = _pack(None)
 #: num_previous_tokens below this are packed once per process (`TokenBatchWriter.counts`).
 PACKED_COUNTS = 1 << 16
-#: One-token arrays a writer keeps packed (`TokenBatchWriter.one_token`): every token id of a usual vocabulary.
+#: One-token arrays a writer keeps packed (`TokenBatchWriter.one_token`): every token id of a usual vocabulary,
+#: ~100 bytes each (so at most ~26 MB).
 MAX_ONE_TOKEN_ARRAYS = 1 << 18
 
 

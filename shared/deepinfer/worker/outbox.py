@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 
 from deepinfer.bus import BusError, IncomingMsg, MessageBus
 from deepinfer.bus.envelope import outgoing_headers
 from deepinfer.protocol import Message
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.worker.eager import run_eagerly
-
-log = logging.getLogger(__name__)
 
 
 class Outbox:

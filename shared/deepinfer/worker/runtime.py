@@ -59,6 +59,9 @@ CLOSE_FLUSH_S = 2.0
 #: scheduler's in-flight counts end at a heartbeat, so a routed request stops counting twice, and a finished one
 #: stops counting as load, within this.
 LOAD_CHANGE_HEARTBEAT_S = 0.05
+#: Young-generation collection threshold once the engine is loaded (Python's default: 700 allocations; the
+#: gateway's too, services/gateway/main.py).
+GC_THRESHOLD_0 = 10_000
 
 
 class WorkerRuntime:
@@ -143,6 +146,10 @@ class WorkerRuntime:
                 await client.close()
             raise
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
+        # Young collections every GC_THRESHOLD_0 allocations, not 700: a wave of 64 admissions (a task, futures and
+        # coroutines each, alive for milliseconds) set off one on the event loop every ~10 admissions, ~100 µs
+        # each, and the engine thread's per-step objects one every few steps, in series with the device.
+        gc.set_threshold(GC_THRESHOLD_0, *gc.get_threshold()[1:])
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         if self.core.host_tier is not None:
