@@ -103,7 +103,7 @@ class DecodeHandler:
         #: tokens(model, gateway_id) by gateway id: built once, not per step.
         self._token_subjects: dict[str, str] = {}
         #: Each gateway's batch of the step in progress, by gateway id: one list per gateway, kept from step to step
-        #: (emptied after each publish) and held by its streams, so a chunk goes to it without a lookup.
+        #: (emptied as each step starts) and held by its streams, so a chunk goes to it without a lookup.
         self._batches: dict[str, list[bytes]] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
@@ -294,35 +294,33 @@ class DecodeHandler:
         started_s = time.monotonic()
         streams, writer, steady_middle = self._streams, self._writer, STEADY_MIDDLE
         one_token, counts, token_ids = writer.one_token, writer.counts, writer.token_ids
+        for pieces in self._batches.values():  # every gateway's batch starts empty (a failed step's too)
+            del pieces[1:]
         traced: list[tuple[str, Context, int]] | None = None
-        try:
-            for output in outputs:
-                stream = streams.get(output.request_id)
-                if stream is None:
-                    continue
-                new_token_ids = output.new_token_ids
-                if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
-                    num_tokens = stream.num_tokens
-                    stream.pieces += (
-                        stream.prefix,
-                        (len(new_token_ids) == 1 and one_token.get(new_token_ids[0])) or token_ids(new_token_ids),
-                        steady_middle,
-                        counts[num_tokens] if num_tokens < PACKED_COUNTS else writer.pack(num_tokens),
-                    )
-                else:
-                    self._add_chunk(stream.pieces, stream, output)
-                stream.num_tokens += len(new_token_ids)
-                if stream.trace_context is not None:
-                    traced = traced if traced is not None else []
-                    traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
-                if output.finish_reason is not None:
-                    del streams[output.request_id]
-            batches = {gateway_id: pieces for gateway_id, pieces in self._batches.items() if len(pieces) > 1}
-            if batches:
-                self._publish(batches, started_s, traced)
-        finally:  # every batch starts the next step empty, even past a failure
-            for pieces in self._batches.values():
-                del pieces[1:]
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            new_token_ids = output.new_token_ids
+            if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
+                num_tokens = stream.num_tokens
+                stream.pieces += (
+                    stream.prefix,
+                    (len(new_token_ids) == 1 and one_token.get(new_token_ids[0])) or token_ids(new_token_ids),
+                    steady_middle,
+                    counts[num_tokens] if num_tokens < PACKED_COUNTS else writer.pack(num_tokens),
+                )
+            else:
+                self._add_chunk(stream.pieces, stream, output)
+            stream.num_tokens += len(new_token_ids)
+            if stream.trace_context is not None:
+                traced = traced if traced is not None else []
+                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
+            if output.finish_reason is not None:
+                del streams[output.request_id]
+        batches = {gateway_id: pieces for gateway_id, pieces in self._batches.items() if len(pieces) > 1}
+        if batches:
+            self._publish(batches, started_s, traced)
 
     def _batch_pieces(self, gateway_id: str) -> list[bytes]:
         """The list a gateway's chunks of the step in progress go to (`TokenBatchWriter.open`), made once."""
