@@ -97,6 +97,17 @@ class Probe:
             self.mark(message.request_id, "replied")
 
         handler.bus.reply = probed_reply
+        outbox = getattr(handler.runtime, "outbox", None)
+        if outbox is not None:  # replies queued for one write (where the hop ends, as bus.reply queues too)
+            reply_soon = outbox.reply_soon
+
+            def probed_reply_soon(msg, message):
+                queued = reply_soon(msg, message)
+                if queued:
+                    self.mark(message.request_id, "replied")
+                return queued
+
+            outbox.reply_soon = probed_reply_soon
         self._current_request_id = current_request_id
 
     def install_engine(self, handler) -> None:

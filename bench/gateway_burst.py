@@ -1,7 +1,7 @@
 """The gateway's cost of starting requests that arrive in a burst, and of streaming their tokens, on this CPU.
 
     PYTHONPATH=shared:. python bench/gateway_burst.py [--bursts 16 64] [--rounds 20] [--stream-tokens 256]
-        [--gateway-root DIR] [--out bench/results/NAME.json]
+        [--gateway-root DIR] [--trace [--token-spans first_last|all]] [--out bench/results/NAME.json]
 
 One real gateway process (`python -m services.gateway`, one process, the default model's tokenizer, the code
 under `--gateway-root`, default this checkout) on a real nats-server on a free port, and the stand-in scheduler
@@ -16,7 +16,10 @@ Per burst size N, with max_tokens=1 (one token: the request is its start path pl
     after: p50/p99 (interpolated in the bucket, as Prometheus does) and the mean (sum / count);
   - the client's TTFT (request written → first content event) p50/p99.
 Then one burst of the largest N with `--stream-tokens` tokens each (the stand-in steps every `--step-ms`): the
-gateway's CPU per streamed token, net of the start path measured above. Prints a table and one JSON line.
+gateway's CPU per streamed token, net of the start path measured above. With `--trace` the gateway runs the file
+exporter (every request is a trace: the gateway starts them) into `--log-dir`/gateway-burst-traces, with
+`otel_token_spans` as `--token-spans` says (unset: the code's default); the spans it wrote per request are counted
+at the end. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,9 +129,11 @@ def metric_sums(port: int) -> dict[str, tuple[float, float]]:
 class Rig:
     """nats-server, the stand-in workers and one gateway process."""
 
-    def __init__(self, gateway_root: Path, step_ms: float, log_dir: Path, extra_path: str = "") -> None:
+    def __init__(self, gateway_root: Path, step_ms: float, log_dir: Path, extra_path: str = "",
+                 trace_env: dict[str, str] | None = None) -> None:
         self.gateway_root, self.step_ms, self.log_dir = gateway_root, step_ms, log_dir
         self.extra_path = extra_path
+        self.trace_env = trace_env or {}
         self.nats = NatsServer()
         self.procs: list[subprocess.Popen] = []
 
@@ -148,7 +154,7 @@ class Rig:
                        "DEEPINFER_MODEL": str(model_dir), "DEEPINFER_SERVED_MODEL_NAME": MODEL,
                        "DEEPINFER_GATEWAY_PORT": str(self.port), "DEEPINFER_GATEWAY_INTERNAL_PORT":
                        str(self.internal_port), "DEEPINFER_GATEWAY_PROCESSES": "1", "DEEPINFER_GATEWAY_API_KEYS": "",
-                       "DEEPINFER_LOG_LEVEL": "warning"}
+                       "DEEPINFER_LOG_LEVEL": "warning", **self.trace_env}
         log = (self.log_dir / "gateway-burst-gateway.log").open("w")
         self.gateway = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=gateway_env,
                                         cwd=self.gateway_root, stdout=log, stderr=subprocess.STDOUT)
@@ -207,9 +213,17 @@ async def measure_bursts(rig: Rig, n: int, rounds: int, max_tokens: int) -> dict
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the rig, measure every burst size, then streaming; stop the rig."""
-    rig = Rig(args.gateway_root.resolve(), args.step_ms, args.log_dir, args.extra_path)
-    rig.start()
+    trace_dir = args.log_dir / "gateway-burst-traces"
+    trace_env = {}
+    if args.trace:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        trace_env = {"DEEPINFER_OTEL_EXPORTER": "file", "DEEPINFER_OTEL_FILE_DIR": str(trace_dir)}
+        if args.token_spans:
+            trace_env["DEEPINFER_OTEL_TOKEN_SPANS"] = args.token_spans
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    rig = Rig(args.gateway_root.resolve(), args.step_ms, args.log_dir, args.extra_path, trace_env)
     try:
+        rig.start()  # inside: a failed start still stops what it started
         bursts = [await measure_bursts(rig, n, args.rounds, 1) for n in args.bursts]
         stream = None
         if args.stream_tokens:
@@ -220,10 +234,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             stream["cpu_us_per_token"] = round((per_request - start_us) / (args.stream_tokens - 1), 2)
     finally:
         rig.stop()
+    traced = None
+    if args.trace:
+        num_requests = sum((b["rounds"] + 1) * b["n"] for b in [*bursts, *([stream] if stream else [])])
+        num_spans = sum(1 for path in trace_dir.glob("*.jsonl") for _ in path.open("rb"))
+        traced = {"token_spans": args.token_spans, "spans": num_spans,
+                  "spans_per_request": round(num_spans / num_requests, 2)}
     return {"bench": "gateway_burst", "label": args.label, "gateway_root": str(args.gateway_root),
             "extra_path": args.extra_path,
             "step_ms": args.step_ms,
-            "bursts": bursts, "stream": stream}
+            "bursts": bursts, "stream": stream, "trace": traced}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -238,6 +258,8 @@ def print_table(result: dict[str, Any]) -> None:
             cells.append(f"{row['p50_ms']:.2f}/{row['p99_ms']:.2f}/{row['mean_ms']:.2f}" if row else "-")
         print(f"{b['n']:>4}{b['cpu_us_per_request']:>12.0f}{b['ttft_p50_ms']:>10.2f}{b['ttft_p99_ms']:>8.2f}  "
               + "".join(f"{c:>36}" for c in cells))
+    if result.get("trace"):
+        print(f"traced: {result['trace']['spans_per_request']} spans per request written")
     s = result["stream"]
     if s:
         print(f"streaming: {s['n']} streams x {s['max_tokens']} tokens, {s['cpu_us_per_request']:.0f} CPU us/request,"
@@ -255,6 +277,9 @@ def main() -> int:
                         "httptools, which uvicorn then uses instead of h11)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--label", default="", help="a name for the run in the JSON line")
+    parser.add_argument("--trace", action="store_true", help="the gateway runs the file exporter")
+    parser.add_argument("--token-spans", choices=["first_last", "all"],
+                        help="with --trace: otel_token_spans (unset: the code's default)")
     parser.add_argument("--out", type=Path, help="also append the JSON line to this file")
     args = parser.parse_args()
     result = asyncio.run(run(args))

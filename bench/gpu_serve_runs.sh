@@ -4,7 +4,11 @@
 #
 #     bench/gpu_serve_runs.sh VARIANT...      # VARIANT: default | default-async | default8b[64] | split | aggregated |
 #         *-gil | split8b | aggregated8b | trace64 | nostore64 | sync64 | hosttier
-#         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
+#         | default64 (c=64 with offline) | prof64 (py-spy of the decode worker at c=64) | offgc (offline c=64 without/with gc.freeze) | offprof64 (py-spy of offgc, one repeat)
+#         | nohost64-N (c=64, host tier off) | pin1-N / pin2-N / base-N (sweep 1,64,256, no offline: the decode
+#         worker's threads on one core / two cores / unpinned) | mbt512-N / mbt8k-N (c=256, max_num_batched_tokens 512 / 8192)
+#         | trace1 (c=1 traced; bench/trace_ttft.py: the first token's path) | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
+#         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
 set -uo pipefail
@@ -32,6 +36,12 @@ profile_decode() {  # NAME: py-spy (its wheel put in .whl-stack by hand: pip dow
     py-spy record --pid "$pid" --duration 5 --rate 1000 --threads --idle --nonblocking --format raw \
         --output "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1
 }
+pin_decode() {  # NAME CPUS: every thread of the decode worker on CPUS (taskset) once its load starts
+    local name=$1 cpus=$2 pid
+    until grep -q "measured load starts" "$OUT/$name.log" 2>/dev/null; do sleep 0.2; done
+    pid=$(pgrep -f "services.decode" | head -1)
+    taskset -a -p -c "$cpus" "$pid" > "$OUT/$name-taskset.log" 2>&1
+}
 for variant in "$@"; do
     case $variant in
         default) run default 300 --random-model llama-1b --sweep 1,64,256 ;;
@@ -48,6 +58,8 @@ for variant in "$@"; do
             --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 --env DEEPINFER_PREFILL_GIL_SWITCH_INTERVAL_S=0.0005 ;;
         split8b) run split8b 300 --random-model llama-8b --sweep 1,64 ;;
         aggregated8b) run aggregated8b 200 --random-model llama-8b --sweep 1,64 --prefill 0 --no-offline ;;
+        trace1) run trace1 100 --random-model llama-1b --sweep 1 --no-offline --trace
+            python3 bench/trace_ttft.py /tmp/trace1-logs/traces --out "$OUT/trace1-ttft.json" | tee "$OUT/trace1-ttft.log" ;;
         trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
         nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
@@ -62,6 +74,20 @@ for variant in "$@"; do
         gil05-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
             --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 ;;
         prof64) profile_decode prof64 & run prof64 150 --random-model llama-1b --sweep 64 --no-offline --rounds 24; wait ;;
+        offgc) timeout 300 python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 3 \
+            --out "$OUT/offgc.json" > "$OUT/offgc.log" 2>&1; echo "offgc: rc $?"; tail -3 "$OUT/offgc.log" ;;
+        offprof64) py-spy record --rate 1000 --threads --idle --nonblocking --format raw --output "$OUT/offprof64-pyspy.txt" \
+            -- python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 1 > "$OUT/offprof64.log" 2>&1
+            echo "offprof64: rc $?"; tail -3 "$OUT/offprof64.log" ;;
+        nohost64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=0 ;;
+        pin1-*) pin_decode "$variant" 3 & run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline; wait ;;
+        pin2-*) pin_decode "$variant" 3,4 & run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline; wait ;;
+        base-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
+        mbt512-*) run "$variant" 120 --random-model llama-1b --sweep 256 --no-offline --env DEEPINFER_DECODE_MAX_NUM_BATCHED_TOKENS=512 ;;
+        mbt8k-*) run "$variant" 120 --random-model llama-1b --sweep 256 --no-offline --env DEEPINFER_DECODE_MAX_NUM_BATCHED_TOKENS=8192 ;;
+        gw8-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --gateways 8 ;;
+        sched2-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --schedulers 2 ;;
+        handoff) python3 bench/gil_handoff.py --cpu 3 --out "$OUT/handoff.json" > "$OUT/handoff.log" 2>&1; tail -6 "$OUT/handoff.log" ;;
         hosttier) run hosttier 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
             --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=8GiB ;;
         *) echo "unknown variant $variant" >&2 ;;

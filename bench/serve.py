@@ -66,8 +66,9 @@ def requests_per_point(args, concurrency: int) -> int:
 def service_point(args, stack, base_url: list[str], model: str, concurrency: int) -> dict:
     """One concurrency point through the service: client metrics, client CPU, hop breakdowns."""
     num_requests = requests_per_point(args, concurrency)
-    # 8 clients a process by default, at most half the cores (the services need the rest).
-    procs = args.client_procs or max(1, min(math.ceil(concurrency / 8), (os.cpu_count() or 2) // 2))
+    # 8 clients a process by default, at most 3/4 of the cores (the services need the rest: ~3.5 cores at c=256
+    # on the H200 host; with half, 8 processes of 32 streams each reached 70-81% of a core there).
+    procs = args.client_procs or max(1, min(math.ceil(concurrency / 8), (os.cpu_count() or 2) * 3 // 4))
     # Warm-up at this concurrency: the first steps of a new batch width compile kernels and capture graphs
     # (a stall of up to ~1 s seen at 64 on an H200), which must not land in the measured window.
     run_load(base_url, model, conversations(concurrency, 10_000), concurrency, 8, procs, args.client)
@@ -107,8 +108,9 @@ def summarize(load: LoadResult, concurrency: int, procs: int) -> dict:
     }
 
 
-def offline_point(args, model: str, concurrency: int, engine_options: dict) -> dict:
-    """The offline engine on the same prompts, at most `concurrency` at a time."""
+def offline_point(args, model: str, concurrency: int, engine_options: dict, gc_freeze: bool = False) -> dict:
+    """The offline engine on the same prompts, at most `concurrency` at a time; `gc_freeze`: the loaded engine's
+    objects frozen out of the collector's walks for the measured window, as the workers freeze theirs."""
     import torch
 
     from deepinfer import LLM, SamplingParams
@@ -119,6 +121,9 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
     llm = LLM(model, progress=False, max_num_seqs=concurrency, **engine_options)
     try:
         llm.chat(prompts[: min(len(prompts), 8)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         ttft = time_first_tokens(llm.engine)
         graphs = llm.engine.runner.graphs
@@ -129,6 +134,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict) -> d
         steps = ttft.steps - steps_before
         graph_share = ((graphs.num_replays if graphs else 0) - replays_before) / max(1, steps)
     finally:
+        gc.unfreeze()  # else the collect below cannot free the engine's KV cache
         llm.close()
         del llm
         gc.collect()  # the engine's reference cycles hold its KV cache until collected
@@ -180,7 +186,8 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
-                  num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode)
+                  num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode,
+                  **({"num_schedulers": args.schedulers} if args.schedulers else {}))
     stack.start()
     stack.wait_ready()
     return stack, [stack.base_url]
@@ -292,7 +299,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4, help="requests per stream and point (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", default="httpx", choices=("httpx", "openai"))
-    parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 8, at most half the cores)")
+    parser.add_argument("--client-procs", type=int, default=0, help="client processes (default: concurrency / 8, at most 3/4 of the cores)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the stack's services, e.g. DEEPINFER_DECODE_ASYNC_SCHEDULING=true")
     parser.add_argument("--prefill", type=int, default=None,
@@ -300,6 +307,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--gateways", type=int, default=None,
                         help="gateway processes on the API port (default: deepinfer up's, one per 4 cores)")
+    parser.add_argument("--schedulers", type=int, default=None, help="scheduler processes (default: deepinfer up's)")
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: removed)")
     parser.add_argument("--no-offline", action="store_true")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
@@ -46,11 +47,11 @@ from deepinfer.protocol import (
     WorkerRole,
     chunk_prefix,
 )
-from deepinfer.protocol.token_wire import STEADY_MIDDLE, num_chunks
+from deepinfer.protocol.token_wire import PACKED_COUNTS, STEADY_MIDDLE, num_chunks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
-from deepinfer.worker.eager import run_eagerly
+from deepinfer.telemetry.hops import TokenSpans
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -64,21 +65,23 @@ ABORT_FLUSH_S = 1.0
 MAX_CACHED_SUBJECTS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stream:
-    """Where a running request's tokens go."""
+    """Where a running request's tokens go (slotted: the per-step loop reads it once per output)."""
 
     gateway_id: str
     want_logprobs: bool
     #: The bytes its every TokenChunk starts with (`chunk_prefix`).
     prefix: bytes
+    #: Its gateway's batch of the step in progress (`DecodeHandler._batch_pieces`): its chunks go there.
+    pieces: list[bytes]
     sent_first: bool = False
     #: Its chunks are steady now (`TokenBatchWriter.add_steady`): the first went, no logprobs (until the last).
     steady: bool = False
     #: Output tokens of the request so far (those it came with included): each chunk's num_previous_tokens.
     num_tokens: int = 0
-    #: The request's trace context when it is traced (its token batches become spans there), else None.
-    trace_context: Context | None = None
+    #: When the request is traced: which of its token batches become spans, and their parent; else None.
+    token_spans: TokenSpans | None = None
 
 
 class DecodeHandler:
@@ -100,8 +103,12 @@ class DecodeHandler:
         self._writer = TokenBatchWriter(self.runtime.worker_id)
         #: tokens(model, gateway_id) by gateway id: built once, not per step.
         self._token_subjects: dict[str, str] = {}
+        #: Each gateway's batch of the step in progress, by gateway id: one list per gateway, kept from step to step
+        #: (emptied as each step starts) and held by its streams, so a chunk goes to it without a lookup.
+        self._batches: dict[str, list[bytes]] = {}
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
+        self._admitted: dict[str, Counter] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def load(self) -> None:
@@ -197,7 +204,9 @@ class DecodeHandler:
             handle, self.runtime.core.runner.device)
         traced = trace.get_current_span().is_recording()
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
-                                            trace_context=otel_context.get_current() if traced else None,
+                                            self._batch_pieces(request.gateway_id),
+                                            token_spans=self.runtime.hops.token_spans(otel_context.get_current())
+                                            if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
             kv = None
@@ -213,7 +222,10 @@ class DecodeHandler:
         except ValueError as exc:
             self._streams.pop(request_id, None)
             return _refused(request_id, error_detail(exc, "invalid request"))
-        self._requests.labels(kv).inc()
+        admitted = self._admitted.get(kv)
+        if admitted is None:  # `labels` takes a lock and builds its key each call: once per kind here
+            admitted = self._admitted[kv] = self._requests.labels(kv)
+        admitted.inc()
         return DecodeAccepted(request_id=request_id, status=DecodeStatus.ACCEPTED)
 
     async def _admit(self, request: DecodeRequest, params: SamplingParams, payloads: list[bytes] | None) -> str:
@@ -282,46 +294,60 @@ class DecodeHandler:
         (`Bus.publish_now`: no coroutine, no task, no extra turn of the loop)."""
         self._step += 1
         started_s = time.monotonic()
-        streams, writer = self._streams, self._writer
-        pack, steady_middle = writer.pack, STEADY_MIDDLE
-        batches: dict[str, list[bytes]] = {}
+        streams, writer, steady_middle = self._streams, self._writer, STEADY_MIDDLE
+        one_token, counts, token_ids = writer.one_token, writer.counts, writer.token_ids
+        for pieces in self._batches.values():  # every gateway's batch starts empty (a failed step's too)
+            del pieces[1:]
         traced: list[tuple[str, Context, int]] | None = None
         for output in outputs:
             stream = streams.get(output.request_id)
             if stream is None:
                 continue
             new_token_ids = output.new_token_ids
-            pieces = batches.get(stream.gateway_id)
-            if pieces is None:
-                pieces = batches[stream.gateway_id] = writer.open()
             if stream.steady and output.finish_reason is None:  # `TokenBatchWriter.add_steady`, inlined
-                pieces += (stream.prefix, pack(new_token_ids), steady_middle, pack(stream.num_tokens))
+                num_tokens = stream.num_tokens
+                stream.pieces += (
+                    stream.prefix,
+                    (len(new_token_ids) == 1 and one_token.get(new_token_ids[0])) or token_ids(new_token_ids),
+                    steady_middle,
+                    counts[num_tokens] if num_tokens < PACKED_COUNTS else writer.pack(num_tokens),
+                )
             else:
-                self._add_chunk(pieces, stream, output)
+                self._add_chunk(stream.pieces, stream, output)
             stream.num_tokens += len(new_token_ids)
-            if stream.trace_context is not None:
+            if stream.token_spans is not None and stream.token_spans.wanted(output.finish_reason is not None):
                 traced = traced if traced is not None else []
-                traced.append((stream.gateway_id, stream.trace_context, len(new_token_ids)))
+                traced.append((stream.gateway_id, stream.token_spans.context, len(new_token_ids)))
             if output.finish_reason is not None:
                 del streams[output.request_id]
+        batches = {gateway_id: pieces for gateway_id, pieces in self._batches.items() if len(pieces) > 1}
         if batches:
             self._publish(batches, started_s, traced)
 
+    def _batch_pieces(self, gateway_id: str) -> list[bytes]:
+        """The list a gateway's chunks of the step in progress go to (`TokenBatchWriter.open`), made once."""
+        pieces = self._batches.get(gateway_id)
+        if pieces is None:
+            if len(self._batches) >= MAX_CACHED_SUBJECTS:  # gateways restart under new ids: keep those in use
+                self._batches = {stream.gateway_id: stream.pieces for stream in self._streams.values()}
+            pieces = self._batches[gateway_id] = self._writer.open()
+        return pieces
+
     def _publish(self, batches: dict[str, list[bytes]], started_s: float,
                  traced: list[tuple[str, Context, int]] | None) -> None:
-        """Send this step's batches; each traced request in them gets a `decode.token_batch` span (outputs
-        received → published)."""
+        """Send this step's batches; with tracing on each is a `token_batch` hop observation (outputs received →
+        published), and the traced requests' batches that their `TokenSpans` picked are `decode.token_batch` spans."""
         step, writer = self._step, self._writer
         messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
                     batches.items()]
-        if not self.bus.publish_now(messages):  # reconnecting: nats-py buffers, or the publish fails and is logged
-            for subject, payload in messages:
-                run_eagerly(self._tasks, self.bus.publish(subject, payload), name="token-batch")
-        if traced is not None:
+        self.runtime.outbox.publish(messages, "token-batch")  # with the step's KV event batch when it has one
+        hops = self.runtime.hops
+        if hops.recording:
             published_s = time.monotonic()
-            for gateway_id, context, num_tokens in traced:
-                self.runtime.hops.record("token_batch", started_s, published_s, context, step=step,
-                                         num_tokens=num_tokens, num_chunks=num_chunks(batches[gateway_id]))
+            hops.observe("token_batch", published_s - started_s, len(messages))
+            for gateway_id, context, num_tokens in traced or ():
+                hops.record_span("token_batch", started_s, published_s, context, step=step, num_tokens=num_tokens,
+                                 num_chunks=num_chunks(batches[gateway_id]))
 
     def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
         """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""

@@ -164,47 +164,62 @@ async def collect(generation: Generation) -> dict[str, Any] | None:
 async def stream_events(generation: Generation) -> AsyncIterator[str]:
     """The presenter's SSE events: opening, those of each delta, closing; each item one body write (a socket send
     and an ASGI send through every middleware): the opening goes with the first delta's events, and the closing
-    events (usage, [DONE]) in one. A failure after the stream started is the presenter's error events (OpenAI:
-    `data: {"error": ...}` then [DONE])."""
+    events (usage, [DONE]) in one, the stream's last write. A failure after the stream started is the presenter's
+    error events (OpenAI: `data: {"error": ...}` then [DONE])."""
     status = 200
     formatter = generation.presenter.stream(generation)
     ending: list[str] = []
     write = _sse_writes(generation)
     pending = ""  # the opening, until the first delta's events carry it
     try:
-        pending = "".join(formatter.opening())
-        async for delta in merged_deltas(generation):
-            if delta.text:
-                generation.record.first_token()
-            events = formatter.delta(delta)
-            if events:
-                text = pending + "".join(events) if pending or len(events) > 1 else events[0]
-                pending = ""
-                started_s = time.monotonic()
-                yield text
-                write(started_s)
-        ending = formatter.closing()
-    except ApiError as exc:
-        status = exc.status_code
-        ending = formatter.error(exc)
+        try:
+            pending = "".join(formatter.opening())
+            async for delta in merged_deltas(generation):
+                if delta.text:
+                    generation.record.first_token()
+                events = formatter.delta(delta)
+                if events:
+                    text = pending + "".join(events) if pending or len(events) > 1 else events[0]
+                    pending = ""
+                    started_s = time.monotonic()
+                    yield text
+                    write(started_s, False)
+            ending = formatter.closing()
+        except ApiError as exc:
+            status = exc.status_code
+            ending = formatter.error(exc)
+        except Exception:
+            status = 500
+            logger.exception("stream %s failed", generation.response_id)
+            ending = formatter.error(internal(generation.response_id))
+        if pending or ending:
+            started_s = time.monotonic()
+            yield pending + "".join(ending)
+            write(started_s, True)
     except (asyncio.CancelledError, GeneratorExit):
         status = 499  # client closed the connection
         raise
-    except Exception:
-        status = 500
-        logger.exception("stream %s failed", generation.response_id)
-        ending = formatter.error(internal(generation.response_id))
     finally:
-        generation.end(status)
-    if pending or ending:
-        yield pending + "".join(ending)
+        generation.end(status)  # after the last write: the request's span covers it
 
 
-def _sse_writes(generation: Generation) -> Callable[[float], None]:
-    """Records a `gateway.sse_write` span per event sent (yield to resume: the ASGI send) when the request is
-    traced; a no-op otherwise, so an untraced stream pays nothing per token."""
-    span = generation.record.span
-    if not span.is_recording():
-        return lambda started_s: None
-    context = trace.set_span_in_context(span)
-    return lambda started_s: generation.hops.record("sse_write", started_s, time.monotonic(), context)
+def _sse_writes(generation: Generation) -> Callable[[float, bool], None]:
+    """What each SSE write (yield to resume: the ASGI send) costs, called with its start and whether it is the
+    stream's last: with tracing on, a `sse_write` hop observation, and of a traced request the writes its
+    `TokenSpans` picks (the first and the last by default) are `gateway.sse_write` spans; nothing with tracing off,
+    so a stream then pays nothing per token."""
+    hops, span = generation.hops, generation.record.span
+    if not hops.recording:
+        return lambda started_s, last: None
+    if not span.is_recording():  # not sampled: the histogram only
+        return lambda started_s, last: hops.observe("sse_write", time.monotonic() - started_s)
+    spans = hops.token_spans(trace.set_span_in_context(span))
+
+    def write(started_s: float, last: bool) -> None:
+        ended_s = time.monotonic()
+        if spans.wanted(last):
+            hops.record("sse_write", started_s, ended_s, spans.context)
+        else:
+            hops.observe("sse_write", ended_s - started_s)
+
+    return write

@@ -59,16 +59,24 @@ def test_a_streamed_request_is_one_trace_over_every_service_parented_hop_by_hop(
         expected = PARENT_OF.get(span["name"])
         parent = by_id.get(span["parent_id"]) if span["parent_id"] else None
         assert (parent["name"] if parent else None) == expected, span
-    assert sum(s["name"] == "decode.token_batch" for s in spans) >= 2  # one per step after the first token
     assert [s["attributes"]["via"] for s in spans if s["name"] == "decode.kv_transfer"] == ["data_plane"]
+    # otel_token_spans=first_last (the default): of the 7 token batches (the prefill worker sent the first token)
+    # and the SSE writes, the first and the last are spans, in the stream's order, nothing between
+    batches = sorted((s for s in spans if s["name"] == "decode.token_batch"), key=lambda s: s["attributes"]["step"])
+    assert len(batches) == 2 and batches[1]["attributes"]["step"] - batches[0]["attributes"]["step"] >= 6
+    assert batches[0]["end_ns"] <= batches[1]["start_ns"]
+    writes = sorted((s for s in spans if s["name"] == "gateway.sse_write"), key=lambda s: s["start_ns"])
+    root = next(s for s in spans if s["name"] == "gateway.request")
+    assert len(writes) == 2 and writes[0]["end_ns"] <= writes[1]["start_ns"] <= writes[1]["end_ns"] <= root["end_ns"]
 
 
 def test_hop_histograms_count_what_the_traces_show(stack):
     from tests.e2e.conftest import metrics
 
     gateway, prefill, decode = (metrics(stack, name) for name in ("gateway-0", "prefill-0", "decode-0"))
-    for samples, hops in ((gateway, ("tokenize", "route", "prefill", "decode_admission")),
-                          (prefill, ("request", "queue", "compute")), (decode, ("admission", "kv_transfer"))):
+    for samples, hops in ((gateway, ("tokenize", "route", "prefill", "decode_admission", "sse_write")),
+                          (prefill, ("request", "queue", "compute")),
+                          (decode, ("admission", "kv_transfer", "token_batch"))):
         service = "gateway" if samples is gateway else "prefill" if samples is prefill else "decode"
         for hop in hops:
             assert samples[f'deepinfer_{service}_hop_seconds_count{{hop="{hop}"}}'] >= 1, (service, hop)

@@ -149,27 +149,32 @@ async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decod
     assert beats[-1].num_running == 0 and time.monotonic() - cancelled_s < 1.0
 
 
-async def test_a_traced_request_gets_one_token_batch_span_per_step(nats_server, tiny_dir, tmp_path, bus):
-    from opentelemetry.sdk.trace import TracerProvider
+@pytest.mark.parametrize("token_spans", ["first_last", "all"])
+async def test_a_traced_request_gets_its_chosen_token_batch_spans(nats_server, tiny_dir, tmp_path, bus, token_spans):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from deepinfer.telemetry.tracing import ServiceTracerProvider
+
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = ServiceTracerProvider(token_spans)
+    registry = new_registry()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     common = CommonSettings(nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
                             model_cache_dir=tmp_path)
     handler = DecodeHandler(ServiceContext("decode", DecodeSettings(
         common=common, worker_id="decode-traced", block_size=4, internal_port=0, kv_store=False),
-        bus, new_registry(), provider.get_tracer("test")))
+        bus, registry, provider.get_tracer("test")))
     await handler.load()
     await handler.start()
     try:
         token = CommonSettings(model=str(tiny_dir)).model_token
         tokens: list[int] = []
+        headers: list[dict | None] = []
         done = asyncio.Event()
 
         async def on_batch(batch: TokenBatch, msg) -> None:
+            headers.append(msg.headers)
             for chunk in batch.chunks:
                 tokens.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
@@ -185,12 +190,20 @@ async def test_a_traced_request_gets_one_token_batch_span_per_step(nats_server, 
     finally:
         await handler.close()
     assert tokens == reference(tiny_dir, PROMPTS[0])
+    assert headers == [None] * len(headers)  # a token batch carries no trace context: nothing injected per step
     spans = [s for s in exporter.get_finished_spans() if s.name == "decode.token_batch"]
     admission = next(s for s in exporter.get_finished_spans() if s.name == "decode.admission")
-    assert len(spans) == SAMPLING.max_tokens  # one per step, each with its one token
-    assert sorted(s.attributes["step"] for s in spans) == sorted({s.attributes["step"] for s in spans})
+    steps = sorted(s.attributes["step"] for s in spans)
+    if token_spans == "all":  # one per step, each with its one token
+        assert len(spans) == SAMPLING.max_tokens and steps == list(range(steps[0], steps[0] + len(steps)))
+    else:  # the first step's and the last's
+        assert len(spans) == 2 and steps[1] - steps[0] == SAMPLING.max_tokens - 1
     assert all(s.attributes["num_tokens"] == 1 and s.end_time >= s.start_time for s in spans)
     assert {s.context.trace_id for s in spans} == {admission.context.trace_id}
+    assert {s.parent.span_id for s in spans} == {admission.context.span_id}
+    # every step's batch is in the hop histogram either way
+    assert registry.get_sample_value("deepinfer_decode_hop_seconds_count", {"hop": "token_batch"}) == \
+        SAMPLING.max_tokens
 
 
 async def test_every_kind_of_chunk_is_the_models_bytes(decode, bus, tiny_dir):
@@ -236,3 +249,54 @@ async def test_every_kind_of_chunk_is_the_models_bytes(decode, bus, tiny_dir):
     assert all(c.logprobs is not None and [lp.token_id for lp in c.logprobs] == c.token_ids
                and all(len(lp.top) == 2 for lp in c.logprobs) for c in chunks["logprobs"])
     assert all(c.logprobs is None for c in chunks["plain"] + chunks["resumed"])
+
+
+async def test_each_gateway_gets_one_batch_a_step_with_only_its_requests(decode, bus, tiny_dir):
+    # A gateway's chunks go to a batch kept for it from step to step (emptied after each publish): two gateways'
+    # requests decoding together, one finishing early, never leak into each other's batches or later steps.
+    token = CommonSettings(model=str(tiny_dir)).model_token
+    gateways = {"gw-a": ["a0", "a1"], "gw-b": ["b0"]}
+    batches: dict[str, list[TokenBatch]] = {gateway: [] for gateway in gateways}
+    finished = asyncio.Event()
+
+    def on_batch_of(gateway: str):
+        async def on_batch(data: bytes, msg) -> None:
+            batch = TokenBatch.from_bytes(data)
+            assert batch.to_bytes() == data
+            batches[gateway].append(batch)
+            if sum(c.finish_reason is not None for b in batches.values() for bb in b for c in bb.chunks) == 3:
+                finished.set()
+        return on_batch
+
+    for gateway in gateways:
+        await bus.subscribe(subjects.tokens(token, gateway), on_batch_of(gateway))
+    await decode.start()
+    max_tokens = {"a0": 30, "a1": 12, "b0": 30}
+    replies = await asyncio.gather(*(bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
+        request_id=request_id, gateway_id=gateway, prompt_token_ids=PROMPTS[i % len(PROMPTS)],
+        sampling=SAMPLING.model_copy(update={"max_tokens": max_tokens[request_id]})), DecodeAccepted, timeout_s=30)
+        for gateway, request_ids in gateways.items() for i, request_id in enumerate(request_ids)))
+    assert all(r.status is DecodeStatus.ACCEPTED for r in replies)
+    await asyncio.wait_for(finished.wait(), 30)
+
+    for gateway, request_ids in gateways.items():
+        steps = [b.step for b in batches[gateway]]
+        assert steps == sorted(set(steps))  # one batch a step
+        for batch in batches[gateway]:
+            ids = [c.request_id for c in batch.chunks]
+            assert set(ids) <= set(request_ids) and len(ids) == len(set(ids))
+        for request_id in request_ids:
+            chunks = [c for b in batches[gateway] for c in b.chunks if c.request_id == request_id]
+            assert sum(len(c.token_ids) for c in chunks) == max_tokens[request_id]
+            assert [c.finish_reason is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+async def test_young_collections_are_rare_once_loaded(decode):
+    # After the load, the start-up objects are frozen and a young collection runs every GC_THRESHOLD_0
+    # allocations, not Python's 700 (each one stopped the loop or the engine thread for ~100 µs).
+    import gc
+
+    from deepinfer.worker.runtime import GC_THRESHOLD_0
+
+    assert gc.get_threshold()[0] == GC_THRESHOLD_0
+    assert gc.get_freeze_count() > 0

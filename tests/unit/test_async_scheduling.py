@@ -15,7 +15,6 @@ from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids, release_held
 from deepinfer.engine.request import Request
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 PROMPTS = [
     [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6],
@@ -24,12 +23,6 @@ PROMPTS = [
     [100],
     [5, 17, 42, 99, 7, 250, 31, 64, 1, 2, 3],  # shares two blocks of 4 with the first prompt
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
 @pytest.fixture(scope="module")

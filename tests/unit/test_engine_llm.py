@@ -9,11 +9,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.memory import KvCacheTooSmall
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 PROMPTS = [
     {"prompt_token_ids": [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6]},
@@ -21,12 +19,6 @@ PROMPTS = [
     {"prompt_token_ids": list(range(40, 75))},
     {"prompt_token_ids": [100]},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
 @pytest.fixture(scope="module")

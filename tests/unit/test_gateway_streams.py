@@ -285,12 +285,15 @@ async def test_request_timeout_is_a_504_or_an_error_event_and_cancels(model_dir:
     assert reached and {c.request_id for c in h.fake.cancels} == reached
 
 
-async def test_a_traced_request_has_one_root_and_a_span_per_hop_and_per_sse_write(model_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize("token_spans", ["first_last", "all"])
+async def test_a_traced_request_has_one_root_a_span_per_hop_and_its_chosen_sse_writes(
+        model_dir: Path, tmp_path: Path, token_spans: str):
     from deepinfer.config import CommonSettings
     from deepinfer.telemetry import setup_tracer_provider
     from deepinfer.telemetry.trace_file import read_spans
 
-    provider = setup_tracer_provider(CommonSettings(otel_exporter="file", otel_file_dir=tmp_path), "gateway")
+    provider = setup_tracer_provider(
+        CommonSettings(otel_exporter="file", otel_file_dir=tmp_path, otel_token_spans=token_spans), "gateway")
     h = await make_harness(model_dir, tracer=provider.get_tracer("gateway"), tokens_per_step=2)
     deltas, _ = await _stream_text(h.openai())
     provider.shutdown()
@@ -301,7 +304,17 @@ async def test_a_traced_request_has_one_root_and_a_span_per_hop_and_per_sse_writ
     names = sorted({s["name"] for s in children})
     assert names == ["gateway.decode_admission", "gateway.prefill", "gateway.route", "gateway.sse_write",
                      "gateway.tokenize"]
-    assert sum(s["name"] == "gateway.sse_write" for s in children) >= len(deltas)
+    writes = sorted((s for s in children if s["name"] == "gateway.sse_write"), key=lambda s: s["start_ns"])
+    # every write (each delta's, then the closing one: usage and [DONE]) is in the histogram, either way
+    num_writes = next(sample.value for metric in h.gateway.state.hops.seconds.collect() for sample in metric.samples
+                      if sample.name.endswith("_count") and sample.labels["hop"] == "sse_write")
+    assert num_writes >= len(deltas) + 1
+    if token_spans == "all":
+        assert len(writes) == num_writes
+    else:  # the first (the first token's) and the last (the closing events), nothing between
+        assert len(writes) == 2
+        decode_admission = next(s for s in children if s["name"] == "gateway.decode_admission")
+        assert writes[0]["start_ns"] >= decode_admission["end_ns"]
     assert all(s["trace_id"] == root["trace_id"] for s in spans)
     assert all(root["start_ns"] <= s["start_ns"] <= s["end_ns"] <= root["end_ns"] for s in children)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
@@ -15,7 +14,6 @@ from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_id
 from deepinfer.protocol import FinishReason
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import json_schema_grammar
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -28,12 +26,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
 def engine(tiny_dir, async_scheduling: bool) -> EngineCore:

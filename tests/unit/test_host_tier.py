@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
@@ -15,25 +14,12 @@ from deepinfer.engine.kv_transfer import export_blocks
 from deepinfer.engine.request import RequestStatus
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks to hit
 FILLERS = [[(7 * i + 13 * j) % 300 + 1 for j in range(28)] for i in range(1, 3)]  # 28 tokens each
 OTHER = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 4, 12, 64
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def block_bytes(tiny_dir) -> int:
-    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
-                                 kv_cache_bytes=16 << 20)).kv_plan.bytes_per_block
 
 
 def engine(tiny_dir, block_bytes: int, host_blocks: int = HOST_BLOCKS, **kw) -> EngineCore:

@@ -14,13 +14,11 @@ same resume recomputes its 16 tokens past the device block."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.request import RequestStatus
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]
 C = [8, 21, 34, 47]
@@ -42,18 +40,6 @@ UNTIL_D_ENDS = [
 
 def c_alone(*num_computed: int) -> list:
     return [({"c": (n, 1, False)}, [], []) for n in num_computed]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def block_bytes(tiny_dir) -> int:
-    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
-                                 kv_cache_bytes=16 << 20)).kv_plan.bytes_per_block
 
 
 def engine(tiny_dir, kv_cache_bytes: int, kv_host_cache_bytes: int, async_scheduling: bool) -> EngineCore:

@@ -15,17 +15,10 @@ from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.kv_load import export_cached, fail_load, finish_load, start_load
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks
 OTHER = [3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
 def engine(tiny_dir, **kw) -> EngineCore:

@@ -34,13 +34,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    # 4 query heads over 2 KV heads: TP=2 splits the KV heads, TP=4 replicates them.
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "llama")
-
-
+# tiny_dir (conftest): 4 query heads over 2 KV heads, so TP=2 splits the KV heads and TP=4 replicates them.
 @pytest.fixture(scope="module")
 def whole(tiny_dir):
     return load_model(tiny_dir, torch.float32, "cpu", OPS, progress=False)

@@ -15,8 +15,9 @@ from deepinfer.protocol import (
     TokenChunk,
     TokenLogprobs,
     chunk_prefix,
+    token_wire,
 )
-from deepinfer.protocol.token_wire import num_chunks
+from deepinfer.protocol.token_wire import PACKED_COUNTS, num_chunks
 
 STEADY = [
     {"request_id": "r0", "token_ids": [7], "num_previous_tokens": 0},
@@ -84,3 +85,37 @@ def test_every_chunk_field_is_written():
     TokenBatchWriter("w").add(pieces, chunk_prefix("r"), [1])
     chunk = msgpack.unpackb(b"".join(pieces[1:]))
     assert list(chunk) == list(TokenChunk.model_fields)
+
+
+def test_cached_fragments_are_the_packed_bytes():
+    # One-token arrays come from the writer's cache after their first use, counts below PACKED_COUNTS from a table
+    # packed once: the same bytes as packing them, on both sides of every msgpack int width and the table's end.
+    writer = TokenBatchWriter("decode-1")
+    counts = [0, 127, 128, 255, 256, 65_535, PACKED_COUNTS - 1, PACKED_COUNTS, 2**32]
+    token_ids = [0, 127, 128, 65_535, 65_536, 200_000, -1]
+    for _ in range(2):  # the second pass reads every one-token array from the cache
+        chunks = [{"request_id": f"r{i}", "token_ids": [token_ids[i % len(token_ids)]], "num_previous_tokens": count}
+                  for i, count in enumerate(counts)]
+        payload = _write(writer, 3, chunks, [])
+        assert payload == TokenBatch(worker_id="decode-1", step=3, chunks=[TokenChunk(**c) for c in chunks]).to_bytes()
+    assert set(writer.one_token) == set(token_ids)
+    assert all(writer.one_token[t] == msgpack.packb([t]) for t in token_ids)
+    assert writer.token_ids([1, 2]) == msgpack.packb([1, 2]) and writer.token_ids([]) == msgpack.packb([])
+
+
+def test_the_one_token_cache_stops_growing_at_its_bound(monkeypatch):
+    monkeypatch.setattr(token_wire, "MAX_ONE_TOKEN_ARRAYS", 4)
+    writer = TokenBatchWriter("decode-1")
+    assert [writer.token_ids([t]) for t in range(10)] == [msgpack.packb([t]) for t in range(10)]
+    assert len(writer.one_token) == 4
+
+
+def test_last_chunks_reuse_their_middle_and_stay_the_models_bytes():
+    writer = TokenBatchWriter("decode-1")
+    chunks = [{"request_id": "s", "token_ids": [9], "finish_reason": FinishReason.STOP, "num_previous_tokens": 3},
+              {"request_id": "l", "token_ids": [], "finish_reason": FinishReason.LENGTH, "num_previous_tokens": 0},
+              {"request_id": "e", "token_ids": [], "finish_reason": FinishReason.STOP, "num_cached_tokens": 4},
+              {"request_id": "x", "token_ids": [1], "finish_reason": FinishReason.STOP, "num_previous_tokens": 300}]
+    for step in (1, 2):  # the second step's last chunks take the middles kept by the first
+        models = TokenBatch(worker_id="decode-1", step=step, chunks=[TokenChunk(**c) for c in chunks])
+        assert _write(writer, step, [], chunks) == models.to_bytes()

@@ -242,6 +242,61 @@ def test_kv_event_batch_bytes_are_the_models():
     assert KvEventBatch.from_bytes(wire) == model
 
 
+class _WriteRecorder:
+    """A bus that records each publish_now (one socket write) and each fallback publish."""
+
+    def __init__(self, connected: bool = True) -> None:
+        self.connected = connected
+        self.writes: list[list[tuple[str, bytes]]] = []
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish_now(self, messages: list[tuple[str, bytes]]) -> bool:
+        if self.connected:
+            self.writes.append(list(messages))
+        return self.connected
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.published.append((subject, payload))
+
+
+def _runtime(bus: _WriteRecorder):
+    from deepinfer.config import CommonSettings, DecodeSettings
+    from deepinfer.protocol import WorkerRole
+    from deepinfer.telemetry import new_registry
+    from deepinfer.worker.runtime import WorkerRuntime
+
+    settings = DecodeSettings(common=CommonSettings(model="tiny"), worker_id="decode-0", internal_port=0,
+                              kv_store=False)
+    return WorkerRuntime(settings, WorkerRole.DECODE, bus, new_registry())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("connected", [True, False])
+async def test_a_steps_token_batches_and_kv_event_batch_go_in_one_write(connected):
+    from deepinfer.engine.block_pool import Stored
+    from deepinfer.engine.outputs import EngineOutput
+    from deepinfer.protocol import KvEventBatch
+
+    bus = _WriteRecorder(connected)
+    runtime = _runtime(bus)
+    tokens = [("tokens.gw-a", b"batch a"), ("tokens.gw-b", b"batch b")]
+    runtime.on_outputs = lambda outputs: runtime.outbox.publish(tokens, "token-batch")
+    output = EngineOutput("r0", [7], None, None, None, 0)
+
+    runtime._on_step([output], [Stored([b"h" * 16], None)], 5)  # a step with KV events: one write of all three
+    runtime._on_step([output], [], 5)  # without: the token batches alone, at once
+    runtime._on_step([], [Stored([b"g" * 16], None)], 6)  # events alone
+    await asyncio.sleep(0)
+
+    sent = bus.writes if connected else [[m] for m in bus.published]  # not connected: one publish each
+    flat = [m for write in sent for m in write]
+    assert [subject for subject, _ in flat] == ["tokens.gw-a", "tokens.gw-b", runtime._kv_events_subject,
+                                                "tokens.gw-a", "tokens.gw-b", runtime._kv_events_subject]
+    assert [KvEventBatch.from_bytes(flat[i][1]).seq for i in (2, 5)] == [5, 6]
+    if connected:
+        assert [len(write) for write in bus.writes] == [3, 2, 1]
+    assert runtime.outbox.release() == []  # nothing left held
+
+
 # -- StepWakeup ---------------------------------------------------------------------------------------------------
 
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller")

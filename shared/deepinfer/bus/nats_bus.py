@@ -217,8 +217,9 @@ class Bus:
             stats["out_msgs"] += 1
             stats["out_bytes"] += size
         transport = nc._transport
-        if isinstance(transport, TcpTransport) and not transport._io_writer.transport.get_write_buffer_size():
-            transport.writelines(pending)
+        socket = transport._io_writer.transport if isinstance(transport, TcpTransport) else None
+        if socket is not None and not socket.get_write_buffer_size():
+            socket.write(b"".join(pending))  # what nats-py's writelines comes to, minus two wrappers
             nc._pending = []
             nc._pending_data_size = 0
         elif nc._flush_queue.empty():  # let the flusher write it once the socket drains

@@ -94,6 +94,12 @@ class CommonSettings(BaseSettings):
         None, description="Directory of the file exporter's <service>-<pid>.jsonl; unset = <data_dir>/traces."
     )
     otel_endpoint: str | None = Field(None, description="OTLP endpoint, e.g. http://collector:4317.")
+    otel_token_spans: Literal["first_last", "all"] = Field(
+        "first_last",
+        description="Which token batches (decode) and SSE writes (gateway) of a traced request become spans: "
+        "first_last (the first, TTFT-critical, and the last, which ends the stream) or all (every one: debugging, "
+        "costs a span per step per request). Their hop histograms observe every one either way.",
+    )
     internal_host: str = Field(
         "127.0.0.1", description="Interface of the internal /health /ready /metrics server (0.0.0.0 in a pod)."
     )
@@ -107,7 +113,7 @@ class CommonSettings(BaseSettings):
         default_factory=default_data_dir, description="Where durable data (kvcache disk tier) lives (XDG data dir)."
     )
 
-    @field_validator("log_level", "log_format", "accelerator", "otel_exporter", mode="before")
+    @field_validator("log_level", "log_format", "accelerator", "otel_exporter", "otel_token_spans", mode="before")
     @classmethod
     def _lowercase(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

@@ -9,8 +9,12 @@
 The histogram always counts, so a hop's cost is visible in /metrics without tracing. Spans follow the tracer:
 with the exporter none (a no-op tracer, `records_spans` false) a hop is its histogram observation and nothing
 else: no span object, no context attached, so a caller's trace context stays current through it (and a publish
-inside carries it on). Per-token work (a span per token batch or SSE write) belongs behind
-`span.is_recording()`: it has no histogram.
+inside carries it on).
+
+Per-token hops (a decode token batch, a gateway SSE write) happen once per step per request: with tracing on
+their histogram observes every one (`observe`), and of a traced request (`span.is_recording()`) only those its
+`TokenSpans` picks become spans (`record_span`): the first and the last by default, every one with
+`otel_token_spans=all`. With the exporter none they cost nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, Tracer, use_span
 from prometheus_client import CollectorRegistry, Histogram
 
 from deepinfer.telemetry.metrics import histogram
-from deepinfer.telemetry.tracing import records_spans
+from deepinfer.telemetry.tracing import records_spans, token_spans_of
 
 #: Hop latencies: 50 µs .. 60 s (a bus round trip is ~0.5 ms, a prefill up to seconds); dense between 1 and 35 ms,
 #: where the serving hops live (with 1 / 2.5 ms bounds only, every hop of 1-2.5 ms read as p50 1.75 ms).
@@ -50,6 +54,8 @@ class Hops:
         self.tracer = tracer or NoOpTracer()
         #: False with the exporter none: hops then make no spans (INVALID_SPAN stands in where one is asked for).
         self.recording = records_spans(self.tracer)
+        #: `otel_token_spans` is all: every token batch / SSE write of a traced request is a span.
+        self.every_token_span = token_spans_of(self.tracer) == "all"
         self.service = service
         self.seconds = histogram(
             registry, f"{service}_hop_seconds", f"Time per hop of a request inside the {service}.", ["hop"],
@@ -90,12 +96,44 @@ class Hops:
         """A hop already measured (monotonic seconds): the histogram, and a span under `context` (else the
         current one)."""
         self._histogram(hop).observe(max(0.0, end_s - start_s))
-        if not self.recording:
-            return
+        if self.recording:
+            self.record_span(hop, start_s, end_s, context, **attributes)
+
+    def observe(self, hop: str, seconds: float, count: int = 1) -> None:
+        """`count` histogram observations of `seconds` for `hop`, no span (a per-token hop left out of the trace)."""
+        histogram = self._histogram(hop)
+        for _ in range(count):
+            histogram.observe(seconds)
+
+    def record_span(
+        self, hop: str, start_s: float, end_s: float, context: Context | None = None, **attributes: Any
+    ) -> None:
+        """Only the span of a hop already measured (its histogram observed apart, see `observe`)."""
         span = self.tracer.start_span(
             f"{self.service}.{hop}", context=context, start_time=epoch_ns(start_s), attributes=attributes or None
         )
         span.end(end_time=epoch_ns(end_s))
+
+    def token_spans(self, context: Context) -> TokenSpans:
+        """The selection of one traced request's per-token spans, under `context` (its parent)."""
+        return TokenSpans(context, self.every_token_span)
+
+
+class TokenSpans:
+    """Which of one traced request's per-token events (token batches, SSE writes) become spans: the first (the
+    one that carries the first token: TTFT) and the last (it ends the stream), or every one."""
+
+    __slots__ = ("context", "every", "num_events")
+
+    def __init__(self, context: Context, every: bool = False) -> None:
+        self.context = context
+        self.every = every
+        self.num_events = 0
+
+    def wanted(self, last: bool) -> bool:
+        """Count one event; whether it becomes a span (`last`: the request's final one)."""
+        self.num_events += 1
+        return self.every or last or self.num_events == 1
 
 
 class _Timed:

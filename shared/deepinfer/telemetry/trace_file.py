@@ -18,6 +18,10 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+#: One encoder for every line: `json.dumps` with options builds a new JSONEncoder per call (~1.7 of ~9 µs a span,
+#: on the batch processor's thread, which shares the GIL with the engine's and the loop's).
+_encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+
 
 class JsonLinesSpanExporter(SpanExporter):
     """Appends finished spans to `<directory>/<service>-<pid>.jsonl` (used behind a BatchSpanProcessor)."""
@@ -31,7 +35,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """Write one line per span and flush (a reader may look at the file while the service runs)."""
-        lines = "".join(json.dumps(self._record(span), separators=(",", ":")) + "\n" for span in spans)
+        lines = "".join(_encode(self._record(span)) + "\n" for span in spans)
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE

@@ -4,14 +4,20 @@ With `otel_exporter=none` (the default) the provider's tracers are OpenTelemetry
 span object and attaches no context (`deepinfer.telemetry.hops`), and a publish adds a `traceparent` only when a
 valid span context is current (`deepinfer.bus.envelope`). So a non-exporting service starts no trace of its own,
 while a trace that reaches it (a caller's `traceparent` on a message) passes through it unchanged to what it calls.
-Code that would open a span per token checks `span.is_recording()` first. Every exporter records every span
-(ALWAYS_ON, not parent-based: a non-exporting caller does not switch recording off downstream).
+
+An exporting service samples as the standard `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` say (unset:
+`parentbased_always_on`, every trace). Parent-based samplers follow the caller's decision (the sampled flag of the
+`traceparent`), so with `parentbased_traceidratio` on every service the gateway, where each trace starts, decides
+once per request and a request it leaves out is recorded nowhere. Code that would open a span per token checks
+`span.is_recording()` first; which of a traced request's token batches and SSE writes become spans is
+`otel_token_spans` (`Hops.token_spans`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import Any, Literal
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -22,12 +28,15 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracer, NoOpTracerProvider, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from deepinfer.config import CommonSettings
 from deepinfer.telemetry.trace_file import JsonLinesSpanExporter
+
+#: `otel_token_spans`: which per-token events of a traced request become spans.
+TokenSpanSelection = Literal["first_last", "all"]
 
 
 class TelemetryError(RuntimeError):
@@ -41,12 +50,30 @@ class UnexportedTracerProvider(NoOpTracerProvider):
         """Nothing was recorded."""
 
 
-def setup_tracer_provider(common: CommonSettings, service_name: str) -> TracerProvider | UnexportedTracerProvider:
-    """A provider exporting as `common.otel_exporter` says; call `shutdown()` on it when the service stops."""
+class ServiceTracerProvider(TracerProvider):
+    """An SDK provider whose tracers carry `token_spans` (`otel_token_spans`), which `Hops` reads: the services
+    build their Hops from a tracer alone. The sampler is the SDK's from the environment unless one is given."""
+
+    def __init__(self, token_spans: TokenSpanSelection = "first_last", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.token_spans = token_spans
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Tracer:
+        """The SDK's tracer, tagged with `token_spans`."""
+        tracer = super().get_tracer(*args, **kwargs)
+        tracer.token_spans = self.token_spans  # type: ignore[attr-defined]
+        return tracer
+
+
+def setup_tracer_provider(
+    common: CommonSettings, service_name: str
+) -> ServiceTracerProvider | UnexportedTracerProvider:
+    """A provider exporting as `common.otel_exporter` says, sampling as OTEL_TRACES_SAMPLER says; call
+    `shutdown()` on it when the service stops."""
     if common.otel_exporter == "none":
         return UnexportedTracerProvider()
     resource = Resource.create({"service.name": f"deepinfer-{service_name}"})
-    provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
+    provider = ServiceTracerProvider(common.otel_token_spans, resource=resource)
     if common.otel_exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     elif common.otel_exporter == "otlp":
@@ -65,6 +92,11 @@ def setup_tracing(common: CommonSettings, service_name: str) -> Tracer:
 def records_spans(tracer: Tracer) -> bool:
     """Whether `tracer` can record a span: False for a no-op tracer (exporter none) or one that samples nothing."""
     return not isinstance(tracer, NoOpTracer) and getattr(tracer, "sampler", None) is not ALWAYS_OFF
+
+
+def token_spans_of(tracer: Tracer) -> TokenSpanSelection:
+    """The `otel_token_spans` a `ServiceTracerProvider` gave `tracer`; first_last for any other tracer."""
+    return getattr(tracer, "token_spans", "first_last")
 
 
 def _otlp_exporter(endpoint: str | None) -> SpanExporter:

@@ -42,12 +42,12 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
-from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
 from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
+from deepinfer.worker.outbox import Outbox
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
 
@@ -59,6 +59,9 @@ CLOSE_FLUSH_S = 2.0
 #: scheduler's in-flight counts end at a heartbeat, so a routed request stops counting twice, and a finished one
 #: stops counting as load, within this.
 LOAD_CHANGE_HEARTBEAT_S = 0.05
+#: Young-generation collection threshold once the engine is loaded (Python's default: 700 allocations; the
+#: gateway's too, services/gateway/main.py).
+GC_THRESHOLD_0 = 10_000
 
 
 class WorkerRuntime:
@@ -95,6 +98,8 @@ class WorkerRuntime:
         self._heartbeat_task: asyncio.Task[None] | None = None
         #: Background work of this worker (its role handler's too): held, failures logged, flushed on stop.
         self.tasks = BackgroundTasks(f"{role.value} {settings.worker_id}")
+        #: Per-step batches and replies on their way to the socket, in as few writes as possible.
+        self.outbox = Outbox(bus, self.tasks)
         #: Spans and `deepinfer_<role>_hop_seconds` of the hops a request takes here.
         self.hops = Hops(tracer, registry, role.value)
         self._subscriptions = Subscriptions(bus)
@@ -103,6 +108,7 @@ class WorkerRuntime:
         self._published_load = (0, 0, 0)
         self._last_heartbeat_s = 0.0
         self._load_heartbeat_pending = False
+        self._kv_events_subject = subjects.kv_events(self.model, self.worker_id)
         #: The engine's load last compared with the published load.
         self._checked_load: EngineStats | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0)
@@ -140,6 +146,10 @@ class WorkerRuntime:
                 await client.close()
             raise
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
+        # Young collections every GC_THRESHOLD_0 allocations, not 700: a wave of 64 admissions (a task, futures and
+        # coroutines each, alive for milliseconds) set off one on the event loop every ~10 admissions, ~100 µs
+        # each, and the engine thread's per-step objects one every few steps, in series with the device.
+        gc.set_threshold(GC_THRESHOLD_0, *gc.get_threshold()[1:])
         runner = self.core.runner
         self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
         if self.core.host_tier is not None:
@@ -277,7 +287,8 @@ class WorkerRuntime:
                 except Exception as exc:
                     log.exception("%s %s failed", self.role.value, hop)
                     reply = on_failure(error_detail(exc, f"{self.role.value} {hop} failed"))
-                await self.bus.reply(msg, reply)
+                if not self.outbox.reply_soon(msg, reply):  # queued: written with the others of this turn
+                    await self.bus.reply(msg, reply)
 
         self.tasks.spawn(run(), name=f"{hop}-{request_id}")
 
@@ -335,15 +346,24 @@ class WorkerRuntime:
                 log.warning("heartbeat failed", exc_info=True)
 
     def _on_step(self, outputs: list[EngineOutput], events: list[KvCacheEvent], seq: int) -> None:
-        if outputs:
-            self.on_outputs(outputs)
-        if events and self.store is not None:
+        if not events:
+            if outputs:
+                self.on_outputs(outputs)
+            self._heartbeat_on_load_change()
+            return
+        # The step's token batches (the role handler's `outbox.publish`) and its KV event batch go to the socket in
+        # one write: one sendmsg, one GIL handoff, not two. Same messages, same order.
+        self.outbox.hold()
+        try:
+            if outputs:
+                self.on_outputs(outputs)
+        finally:
+            messages = self.outbox.release()
+        messages.append((self._kv_events_subject,
+                         encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)))
+        self.outbox.publish(messages, "kv-events")
+        if self.store is not None:
             self.store.on_kv_events(events)
-        if events:
-            batch = encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)
-            subject = subjects.kv_events(self.model, self.worker_id)
-            if not self.bus.publish_now([(subject, batch)]):  # not connected: publish buffers or fails (logged)
-                run_eagerly(self.tasks, self.bus.publish(subject, batch), name="kv-events")
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
