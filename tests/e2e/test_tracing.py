@@ -42,8 +42,9 @@ def trace_of(stack, request_id: str) -> list[dict]:
 def test_a_streamed_request_is_one_trace_over_every_service_parented_hop_by_hop(client, stack):
     # A cache_salt no earlier request used: nothing is cached, so the router sends it through every hop (a prompt
     # the decode worker already holds would skip the separate prefill).
+    # ignore_eos: all 8 tokens whatever is sampled, so the first and last batch are 6 steps apart.
     stream = client.chat.completions.create(model=stack.model_name, messages=QUESTION, max_tokens=8, stream=True,
-                                            extra_body={"cache_salt": "tracing-every-hop"})
+                                            extra_body={"cache_salt": "tracing-every-hop", "ignore_eos": True})
     request_id = next(iter(stream)).id
     for _ in stream:
         pass

@@ -50,7 +50,8 @@ def test_a_sampled_request_is_a_whole_trace_with_every_token_span_and_the_rest_i
     num_chunks: dict[str, int] = {}
     for i in range(NUM_REQUESTS):
         stream = client.chat.completions.create(model=sampled.model_name, messages=QUESTION, max_tokens=MAX_TOKENS,
-                                                stream=True, extra_body={"cache_salt": f"sampled-{i}"})
+                                                stream=True,  # every request MAX_TOKENS long, whatever is sampled
+                                                extra_body={"cache_salt": f"sampled-{i}", "ignore_eos": True})
         chunks = list(stream)
         num_chunks[chunks[0].id] = len(chunks)
     spans = _settled_spans(sampled)
