@@ -10,11 +10,14 @@ subject), so a test can cut the data plane at the first GET and kill the shard t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -58,15 +61,21 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dir) -> list[int]:
+def greedy_tokens(tiny_dir, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each prompt's 8 greedy tokens from a local engine (the references the workers' answers must equal)."""
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
-    core.add_request("r", PROMPT, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    tokens = []
+    for request_id, prompt in prompts.items():
+        core.add_request(request_id, prompt, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
     while core.has_unfinished_requests():
         for out in core.step():
-            tokens += out.new_token_ids
+            tokens[out.request_id] += out.new_token_ids
     return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir) -> list[int]:
+    return greedy_tokens(tiny_dir, {"r": PROMPT})["r"]
 
 
 class CuttingProxy:
@@ -152,6 +161,30 @@ async def start_store(nats_server, bus, tmp_path: Path) -> tuple[subprocess.Pope
     return shard, proxy, await proxy.start()
 
 
+@dataclass
+class RunningStore:
+    """A shard behind its proxy (`running_store`); the workers a test starts go in `workers`."""
+
+    shard: subprocess.Popen
+    proxy: CuttingProxy
+    address: str
+    workers: list = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def running_store(nats_server, bus, tmp_path: Path) -> AsyncIterator[RunningStore]:
+    """`start_store`; at the end, its workers closed, the proxy closed and the shard stopped (unless it died)."""
+    store = RunningStore(*await start_store(nats_server, bus, tmp_path))
+    try:
+        yield store
+    finally:
+        await asyncio.gather(*(w.close() for w in store.workers))
+        await store.proxy.close()
+        if store.shard.poll() is None:
+            store.shard.send_signal(signal.SIGTERM)
+            store.shard.wait(30)
+
+
 async def announce(bus, proxy_address: str) -> None:
     """The shard's heartbeat, with the proxy as its data plane (the shard itself beats once an hour here)."""
     await bus.publish(subjects.kvcache_heartbeat(SHARD), KvStoreHeartbeat(
@@ -200,9 +233,8 @@ async def written_behind(handler, num_blocks: int) -> None:
 
 async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_others(
         nats_server, bus, tiny_dir, tmp_path, reference):
-    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
-    workers = []
-    try:
+    async with running_store(nats_server, bus, tmp_path) as store:
+        proxy, address, workers = store.proxy, store.address, store.workers
         model = CommonSettings(model=str(tiny_dir)).model_token
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-a", address)
         workers.append(first)
@@ -233,17 +265,11 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         assert result.error is None and result.first_token_id == reference[0]
         assert (result.num_cached_tokens, result.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert "get" in proxy.ops and "put" in proxy.ops
-    finally:
-        await asyncio.gather(*(w.close() for w in workers))
-        await proxy.close()
-        shard.send_signal(signal.SIGTERM)
-        shard.wait(30)
 
 
 async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server, bus, tiny_dir, tmp_path, reference):
-    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
-    workers = []
-    try:
+    async with running_store(nats_server, bus, tmp_path) as store:
+        proxy, address, workers = store.proxy, store.address, store.workers
         model = CommonSettings(model=str(tiny_dir)).model_token
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-d", address)
         workers.append(first)
@@ -255,50 +281,35 @@ async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server
                                     address)
         workers.append(second)
         tokens, chunk = await generate(bus, model, "dec-e", "r5")
-        assert shard.wait(10) == -signal.SIGKILL  # the lookup found the blocks; the load's GET killed the store
+        assert store.shard.wait(10) == -signal.SIGKILL  # the lookup found the blocks; the load's GET killed the store
         assert tokens == reference
         assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
         assert metric(second, "worker_store_loads_total", outcome="failed") == 1
         assert metric(second, "worker_store_loaded_blocks_total") == 0
-    finally:
-        await asyncio.gather(*(w.close() for w in workers))
-        await proxy.close()
-        if shard.poll() is None:
-            shard.send_signal(signal.SIGTERM)
-            shard.wait(30)
 
 
 async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_server, bus, tiny_dir, tmp_path,
                                                                      reference):
-    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
-    worker = None
-    try:
+    async with running_store(nats_server, bus, tmp_path) as store:
+        address = store.address
         model = CommonSettings(model=str(tiny_dir)).model_token
         worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-f",
                                     address, kv_store_write_queue_blocks=2)
+        store.workers.append(worker)
         tokens, _ = await generate(bus, model, "dec-f", "r6")
         assert tokens == reference  # the step never waits for the store
         await worker.runtime.store.flush(10)
         dropped = metric(worker, "worker_store_write_dropped_blocks_total", reason="queue_full")
         assert dropped >= 3  # the prompt's 5 blocks were cached in one step: 2 queued, 3 dropped
         assert metric(worker, "worker_store_written_blocks_total") + dropped == 5
-    finally:
-        if worker is not None:
-            await worker.close()
-        await proxy.close()
-        shard.send_signal(signal.SIGTERM)
-        shard.wait(30)
 
 
 async def test_with_the_host_tier_the_answer_is_written_behind_from_its_slots_and_the_next_turn_loads_it(
         nats_server, bus, tiny_dir, tmp_path, reference):
-    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
-    workers = []
     next_turn = [*PROMPT, *reference, 33, 44, 55]  # the conversation goes on: its previous answer, a new question
-    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
-    core.add_request("t2", next_turn, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    expected = [t for _ in iter(core.has_unfinished_requests, False) for out in core.step() for t in out.new_token_ids]
-    try:
+    expected = greedy_tokens(tiny_dir, {"t2": next_turn})["t2"]
+    async with running_store(nats_server, bus, tmp_path) as store:
+        address, workers = store.address, store.workers
         model = CommonSettings(model=str(tiny_dir)).model_token
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-g",
                                    address, kv_host_cache_bytes=1 << 20, kv_store_write_generated=True)
@@ -318,26 +329,14 @@ async def test_with_the_host_tier_the_answer_is_written_behind_from_its_slots_an
         tokens, chunk = await decode_locally(bus, model, "dec-h", GATEWAY, "r8", next_turn, GREEDY)
         assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 28}
         assert tokens == expected  # the KV read from the host slots is the computed KV
-    finally:
-        await asyncio.gather(*(w.close() for w in workers))
-        await proxy.close()
-        shard.send_signal(signal.SIGTERM)
-        shard.wait(30)
 
 
 async def test_a_burst_with_store_hits_and_misses_is_looked_up_together_and_each_request_is_right(
         nats_server, bus, tiny_dir, tmp_path, reference):
     others = [[(t * (i + 3) + i) % 280 + 10 for t in PROMPT] for i in range(4)]  # no block in common with PROMPT
-    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
-    for i, prompt in enumerate(others):
-        core.add_request(f"o{i}", prompt, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    expected: dict[str, list[int]] = {}
-    while core.has_unfinished_requests():
-        for out in core.step():
-            expected.setdefault(out.request_id, []).extend(out.new_token_ids)
-    shard, proxy, address = await start_store(nats_server, bus, tmp_path)
-    workers = []
-    try:
+    expected = greedy_tokens(tiny_dir, {f"o{i}": prompt for i, prompt in enumerate(others)})
+    async with running_store(nats_server, bus, tmp_path) as store:
+        address, workers = store.address, store.workers
         model = CommonSettings(model=str(tiny_dir)).model_token
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-i", address)
         workers.append(first)
@@ -363,8 +362,3 @@ async def test_a_burst_with_store_hits_and_misses_is_looked_up_together_and_each
         assert metric(second, "worker_store_loaded_blocks_total") >= 5  # at least one hit loaded its 5 blocks
         # One has for the requests that arrived together (those arriving during it: one more), not one each.
         assert 1 <= metric(second, "worker_store_lookup_round_trips_total") < len(burst)
-    finally:
-        await asyncio.gather(*(w.close() for w in workers))
-        await proxy.close()
-        shard.send_signal(signal.SIGTERM)
-        shard.wait(30)
