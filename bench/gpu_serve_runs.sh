@@ -8,6 +8,8 @@
 #         | nohost64-N (c=64, host tier off) | pin1-N / pin2-N / base-N (sweep 1,64,256, no offline: the decode
 #         worker's threads on one core / two cores / unpinned) | mbt512-N / mbt8k-N (c=256, max_num_batched_tokens 512 / 8192)
 #         | trace1 (c=1 traced; bench/trace_ttft.py: the first token's path) | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
+#         | prof1 (py-spy of the decode worker at c=1) | c1-N / nostore1-N / nohost1-N (c=1 only, no offline: store tier
+#         off / host tier off)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -28,9 +30,9 @@ run() {  # NAME LIMIT_S ARGS...
     grep -h "Triton compiled" /tmp/"$name"-logs/*.log 2>/dev/null | cut -c1-300 | tee "$OUT/$name-compiles.log" | head -5
     grep -A6 "^service vs offline" "$OUT/$name.log" || tail -5 "$OUT/$name.log"
 }
-profile_decode() {  # NAME: py-spy (its wheel put in .whl-stack by hand: pip download py-spy) samples the decode worker for 5 s of the measured load
-    local name=$1 pid
-    until grep -q "concurrency 64: measured load starts" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
+profile_decode() {  # NAME [CONCURRENCY]: py-spy (its wheel put in .whl-stack by hand: pip download py-spy) samples the decode worker for 5 s of the measured load
+    local name=$1 concurrency=${2:-64} pid
+    until grep -q "concurrency $concurrency: measured load starts" "$OUT/$name.log" 2>/dev/null; do sleep 0.5; done
     sleep 3  # the client processes start (~2 s on the H200 host)
     pid=$(pgrep -f "services.decode" | head -1)
     py-spy record --pid "$pid" --duration 5 --rate 1000 --threads --idle --nonblocking --format raw \
@@ -74,6 +76,10 @@ for variant in "$@"; do
         gil05-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline \
             --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_S=0.0005 ;;
         prof64) profile_decode prof64 & run prof64 150 --random-model llama-1b --sweep 64 --no-offline --rounds 24; wait ;;
+        prof1) profile_decode prof1 1 & run prof1 120 --random-model llama-1b --sweep 1 --no-offline --rounds 32; wait ;;
+        c1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline ;;
+        nostore1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
+        nohost1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=0 ;;
         offgc) timeout 300 python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 3 \
             --out "$OUT/offgc.json" > "$OUT/offgc.log" 2>&1; echo "offgc: rc $?"; tail -3 "$OUT/offgc.log" ;;
         offprof64) py-spy record --rate 1000 --threads --idle --nonblocking --format raw --output "$OUT/offprof64-pyspy.txt" \
