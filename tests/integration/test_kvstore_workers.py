@@ -195,7 +195,7 @@ def settings(cls, nats_server, tiny_dir, tmp_path, worker_id: str, **overrides):
     shared = CommonSettings(nats_url=nats_server.url, nats_token=nats_server.token, model=str(tiny_dir),
                             data_plane_secret=SECRET, model_cache_dir=tmp_path)
     fields = {"block_size": 4, "internal_port": 0, "data_plane_port": 0, "kv_store_shard_lease_s": 600,
-              "kv_store_load_timeout_s": 5, **overrides}
+              "kv_store_load_timeout_s": 5, "kv_store_min_lookup_tokens": 0, **overrides}
     return cls(common=shared, worker_id=worker_id, **fields)
 
 
@@ -265,6 +265,28 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         assert result.error is None and result.first_token_id == reference[0]
         assert (result.num_cached_tokens, result.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert "get" in proxy.ops and "put" in proxy.ops
+
+
+async def test_a_prompt_rest_shorter_than_the_lookup_minimum_is_recomputed_without_asking(
+        nats_server, bus, tiny_dir, tmp_path, reference):
+    async with running_store(nats_server, bus, tmp_path) as store:
+        model = CommonSettings(model=str(tiny_dir)).model_token
+        first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-m",
+                                   store.address)
+        store.workers.append(first)
+        await generate(bus, model, "dec-m", "r12")
+        await written_behind(first, 5)  # the prompt's 5 full blocks: 20 tokens the store holds
+
+        for worker_id, minimum, request_id, store_tokens in (("dec-n", 21, "r13", 0), ("dec-o", 20, "r14", 20)):
+            worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus,
+                                        worker_id, store.address, kv_store_min_lookup_tokens=minimum)
+            store.workers.append(worker)
+            tokens, chunk = await generate(bus, model, worker_id, request_id)
+            assert tokens == reference
+            assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": store_tokens}
+            asked = store_tokens > 0
+            assert metric(worker, "worker_store_lookup_round_trips_total") == int(asked)
+            assert metric(worker, "worker_store_lookups_total", result="skipped") == int(not asked)
 
 
 async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server, bus, tiny_dir, tmp_path, reference):

@@ -144,7 +144,8 @@ class Engine:
 
 def test_a_burst_of_admissions_with_a_failing_store_computes_every_prompt():
     engine, store = Engine(), Store(error=TimeoutError())
-    tier = StoreTier(WorkerSettings(), new_registry(process_metrics=False), engine, "layout", store)
+    tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=0), new_registry(process_metrics=False), engine,
+                     "layout", store)
     prompts = {f"r{i}": [i * 50 + k for k in range(3 * BLOCK + 1)] for i in range(8)}
 
     async def burst():
@@ -153,3 +154,15 @@ def test_a_burst_of_admissions_with_a_failing_store_computes_every_prompt():
     asyncio.run(burst())
     assert sorted(engine.added) == sorted(prompts)  # all queued to compute, none refused
     assert len(store.asked) == 1 and len(store.asked[0]) == 8 * 3
+
+
+def test_a_rest_shorter_than_the_lookup_minimum_is_queued_without_asking_the_store():
+    prompt = list(range(3 * BLOCK + 1))  # 3 full blocks, none held here
+    for minimum, asked in ((3 * BLOCK + 1, False), (3 * BLOCK, True)):
+        engine, store = Engine(), Store()
+        registry = new_registry(process_metrics=False)
+        tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=minimum), registry, engine, "layout", store)
+        asyncio.run(tier.add_request("r", prompt, SamplingParams(max_tokens=4)))
+        assert engine.added == ["r"]
+        assert (len(store.asked), count(registry, "worker_store_lookups", result="skipped")) == (
+            (1, 0) if asked else (0, 1))

@@ -269,6 +269,11 @@ class WorkerSettings(ServiceSettings):
     kv_store_lookup_timeout_s: float = Field(
         0.5, gt=0, description="Longest the store's has-lookup before admission may take (then: recompute)."
     )
+    kv_store_min_lookup_tokens: int = Field(
+        256, ge=0, description="Ask the store at admission only when the prompt's blocks past those the device or "
+        "host tier holds cover at least this many tokens; a shorter rest is recomputed, cheaper than the round "
+        "trip and the load (as LMCache's 256-token chunks). 0: ask for every full block.",
+    )
     kv_store_load_timeout_s: float = Field(
         10.0, gt=0, description="Longest a load of stored blocks may take; the request then recomputes them."
     )

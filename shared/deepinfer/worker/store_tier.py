@@ -85,7 +85,8 @@ class StoreTier:
                                     self.m_lookup_round_trips)
 
     def _metrics(self, registry: CollectorRegistry) -> None:
-        self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result.",
+        self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result (hit, "
+                                 "miss, error; skipped: fewer uncached tokens than kv_store_min_lookup_tokens).",
                                  ["result"])
         self.m_lookup_round_trips = counter(
             registry, "worker_store_lookup_round_trips",
@@ -137,9 +138,14 @@ class StoreTier:
         self._remember(hashes, self._prompt_blocks)
         # Ask the store only about blocks past the prefix the device or the host tier holds: a prompt held here
         # (the next turn of a conversation, a shared system prompt) costs no round trip before it reaches the
-        # engine, whose admission loads the host-held part itself.
+        # engine, whose admission loads the host-held part itself. And only when they are worth a round trip
+        # (kv_store_min_lookup_tokens): a short rest is recomputed.
         num_local = self._num_locally_cached(hashes)
-        num_beyond = await self.lookups.leading(hashes[num_local:])
+        beyond = hashes[num_local:]
+        if beyond and len(beyond) * self.block_size < self.settings.kv_store_min_lookup_tokens:
+            self.m_lookups.labels("skipped").inc()  # recomputing this little costs less than asking
+            beyond = []
+        num_beyond = await self.lookups.leading(beyond)
         num_stored = num_local + num_beyond if num_beyond else 0
         if num_stored:
             plan, local = await self.engine.call(lambda core: _start_load_with_host(
