@@ -105,6 +105,11 @@ def summarize(load: LoadResult, concurrency: int, procs: int) -> dict:
         "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p99": round(percentile(ttft, 99), 1),
         "itl_ms_p50": round(percentile(itl, 50), 2), "itl_ms_p99": round(percentile(itl, 99), 2),
         "tpot_ms_mean": round(statistics.fmean(tpot), 2) if tpot else None,
+        "ttft_ms_mean": round(statistics.fmean(ttft), 1), "ttft_ms_max": round(max(ttft), 1),
+        # a client's time outside any request, per request: the window's stream-seconds not inside a request's
+        # send -> last byte (the client's own turn-around, and the start/end skew of its streams)
+        "client_gap_ms_mean": round(1000 * (load.wall_s * concurrency - sum(r.e2e_s for r in results))
+                                    / len(results), 2),
     }
 
 
