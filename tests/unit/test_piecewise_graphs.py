@@ -117,6 +117,7 @@ def test_token_buckets():
     assert token_buckets(1000) == [16, 32, 64, 128, 256, 384, 512, 768, 1000]
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(8) == [8]
+    assert token_buckets(16384) == token_buckets(4096) == [*token_buckets(2048), *range(2304, 4097, 256)]
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         token_buckets(0)
 

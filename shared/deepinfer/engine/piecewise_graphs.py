@@ -15,9 +15,12 @@ token-count bucket and attention runs eagerly between the pieces, on the step's 
 A step of T tokens runs the smallest bucket n >= T: its rows T..n-1 are padding, with KV slot -1 (no KV write)
 and whatever token ids and positions an earlier step left there (real ones: every row stays finite, and no
 real row reads a padding row: only attention mixes rows, and it runs on rows 0..T-1). Buckets: 16, 32, 64, 128, 256, 384, 512, then every 256 up to max_num_batched_tokens (and
-it). Up to ~512 tokens a step of a small model costs about the same whatever its size (launch-bound), so
-doubling buckets waste nothing that matters; above, compute grows with the tokens, and steps of 256 keep the
-padding under a third of a step (a seventh at 2048). A step above the largest bucket runs eagerly.
+it), at most 4096. Up to ~512 tokens a step of a small model costs about the same whatever its size (launch-
+bound), so doubling buckets waste nothing that matters; above, compute grows with the tokens, and steps of 256
+keep the padding under a third of a step (a seventh at 2048). Past ~2k tokens even a 1B model's layer keeps the
+GPU busier than its launches keep the host (~0.4 ms a layer), so the eager launches hide behind the device: a
+step above the largest bucket runs eagerly, and buckets stop at 4096 (a 16k budget would otherwise capture 69
+buckets x L+1 graphs for little).
 
 Every piece reads and writes only static buffers sized for the largest bucket (input_ids, positions, slot_mapping,
 q, attn_out, residual, hidden), so piece i+1 reads what piece i and the eager attention left there. All pieces of
@@ -42,21 +45,25 @@ from deepinfer.models.layers import DecoderLayer, DecoderStack
 
 logger = logging.getLogger(__name__)
 
-#: Buckets up to 512 tokens; above, one every _LARGE_BUCKET_STEP tokens.
+#: Buckets up to 512 tokens; above, one every _LARGE_BUCKET_STEP tokens up to MAX_BUCKET_TOKENS.
 _SMALL_BUCKETS = (16, 32, 64, 128, 256, 384, 512)
 _LARGE_BUCKET_STEP = 256
+#: The largest bucket whatever the step budget (larger steps are compute-bound: they run eagerly).
+MAX_BUCKET_TOKENS = 4096
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts to capture: _SMALL_BUCKETS, then every 256 tokens, capped by and ending at the step budget."""
+    """Token counts to capture: _SMALL_BUCKETS, then every 256 tokens, ending at the step budget (at most
+    MAX_BUCKET_TOKENS)."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    buckets = [b for b in _SMALL_BUCKETS if b < max_num_batched_tokens]
+    largest = min(max_num_batched_tokens, MAX_BUCKET_TOKENS)
+    buckets = [b for b in _SMALL_BUCKETS if b < largest]
     size = _SMALL_BUCKETS[-1] + _LARGE_BUCKET_STEP
-    while size < max_num_batched_tokens:
+    while size < largest:
         buckets.append(size)
         size += _LARGE_BUCKET_STEP
-    return [*buckets, max_num_batched_tokens]
+    return [*buckets, largest]
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
