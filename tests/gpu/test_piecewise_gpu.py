@@ -54,8 +54,9 @@ def llm_outputs(model_dir: Path, piecewise: bool):
     return tokens, runner
 
 
-def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path):
-    model_dir = checkpoints.make_tiny_checkpoint(tmp_path / "llama", "llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norm inside the first half
+def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch):
+    model_dir = checkpoints.make_tiny_checkpoint(tmp_path / arch, arch)
     eager, off = llm_outputs(model_dir, piecewise=False)
     piecewise, on = llm_outputs(model_dir, piecewise=True)
     assert off.piecewise is None and off.graphs is not None
