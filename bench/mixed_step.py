@@ -104,7 +104,8 @@ def main() -> None:
         model = str(write_random_model(args.random_model, args.cache_dir))
     max_tokens = max(2048, max(rows) + max(prompts))
     started = time.perf_counter()
-    engine = make_engine(model, args.device, max(rows), max_tokens, args.context + args.warmup + args.steps + 64)
+    max_model_len = max(args.context + args.warmup + args.steps + 8, max(prompts) + 8)
+    engine = make_engine(model, args.device, max(rows), max_tokens, max_model_len)
     start_s = time.perf_counter() - started
     runner, rng = engine.runner, np.random.default_rng(0)
     pieces = runner.piecewise
