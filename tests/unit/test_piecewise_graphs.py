@@ -90,7 +90,10 @@ def test_split_block_is_the_unsplit_forward_bit_for_bit(model):
 
 @torch.no_grad()
 def test_piecewise_pieces_over_padded_static_buffers_equal_the_eager_forward(model):
-    """Real rows equal the eager forward's; the padding rows write no KV (slots outside the step's unchanged)."""
+    """Real rows equal the eager forward's; the padding rows write no KV (slots outside the step's unchanged).
+
+    Equal to 1e-5, not bit for bit (though they are on this machine): padding changes the matmuls' row count, and
+    a BLAS may pick another kernel for it on another CPU. A wrong row, a stale buffer or a lost residual is O(1)."""
     cache = paged(model)
     steps = list(mixed_steps(model, cache))  # prefills the first sequences; then only slots are handed out
     piecewise_caches = [c.clone() for c in cache.kv_caches]
@@ -102,13 +105,13 @@ def test_piecewise_pieces_over_padded_static_buffers_equal_the_eager_forward(mod
         eager = model(ids, positions, cache.kv_caches, meta)
         hidden = runner.run(ids, positions, meta)
         assert hidden.shape == eager.shape
-        assert torch.equal(hidden, eager)
+        torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
         written = torch.zeros(piecewise_caches[0][0].view(-1, *piecewise_caches[0].shape[3:]).shape[0], dtype=bool)
         written[meta.slot_mapping] = True
         for ours, eagers, old in zip(piecewise_caches, cache.kv_caches, before, strict=True):
             ours, eagers, old = (c.view(2, -1, *c.shape[3:]) for c in (ours, eagers, old))
             assert torch.equal(ours[:, ~written], old[:, ~written]), "a padding row wrote KV"
-            assert torch.equal(ours[:, written], eagers[:, written])
+            torch.testing.assert_close(ours[:, written], eagers[:, written], rtol=1e-5, atol=1e-5)
     assert runner.num_runs == 3
 
 
