@@ -183,3 +183,28 @@ def test_model_runner_routes_prompt_steps_through_the_pieces(model):
     runner.piecewise.capture()
     assert generate(runner, prompts, 6) == eager
     assert runner.piecewise.num_runs >= 3  # without decode graphs (CPU) every step takes the pieces
+
+
+def test_async_placeholders_are_filled_before_the_pieces_read_the_input_ids(tiny_dir):
+    """Async scheduling feeds the previous step's tokens as placeholders, filled on the device into the staged
+    input_ids: steps with placeholders beside prompt rows, through the (uncaptured) pieces, give the sync tokens."""
+    from deepinfer import LLM
+
+    prompts = [{"prompt_token_ids": prompt(n, seed=n, vocab_size=300)} for n in (3, 17, 9, 30, 5, 22)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(str(tiny_dir), block_size=BLOCK_SIZE, max_num_batched_tokens=24, progress=False,
+               async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_dir), block_size=BLOCK_SIZE, max_num_batched_tokens=24, progress=False, async_scheduling=True)
+    runner = llm.engine.runner
+    runner.piecewise = PiecewiseGraphRunner(runner.model, runner.kv_caches, 24, torch.device("cpu"), use_graphs=False)
+    runner.piecewise.capture()
+    filled, fill = [], runner._fill_placeholders
+
+    def counted(batch, input_ids):
+        filled.append(not batch.is_decode_only)
+        return fill(batch, input_ids)
+
+    runner._fill_placeholders = counted
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert any(filled), "no step mixed placeholders with prompt rows"
