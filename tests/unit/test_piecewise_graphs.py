@@ -182,7 +182,7 @@ def test_model_runner_routes_prompt_steps_through_the_pieces(model):
     runner.piecewise = PiecewiseGraphRunner(model, runner.kv_caches, 24, torch.device("cpu"), use_graphs=False)
     runner.piecewise.capture()
     assert generate(runner, prompts, 6) == eager
-    assert runner.piecewise.num_runs >= 3  # without decode graphs (CPU) every step takes the pieces
+    assert runner.piecewise.num_runs >= 3  # the steps with prompt rows (decode-only steps: eager on the CPU)
 
 
 def test_async_placeholders_are_filled_before_the_pieces_read_the_input_ids(tiny_dir):

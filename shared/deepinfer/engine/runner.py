@@ -246,8 +246,9 @@ class ModelRunner:
         return output
 
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
-        """Final hidden states of the sampled rows [S, hidden]: a decode graph replay when one fits, else the
-        piecewise graphs when they fit, else eager."""
+        """Final hidden states of the sampled rows [S, hidden]: a decode graph replay when one fits; for a step
+        with prompt rows the piecewise graphs when they fit; else eager (decode steps too when the decode graphs
+        are set aside, as benches do)."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
             num_sampled = len(batch.sampled)
@@ -257,7 +258,7 @@ class ModelRunner:
         inputs = self.stager.stage(batch, self.block_table)
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
-        if self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
+        if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
             return hidden[inputs.logits_indices]
         if self.batch_invariant:
