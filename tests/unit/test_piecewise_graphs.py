@@ -10,7 +10,12 @@ import torch
 
 from deepinfer.distributed.parallel_state import TensorParallelGroup
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.piecewise_graphs import PiecewiseGraphRunner, supports_piecewise, token_buckets
+from deepinfer.engine.piecewise_graphs import (
+    PiecewiseGraphRunner,
+    capture_piecewise,
+    supports_piecewise,
+    token_buckets,
+)
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
@@ -148,6 +153,7 @@ def test_deepseek_keeps_the_eager_path(tmp_path):
     path = make_tiny_deepseek_checkpoint(tmp_path, "deepseek_v2", q_lora_rank=None)
     deepseek = load_model(path, torch.float32, torch.device("cpu"), get_ops("cpu"), progress=False)
     assert not supports_piecewise(deepseek)
+    assert capture_piecewise(deepseek, [], 2048, torch.device("cpu")) is None  # the runner's check: eager, no error
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
