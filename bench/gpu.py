@@ -62,6 +62,10 @@ def ceilings() -> dict:
     return {"matmul_tflops": round(2 * n**3 / mm_s / 1e12, 1), "copy_gb_s": round(2 * src.nbytes / cp_s / 1e9, 1)}
 
 
+#: --no-piecewise: prompt and mixed steps run eagerly (EngineArgs.piecewise_cuda_graphs off).
+PIECEWISE = True
+
+
 def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False,
                 async_scheduling: bool = False):
     """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
@@ -73,7 +77,7 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
                       enable_kv_events=False, progress=False, gpu_memory_utilization=0.9,
                       batch_invariant=batch_invariant, enforce_eager=batch_invariant,
-                      async_scheduling=async_scheduling)
+                      async_scheduling=async_scheduling, piecewise_cuda_graphs=PIECEWISE)
     start = time.perf_counter()
     engine = EngineCore(args)
     if batch_invariant and not engine.runner.batch_invariant:  # EngineCore does not pass the flag on yet
@@ -289,7 +293,10 @@ def main() -> None:
                         help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu_deepseek.py)")
     parser.add_argument("--tiny", action="store_true", help="deepseek: a toy config on the CPU (code paths only)")
     parser.add_argument("--hf-compile", action="store_true", help="deepseek: let transformers compile its decode")
+    parser.add_argument("--no-piecewise", action="store_true", help="prompt and mixed steps eager (no piecewise graphs)")
     args = parser.parse_args()
+    global PIECEWISE
+    PIECEWISE = not args.no_piecewise
     if args.model == "deepseek":
         from gpu_deepseek import main_deepseek
 
@@ -301,7 +308,7 @@ def main() -> None:
     cfg = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
     res: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "layers": args.layers, "sections": sorted(sections), "date": time.strftime("%Y-%m-%d"),
-                 "async_scheduling": args.async_scheduling}
+                 "async_scheduling": args.async_scheduling, "piecewise_cuda_graphs": PIECEWISE}
 
     def save() -> None:
         if out is not None:

@@ -189,6 +189,8 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_PREFILL_LOAD_FORMAT": "dummy", "DEEPINFER_DECODE_LOAD_FORMAT": "dummy"}
     if args.trace:
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    if args.no_piecewise:
+        env |= {"DEEPINFER_PREFILL_PIECEWISE_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_PIECEWISE_CUDA_GRAPHS": "false"}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
                   num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode,
@@ -227,6 +229,8 @@ def main() -> None:
             stack.stop()
     if not args.no_offline:
         options = {"load_format": "dummy"} if args.random_model else {}
+        if args.no_piecewise:
+            options["piecewise_cuda_graphs"] = False
         if share is not None and share.device.startswith("cuda"):
             options["device"] = share.device
             if share.gpu_memory_utilization:
@@ -316,6 +320,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: removed)")
     parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--no-piecewise", action="store_true",
+                        help="prompt and mixed steps eager (workers and offline engine: piecewise_cuda_graphs off)")
     parser.add_argument("--offline-threads", type=int, default=1,
                         help="torch threads offline on the CPU (default 1: what each worker gets on 2 cores)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/serve-*.json)")

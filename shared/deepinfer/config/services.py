@@ -259,6 +259,10 @@ class WorkerSettings(ServiceSettings):
     batch_invariant: bool = Field(
         False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
     )
+    piecewise_cuda_graphs: bool = Field(
+        True, description="Run prefill and mixed steps of Llama-family models as piecewise CUDA graphs (all but "
+        "attention captured per token bucket; docs/gpu.md); only with CUDA graphs on (one CUDA device).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )

@@ -64,6 +64,10 @@ class EngineArgs:
     dummy_seed: int = 0
     #: True = never capture CUDA graphs (decode runs eagerly, as on the CPU).
     enforce_eager: bool = False
+    #: True = steps with prompt rows (prefill, mixed prefill+decode) of a Llama-family model run piecewise CUDA
+    #: graphs: everything but attention captured per token bucket (deepinfer.engine.piecewise_graphs). Only
+    #: with CUDA graphs on (one CUDA device, not enforce_eager, not batch_invariant).
+    piecewise_cuda_graphs: bool = True
     #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
     #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
     #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.

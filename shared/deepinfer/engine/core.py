@@ -24,6 +24,7 @@ from deepinfer.engine.memory import (
     plan_kv_cache,
 )
 from deepinfer.engine.outputs import EngineOutput, SampledToken
+from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
@@ -138,6 +139,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs,
             use_cuda_graphs=single_cuda and not args.enforce_eager,
+            piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,
         )
         if single_cuda:
@@ -329,6 +332,9 @@ class EngineCore:
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
             activations += num_seqs * cfg.activation_bytes_per_token(elem)
             activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
+            if self.args.piecewise_cuda_graphs and not self.args.batch_invariant:
+                # The piecewise graphs' static buffers and the pieces' intermediates, beside the eager step's.
+                activations += min(tokens, MAX_BUCKET_TOKENS) * cfg.activation_bytes_per_token(elem)
         # Live tensors are ours; memory the caching allocator holds but no tensor uses (an earlier engine of this
         # process, freed) is free to the KV cache, which the allocator carves from it or returns to CUDA for.
         allocated = torch.cuda.memory_allocated(self.device)

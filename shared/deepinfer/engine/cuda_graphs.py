@@ -155,6 +155,8 @@ class CudaGraphRunner:
         #: (bs, placeholders, sampled rows) -> the step's slices of the static buffers (see _views).
         self._step_views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, StagedIndices]] = {}
         self._capture_context = capture_context or contextlib.nullcontext()
+        #: The graphs' memory pool once captured (the piecewise graphs capture into it too).
+        self.pool: tuple[int, int] | None = None
 
     def can_run(self, batch: HostBatch) -> bool:
         """True for a decode-only batch that fits the largest captured size."""
@@ -185,7 +187,7 @@ class CudaGraphRunner:
         self.static64[2].fill_(-1)
         self.static32[: self.max_bs].fill_(1)
         self.static32[self.inputs.seq_off :].zero_()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.static64.device)
         with self._capture_context:
             for bs in reversed(self.sizes):

@@ -10,7 +10,9 @@ runs one forward over it and samples the rows that reached the end of their know
 
 Block tables persist across steps in a host `BlockTable` (one row per running request, updated from the
 scheduler's new block ids, freed from its finished and preempted ids). Decode-only steps replay a CUDA graph
-on CUDA (`cuda_graphs`); every other step, and every step on the CPU or with enforce_eager, runs eagerly.
+on CUDA (`cuda_graphs`); steps with prompt rows of a Llama-family model run piecewise graphs (everything but
+attention captured per token bucket, `piecewise_graphs`); every other step, and every step on the CPU or with
+enforce_eager, runs eagerly.
 
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
 always splits into max_model_len / 512 partitions, prefill attention always uses its largest query tile,
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.defaults import DEFAULT_MAX_NUM_SEQS
+from deepinfer.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding, sampled_tokens
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.outputs import SampledToken
@@ -39,6 +41,7 @@ from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import CudaGraphRunner, StagedIndices
+    from deepinfer.engine.piecewise_graphs import PiecewiseGraphRunner
 
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
 #: takes its largest query tile (it picks min(largest, next_pow2(max_query_len)), largest <= 128).
@@ -57,8 +60,10 @@ class ModelRunner:
     """Runs forward + sample for the scheduler's batch; the only engine part that touches tensors.
 
     With `max_model_len` given and `use_cuda_graphs` set on a CUDA device, decode-only batches of up to
-    `max_num_seqs` requests replay CUDA graphs captured at start (see `deepinfer.engine.cuda_graphs`).
-    `batch_invariant`: see the module docstring (needs max_model_len).
+    `max_num_seqs` requests replay CUDA graphs captured at start (see `deepinfer.engine.cuda_graphs`); with
+    `piecewise_cuda_graphs` too, other steps of up to `max_num_batched_tokens` tokens of a model that supports it
+    run piecewise graphs (`deepinfer.engine.piecewise_graphs`). `batch_invariant`: see the module docstring
+    (needs max_model_len; always eager but for its decode graphs).
     """
 
     def __init__(
@@ -73,6 +78,8 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         use_cuda_graphs: bool = False,
+        piecewise_cuda_graphs: bool = False,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batch_invariant: bool = False,
     ) -> None:
         self.model = model
@@ -111,6 +118,12 @@ class ModelRunner:
                 batch_invariant=batch_invariant, capture_context=self._linear_mode(),
             )
             self.graphs.capture()
+        #: Piecewise graphs for steps with prompt rows (None: those run eagerly).
+        self.piecewise: PiecewiseGraphRunner | None = None
+        if self.graphs is not None and piecewise_cuda_graphs and not batch_invariant:
+            from deepinfer.engine.piecewise_graphs import capture_piecewise
+
+            self.piecewise = capture_piecewise(model, kv_caches, max_num_batched_tokens, self.device, self.graphs.pool)
 
     @torch.inference_mode()
     def warm_up(self, query_lens: Sequence[int]) -> None:
@@ -233,7 +246,9 @@ class ModelRunner:
         return output
 
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
-        """Final hidden states of the sampled rows [S, hidden]: a graph replay when one fits, else eager."""
+        """Final hidden states of the sampled rows [S, hidden]: a decode graph replay when one fits; for a step
+        with prompt rows the piecewise graphs when they fit; else eager (decode steps too when the decode graphs
+        are set aside, as benches do)."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
             num_sampled = len(batch.sampled)
@@ -243,6 +258,9 @@ class ModelRunner:
         inputs = self.stager.stage(batch, self.block_table)
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
+        if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return hidden[inputs.logits_indices]
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)

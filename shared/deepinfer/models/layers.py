@@ -116,6 +116,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; writes this step's K/V into kv_cache first."""
+        q = self.before_attention(positions, hidden, kv_cache, meta)
+        return self.after_attention(self.attend(q, kv_cache, meta))
+
+    def before_attention(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Everything before the attention kernel: hidden [T, hidden] -> q [T, Hq, D], after the QKV projection,
+        the optional q/k norm, RoPE and the write of this step's K/V (only `meta.slot_mapping` is read)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -126,8 +134,15 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         q, k = self.rotary(positions, q, k)
         self.ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return q
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention kernel over the paged cache: q [T, Hq, D] -> [T, Hq, D]."""
+        return self.ops.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+
+    def after_attention(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """The output projection: attention output [T, Hq, D] -> [T, hidden]."""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -148,7 +163,8 @@ class PreNormBlock(nn.Module):
     """Pre-norm transformer block; carries the residual stream apart so norms can fuse the add.
 
     Subclasses set `input_layernorm`, `self_attn(positions, hidden, cache, meta)`, `post_attention_layernorm`
-    and `mlp`.
+    and `mlp`. `before_attention` / `after_attention` split the block at the attention kernel (for piecewise
+    CUDA graphs, `deepinfer.engine.piecewise_graphs`); they need a `self_attn` with those halves (`Attention`).
     """
 
     def forward(
@@ -160,11 +176,31 @@ class PreNormBlock(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (this block's output, residual stream before it); their sum is the true hidden state."""
+        hidden, residual = self._input_norm(hidden, residual)
+        return self._feed_forward(self.self_attn(positions, hidden, kv_cache, meta), residual)
+
+    def before_attention(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to the attention kernel: (q [T, Hq, D], residual stream); writes this step's K/V."""
+        hidden, residual = self._input_norm(hidden, residual)
+        return self.self_attn.before_attention(positions, hidden, kv_cache, meta), residual
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after the attention kernel: (this block's output, residual stream), as `forward` returns."""
+        return self._feed_forward(self.self_attn.after_attention(attn_out), residual)
+
+    def _input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def _feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -200,9 +236,19 @@ class DecoderStack(nn.Module):
         """input_ids/positions [T] -> final hidden states [T, hidden]."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first block's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last block's (output, residual stream) -> final hidden states [T, hidden]."""
+        if residual is None:
+            return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden

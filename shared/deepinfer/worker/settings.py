@@ -32,6 +32,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
+        piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet

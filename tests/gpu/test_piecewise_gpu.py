@@ -1,0 +1,187 @@
+"""Piecewise CUDA graphs on the GPU (bf16, Triton kernels): prompt and mixed steps through the captured pieces
+give the eager outputs within bf16's rounding (padding to a bucket can change the matmul algorithm), a step above
+the largest bucket runs eagerly, and nothing compiles after the start.
+
+Runs on a bare GPU image: `PYTHONPATH=shared python -m pytest tests/gpu -q --noconftest`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+# Loaded by path: deepinfer.testing's __init__ imports the bus, absent on the GPU image.
+_spec = importlib.util.spec_from_file_location("checkpoints", ROOT / "shared/deepinfer/testing/checkpoints.py")
+checkpoints = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(checkpoints)
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 512,
+          "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 128, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
+BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 16, 1024, 512
+#: Prompt lengths of the workloads: 3..450 tokens (decode rows, small and large buckets, chunked prefill).
+LENGTHS = (3, 9, 17, 30, 64, 100, 130, 200, 300, 450)
+
+
+def llm_outputs(model_dir: Path, piecewise: bool):
+    """Greedy tokens and logprobs of prompts of 3..450 tokens admitted while earlier ones decode (a 256-token
+    budget: most steps mix decode rows with prompt chunks), and the engine's runner."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
+              piecewise_cuda_graphs=piecewise, kv_cache_bytes=64 << 20, progress=False)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 4 for j in range(n)]} for i, n in enumerate(LENGTHS)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    result = llm.generate(prompts, params, use_tqdm=False)
+    runner = llm.engine.runner
+    tokens = []
+    for o in result:
+        c = o.outputs[0]
+        tokens.append((c.token_ids, [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)]))
+    return tokens, runner
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norm inside the first half
+def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch):
+    model_dir = checkpoints.make_tiny_checkpoint(tmp_path / arch, arch)
+    eager, off = llm_outputs(model_dir, piecewise=False)
+    piecewise, on = llm_outputs(model_dir, piecewise=True)
+    assert off.piecewise is None and off.graphs is not None
+    assert on.piecewise is not None and on.piecewise.num_runs > 0 and on.piecewise.num_graphs > 0
+    for (got, got_lp), (want, want_lp) in zip(piecewise, eager, strict=True):
+        # bf16: padded rows may take another GEMM algorithm; the first tokens agree, logprobs to rounding.
+        assert got[:4] == want[:4]
+        assert max(abs(a - b) for a, b in zip(got_lp[:4], want_lp[:4], strict=True)) < 0.05
+
+
+def make_runner(tmp_path):
+    """A CUDA runner over dummy bf16 weights with decode and piecewise graphs (buckets up to 512 tokens)."""
+    from deepinfer.engine.runner import ModelRunner
+    from deepinfer.kernels import get_ops
+    from deepinfer.loader.dummy import load_dummy_model
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = load_dummy_model(tmp_path, torch.bfloat16, "cuda", get_ops("cuda"), seed=5, std=0.05)
+    kv_caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 128, dtype=torch.bfloat16, device="cuda")
+                 for _ in range(CONFIG["num_hidden_layers"])]
+    return ModelRunner(model, kv_caches, BLOCK_SIZE, CONFIG["vocab_size"], torch.device("cuda"), max_model_len=1024,
+                       max_num_seqs=16, use_cuda_graphs=True, piecewise_cuda_graphs=True,
+                       max_num_batched_tokens=MAX_TOKENS)
+
+
+class Blocks:
+    """Hands out distinct KV blocks from 1 (0 is the null block)."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, num_tokens: int) -> list[int]:
+        num = -(-num_tokens // BLOCK_SIZE)
+        self.next += num
+        return list(range(self.next - num, self.next))
+
+
+def scheduled(request_id: str, token_ids: list[int], start: int, blocks: list[int]):
+    from deepinfer.engine.scheduler import ScheduledRequest
+
+    return ScheduledRequest(request_id, token_ids, start, len(token_ids), blocks, sample=True, is_new=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, CONFIG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def test_mixed_step_logits_piecewise_vs_eager_and_padding_writes_no_kv(tmp_path):
+    runner = make_runner(tmp_path)
+    model, pieces, blocks = runner.model, runner.piecewise, Blocks()
+    assert pieces is not None and pieces.buckets[-1] == MAX_TOKENS
+    contexts = {f"d{i}": prompt(n, i) for i, n in enumerate((40, 100, 7, 300))}
+    tables = {rid: blocks.take(len(ids) + 1) for rid, ids in contexts.items()}
+    first = runner.prepare_inputs([scheduled(rid, ids, 0, tables[rid]) for rid, ids in contexts.items()])
+    model(first.input_ids, first.positions, runner.kv_caches, first.meta)  # the decode rows' context
+    step = [scheduled(rid, [5], len(ids), tables[rid]) for rid, ids in contexts.items()]
+    step += [scheduled(f"p{n}", prompt(n, n), 0, blocks.take(n)) for n in (60, 130)]  # 194 tokens: bucket 256
+    inputs = runner.prepare_inputs(step)
+    before = [c.clone() for c in runner.kv_caches]
+    eager_caches = [c.clone() for c in runner.kv_caches]
+    eager = model.compute_logits(model(inputs.input_ids, inputs.positions, eager_caches, inputs.meta))
+    runs = pieces.num_runs
+    logits = model.compute_logits(pieces.run(inputs.input_ids, inputs.positions, inputs.meta))
+    assert pieces.num_runs == runs + 1 and logits.shape == eager.shape == (194, CONFIG["vocab_size"])
+    err, scale = (logits - eager).abs().max().item(), eager.abs().max().item()
+    assert err <= 0.03 * scale, (err, scale)  # bf16 rounding of other GEMM tiles, relative to the largest logit
+    written = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool, device="cuda")
+    written[inputs.meta.slot_mapping] = True
+    for ours, theirs, old in zip(runner.kv_caches, eager_caches, before, strict=True):
+        ours, theirs, old = (c.view(2, NUM_BLOCKS * BLOCK_SIZE, -1) for c in (ours, theirs, old))
+        assert torch.equal(ours[:, ~written], old[:, ~written]), "a padding row wrote KV"
+        torch.testing.assert_close(ours[:, written], theirs[:, written], rtol=0.02, atol=0.02)
+
+
+@torch.inference_mode()
+def test_step_above_the_largest_bucket_runs_eagerly(tmp_path):
+    runner = make_runner(tmp_path)
+    pieces, blocks = runner.piecewise, Blocks()
+    lengths = {"a": 300, "b": 200, "c": 100}  # 600 tokens > 512
+    tables = {rid: blocks.take(n) for rid, n in lengths.items()}
+
+    def forward(names) -> torch.Tensor:
+        batch = runner.prepare_batch([scheduled(r, prompt(lengths[r], i), 0, tables[r]) for i, r in enumerate(names)])
+        return runner.forward(batch).clone()
+
+    runs = pieces.num_runs
+    above = forward(["a", "b", "c"])
+    assert pieces.num_runs == runs  # eager
+    runner.piecewise = None
+    assert torch.equal(forward(["a", "b", "c"]), above)  # the same eager forward (same KV rewritten)
+    runner.piecewise = pieces
+    forward(["a", "b"])  # 500 tokens: the 512 bucket
+    assert pieces.num_runs == runs + 1
+    assert torch.isfinite(above).all()
+
+
+SCRIPT = r"""
+import importlib.util, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("checkpoints", sys.argv[2] + "/shared/deepinfer/testing/checkpoints.py")
+checkpoints = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(checkpoints)
+from deepinfer import LLM, SamplingParams
+
+model_dir = checkpoints.make_tiny_checkpoint(Path(sys.argv[1]) / "llama", "llama")
+llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
+          kv_cache_bytes=64 << 20, progress=False)
+watch, pieces = llm.engine.compiles, llm.engine.runner.piecewise
+lengths = [3, 9, 16, 17, 30, 33, 60, 64, 70, 100, 130, 200, 300, 450]
+prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+for _ in range(2):
+    llm.generate(prompts, params, use_tqdm=False)
+print(json.dumps({"serving": watch.serving_compiles, "runs": pieces.num_runs, "graphs": pieces.num_graphs}))
+"""
+
+
+def test_no_triton_compile_after_start_with_piecewise_graphs(tmp_path):
+    """In a fresh process (Triton's kernel cache is per process): piecewise steps ran, none compiled."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "shared"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(ROOT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["runs"] > 0 and counts["graphs"] > 0, counts
+    assert counts["serving"] == 0, done.stderr[-3000:]
