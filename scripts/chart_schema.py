@@ -112,6 +112,7 @@ def build_schema() -> dict:
             "securityContext": {"type": "object"},
             "networkPolicy": _obj({"enabled": {"type": "boolean"}, "metricsFrom": {"type": "array"}}),
             "common": _common_schema(),
+            "extraEnv": {"type": "array", "items": {"type": "object", "required": ["name"]}},
             "gateway": _component("gateway", {
                 "replicas": {"type": "integer", "minimum": 1},
                 "processes": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},

@@ -5,6 +5,8 @@ what the code defines. The tools come from the package registry (scripts/deploy_
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.deploy_harness import (
@@ -260,3 +262,17 @@ def gateway_env(docs: list[dict]) -> dict[str, str]:
 )
 def test_gateway_processes_from_the_value_or_the_pod_cpu(tools: Tools, args: tuple[str, ...], processes: str):
     assert gateway_env(render(tools, *args))["DEEPINFER_GATEWAY_PROCESSES"] == processes
+
+
+def test_extra_env_reaches_every_service_container(tools: Tools):
+    env = [{"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+           {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "0.01"}]
+    docs = render(tools, "--set-json", f"extraEnv={json.dumps(env)}")
+    services = {component(doc) for doc in workloads(docs)} - {None}
+    assert services >= {"gateway", "scheduler", "prefill", "decode", "kvcache"}
+    for doc in workloads(docs):
+        if component(doc) is not None:
+            main = pod_spec(doc)["containers"][0]
+            assert [e for e in main["env"] if e["name"].startswith("OTEL_")] == env, doc["metadata"]["name"]
+    assert not any(e["name"].startswith("OTEL_") for doc in workloads(render(tools))
+                   for e in pod_spec(doc)["containers"][0].get("env", []))  # none by default

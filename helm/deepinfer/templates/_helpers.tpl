@@ -84,6 +84,9 @@ with commas. Args: dict "prefix" "DEEPINFER_PREFILL_" "settings" <map> "skip" <l
     secretKeyRef:
       name: {{ include "deepinfer.secretName" . }}
       key: dataPlaneSecret
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/*
