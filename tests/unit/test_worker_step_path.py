@@ -297,6 +297,26 @@ async def test_a_steps_token_batches_and_kv_event_batch_go_in_one_write(connecte
     assert runtime.outbox.release() == []  # nothing left held
 
 
+async def test_a_failing_output_handler_still_publishes_the_steps_kv_event_batch():
+    from deepinfer.engine.block_pool import Stored
+    from deepinfer.engine.outputs import EngineOutput
+    from deepinfer.protocol import KvEventBatch
+
+    bus = _WriteRecorder()
+    runtime = _runtime(bus)
+
+    def failing(outputs):
+        runtime.outbox.publish([("tokens.gw-a", b"batch a")], "token-batch")
+        raise RuntimeError("handler bug")
+
+    runtime.on_outputs = failing
+    with pytest.raises(RuntimeError, match="handler bug"):  # EngineLoop._deliver logs it and goes on
+        runtime._on_step([EngineOutput("r0", [7], None, None, None, 0)], [Stored([b"h" * 16], None)], 9)
+    (write,) = bus.writes
+    assert [subject for subject, _ in write] == ["tokens.gw-a", runtime._kv_events_subject]
+    assert KvEventBatch.from_bytes(write[1][1]).seq == 9  # no gap in the router's sequence
+
+
 # -- StepWakeup ---------------------------------------------------------------------------------------------------
 
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller")

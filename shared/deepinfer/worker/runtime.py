@@ -352,18 +352,18 @@ class WorkerRuntime:
             self._heartbeat_on_load_change()
             return
         # The step's token batches (the role handler's `outbox.publish`) and its KV event batch go to the socket in
-        # one write: one sendmsg, one GIL handoff, not two. Same messages, same order.
+        # one write (one sendmsg, one GIL handoff); the KV batch even if the handler failed (no seq gap).
         self.outbox.hold()
         try:
             if outputs:
                 self.on_outputs(outputs)
         finally:
             messages = self.outbox.release()
-        messages.append((self._kv_events_subject,
-                         encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)))
-        self.outbox.publish(messages, "kv-events")
-        if self.store is not None:
-            self.store.on_kv_events(events)
+            messages.append((self._kv_events_subject,
+                             encode_kv_event_batch(self.worker_id, seq, events, time.time(), self.epoch)))
+            self.outbox.publish(messages, "kv-events")
+            if self.store is not None:
+                self.store.on_kv_events(events)
         self._heartbeat_on_load_change()
 
     def _heartbeat_on_load_change(self) -> None:
