@@ -43,7 +43,9 @@ params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.7, min_p=0.1, seed=4, max_tokens=9, ignore_eos=True, logprobs=2)]
 for round_ in range(2):
     llm.generate(prompts, [params[(i + round_) % 3] for i in range(len(prompts))], use_tqdm=False)
-print(json.dumps({"start": start, "serving": watch.serving_compiles}))
+pieces = llm.engine.runner.piecewise  # prompt steps ran as piecewise graphs (the default): their kernels too
+print(json.dumps({"start": start, "serving": watch.serving_compiles, "piecewise_runs": pieces.num_runs,
+                  "piecewise_graphs": pieces.num_graphs}))
 """
 
 
@@ -55,4 +57,5 @@ def test_no_compile_while_serving(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["start"] > 0, counts  # the watch saw the start's compiles
+    assert counts["piecewise_runs"] > 0 and counts["piecewise_graphs"] > 0, counts
     assert counts["serving"] == 0, done.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Piecewise CUDA graphs on the GPU (bf16, Triton kernels): prompt and mixed steps through the captured pieces
 give the eager outputs within bf16's rounding (padding to a bucket can change the matmul algorithm), a step above
-the largest bucket runs eagerly, and nothing compiles after the start.
+the largest bucket runs eagerly. That nothing compiles after the start with piecewise steps: test_compile_warm_gpu.py.
 
 Runs on a bare GPU image: `PYTHONPATH=shared python -m pytest tests/gpu -q --noconftest`.
 """
@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -152,36 +149,3 @@ def test_step_above_the_largest_bucket_runs_eagerly(tmp_path):
     forward(["a", "b"])  # 500 tokens: the 512 bucket
     assert pieces.num_runs == runs + 1
     assert torch.isfinite(above).all()
-
-
-SCRIPT = r"""
-import importlib.util, json, sys
-from pathlib import Path
-spec = importlib.util.spec_from_file_location("checkpoints", sys.argv[2] + "/shared/deepinfer/testing/checkpoints.py")
-checkpoints = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(checkpoints)
-from deepinfer import LLM, SamplingParams
-
-model_dir = checkpoints.make_tiny_checkpoint(Path(sys.argv[1]) / "llama", "llama")
-llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
-          kv_cache_bytes=64 << 20, progress=False)
-watch, pieces = llm.engine.compiles, llm.engine.runner.piecewise
-lengths = [3, 9, 16, 17, 30, 33, 60, 64, 70, 100, 130, 200, 300, 450]
-prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
-params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-for _ in range(2):
-    llm.generate(prompts, params, use_tqdm=False)
-print(json.dumps({"serving": watch.serving_compiles, "runs": pieces.num_runs, "graphs": pieces.num_graphs}))
-"""
-
-
-def test_no_triton_compile_after_start_with_piecewise_graphs(tmp_path):
-    """In a fresh process (Triton's kernel cache is per process): piecewise steps ran, none compiled."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "shared"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(ROOT)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts["runs"] > 0 and counts["graphs"] > 0, counts
-    assert counts["serving"] == 0, done.stderr[-3000:]
