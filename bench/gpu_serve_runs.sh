@@ -79,8 +79,7 @@ for variant in "$@"; do
         prof1) profile_decode prof1 1 & run prof1 120 --random-model llama-1b --sweep 1 --no-offline --rounds 32; wait ;;
         c1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline ;;
         pw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
-        nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline \
-            --env DEEPINFER_DECODE_PIECEWISE_CUDA_GRAPHS=false ;;
+        nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
         nostore1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         nohost1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=0 ;;
         offgc) timeout 300 python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 3 \

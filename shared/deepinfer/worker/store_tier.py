@@ -88,6 +88,7 @@ class StoreTier:
         self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result (hit, "
                                  "miss, error; skipped: fewer uncached tokens than kv_store_min_lookup_tokens).",
                                  ["result"])
+        self.m_lookups_skipped = self.m_lookups.labels("skipped")  # per admission: `labels` builds its key each call
         self.m_lookup_round_trips = counter(
             registry, "worker_store_lookup_round_trips",
             "Store lookups sent at admission (each one `has` for every request waiting, coalesced).")
@@ -143,7 +144,7 @@ class StoreTier:
         num_local = self._num_locally_cached(hashes)
         beyond = hashes[num_local:]
         if beyond and len(beyond) * self.block_size < self.settings.kv_store_min_lookup_tokens:
-            self.m_lookups.labels("skipped").inc()  # recomputing this little costs less than asking
+            self.m_lookups_skipped.inc()  # recomputing this little costs less than asking
             beyond = []
         num_beyond = await self.lookups.leading(beyond)
         num_stored = num_local + num_beyond if num_beyond else 0
