@@ -59,10 +59,16 @@ def default_gguf_path() -> Path:
 
 
 def source_digest(gguf_path: Path) -> str:
-    """A short, cheap content digest of a source file: size, mtime and its first MiB (+ converter version)."""
-    stat = gguf_path.stat()
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    """A short, cheap content digest of a source file: its size, first and last MiB (+ converter version).
+
+    Content only, never the mtime: reinstalling the same package (a new venv, a CI clone) writes the same GGUF
+    with a new mtime, and must reuse the conversion instead of leaving another copy in the cache.
+    """
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{size}:".encode())
     with gguf_path.open("rb") as f:
+        digest.update(f.read(_DIGEST_HEAD_BYTES))
+        f.seek(max(size - _DIGEST_HEAD_BYTES, 0))
         digest.update(f.read(_DIGEST_HEAD_BYTES))
     return digest.hexdigest()[:12]
 

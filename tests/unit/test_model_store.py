@@ -204,6 +204,28 @@ def test_broken_cache_is_detected_and_rebuilt(tiny_gguf, tmp_path, damage, caplo
     assert [p.name for p in cache_dir.iterdir() if p.is_dir()] == [model_dir.name]
 
 
+def test_reinstalled_source_reuses_its_conversion(tiny_gguf, tmp_path):
+    """The same GGUF written again (a new venv or clone: new path, new mtime) maps to the same prepared dir;
+    a GGUF whose tensor data differs does not."""
+    import os
+    import shutil
+
+    path, _ = tiny_gguf
+    cache_dir = tmp_path / "cache"
+    first = resolve_model(path, cache_dir, progress=False)
+    reinstalled = tmp_path / "venv2" / path.name
+    reinstalled.parent.mkdir()
+    shutil.copyfile(path, reinstalled)
+    os.utime(reinstalled, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert resolve_model(reinstalled, cache_dir, progress=False) == first
+
+    changed = bytearray(path.read_bytes())
+    changed[-1] ^= 0xFF  # the last tensor's last byte
+    (tmp_path / "changed").mkdir()
+    (tmp_path / "changed" / path.name).write_bytes(bytes(changed))
+    assert resolve_model(tmp_path / "changed" / path.name, cache_dir, progress=False) != first
+
+
 def test_concurrent_preparation_converts_once(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     cache_dir = tmp_path / "cache"
