@@ -1,4 +1,4 @@
-"""Mixed prefill+decode steps, eager vs piecewise CUDA graphs: mean wall ms per engine step.
+"""Mixed prefill+decode steps, eager vs piecewise CUDA graphs, split vs one attention kernel: ms per engine step.
 
     PYTHONPATH=shared:. python bench/mixed_step.py --random-model llama-1b [--out FILE] \
         [--decode-rows 0,64,256] [--prompt-tokens 32,512,1536] [--steps 20]
@@ -7,7 +7,9 @@ One engine (dummy weights, bf16, CUDA graphs on, sync scheduling, no host tier).
 P prompt tokens): B requests whose --context tokens are already in the cache decode while, every step, one new
 request of P random tokens (max_tokens 1) is admitted whole, so each step is one forward of B + P tokens
 (B = 0: a prefill-only step). Each engine.step() is timed with a CUDA sync after it, after --warmup steps,
-once with the piecewise graphs and once with them set aside (`runner.piecewise = None`: the eager forward).
+once with the piecewise graphs and once with them set aside (`runner.piecewise = None`: the eager forward),
+and with the piecewise graphs once more with the mixed step's attention in one kernel (`num_decodes` not
+counted: the decode rows go through the prefill kernel, as before the split; the "one kernel" column).
 Prints a table and one JSON line (`--out`: also written there). `--model DIR --device cpu`: a dry run of the
 code paths on a small checkpoint (no graphs: both columns eager).
 """
@@ -37,6 +39,18 @@ def make_engine(model_dir: str, device: str, max_decode_rows: int, max_tokens: i
                       max_num_batched_tokens=max_tokens, async_scheduling=False, kv_host_cache_bytes=0,
                       enable_kv_events=False, progress=False, piecewise_cuda_graphs=True)
     return EngineCore(args)
+
+
+def one_attention_kernel(stager) -> None:
+    """Make the stager leave num_decodes uncounted: a mixed step's attention runs in the prefill kernel alone."""
+    stage = stager.stage
+
+    def staged(*args, **kwargs):
+        inputs = stage(*args, **kwargs)
+        inputs.meta.num_decodes = None
+        return inputs
+
+    stager.stage = staged
 
 
 def sync(device: str) -> None:
@@ -111,7 +125,7 @@ def main() -> None:
     pieces = runner.piecewise
     points = []
     print(f"{'decode rows':>11} {'prompt':>6} {'tokens':>6} {'bucket':>6} {'eager ms':>9} {'piecewise ms':>12} "
-          f"{'speedup':>7}")
+          f"{'speedup':>7} {'one kernel ms':>13}")
     for b in rows:
         for p in prompts:
             point = {"decode_rows": b, "prompt_tokens": p, "tokens": b + p}
@@ -125,10 +139,14 @@ def main() -> None:
                 point["piecewise_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
                                                       args.steps), 3)
                 point["piecewise_steps"] = pieces.num_runs - runs
+            one_attention_kernel(runner.stager)
+            point["one_kernel_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
+                                                   args.steps), 3)
+            del runner.stager.stage
             piecewise = point.get("piecewise_ms")
             speedup = f"{point['eager_ms'] / piecewise:.2f}x" if piecewise else "-"
             print(f"{b:>11} {p:>6} {b + p:>6} {point.get('bucket') or '-':>6} {point['eager_ms']:>9.2f} "
-                  f"{piecewise or float('nan'):>12.2f} {speedup:>7}")
+                  f"{piecewise or float('nan'):>12.2f} {speedup:>7} {point['one_kernel_ms']:>13.2f}")
             points.append(point)
     result = {"bench": "mixed_step", "model": args.model or args.random_model, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

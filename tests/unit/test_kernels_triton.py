@@ -104,6 +104,39 @@ def test_decode_split_k_matches_twin(ops, block_size, num_heads, num_kv_heads, h
     assert_close(ops.triton_ops.paged_attention(b.query, b.kv_cache, b.meta, scale), expected)  # one partition
 
 
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"), ATTENTION_CASES[:4])
+def test_mixed_step_splits_decode_rows_to_the_decode_kernel(
+    ops, monkeypatch, block_size, num_heads, num_kv_heads, head_dim, dtype
+):
+    """A mixed step's single-row sequences go to the split-K decode kernel, its prompts to the prefill kernel,
+    into one output; each kernel alone leaves the other's rows unwritten."""
+    # decode rows over 1..3 partitions of 64 keys, a prompt's last token over a cached prefix (q_len 1, 70),
+    # fresh and prefixed prompts
+    q_lens, seq_lens = [1, 9, 1, 20, 1, 1], [150, 9, 64, 45, 70, 1]
+    b = make_batch(q_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, num_pad_rows=2)
+    scale = head_dim**-0.5
+    expected = torch_ops.paged_attention(b.query, b.kv_cache, b.meta, scale)
+    attention = ops.triton_attention
+    prompts = attention.prefill_attention(b.query, b.kv_cache, b.meta, scale, min_query_len=2)
+    unwritten = prompts.clone()
+    both = attention.paged_decode_attention(b.query, b.kv_cache, b.meta, scale, partition_size=64, out=prompts)
+    assert both is prompts
+    assert_close(both, expected)
+    decode_rows = [b.meta.query_start_loc_cpu[i] for i, q_len in enumerate(q_lens) if q_len == 1]
+    prompt_rows = [r for r in range(sum(q_lens)) if r not in decode_rows]
+    assert torch.equal(both[prompt_rows], unwritten[prompt_rows]), "the decode kernel wrote a prompt row"
+
+    calls = []
+    decode = ops.triton_ops.paged_decode_attention
+    monkeypatch.setattr(ops.triton_ops, "paged_decode_attention", lambda *a, **k: calls.append(k) or decode(*a, **k))
+    assert b.meta.num_decodes == 4
+    assert_close(ops.triton_ops.paged_attention(b.query, b.kv_cache, b.meta, scale), expected)
+    assert len(calls) == 1 and calls[0]["out"] is not None
+    b.meta.num_decodes = None  # not counted: one prefill kernel for every row, as before
+    assert_close(ops.triton_ops.paged_attention(b.query, b.kv_cache, b.meta, scale), expected)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_sliding_window_matches_twin(ops, decode):
     q_lens = [1, 1, 1] if decode else [1, 30, 12]

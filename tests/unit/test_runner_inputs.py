@@ -78,6 +78,7 @@ def test_staged_inputs_equal_build_attention_metadata():
         assert getattr(inputs.meta, name).dtype == getattr(ref, name).dtype, name
     assert inputs.meta.query_start_loc_cpu == ref.query_start_loc_cpu
     assert (inputs.meta.max_query_len, inputs.meta.max_seq_len) == (6, 10)
+    assert inputs.meta.num_decodes == ref.num_decodes == batch.query_lens.count(1) > 0  # the decode kernel's rows
 
 
 def test_padding_rows_write_nothing_and_read_the_null_block():

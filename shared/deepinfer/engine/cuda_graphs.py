@@ -22,6 +22,8 @@ Padding rows write no KV (slot -1) and attend to one key of the reserved null bl
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -32,6 +34,8 @@ from deepinfer.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from deepinfer.engine.inputs import BlockTable, HostBatch
+
+logger = logging.getLogger(__name__)
 
 _ALIGN = 16
 #: Keys per split-K partition of the decode attention kernel (its default partition_size).
@@ -189,6 +193,9 @@ class CudaGraphRunner:
         self.static32[self.inputs.seq_off :].zero_()
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.static64.device)
+        started = time.perf_counter()
+        logger.info("capturing decode CUDA graphs: %d batch sizes (1..%d) x %d context buckets (..%d)",
+                    len(self.sizes), self.max_bs, len(self.seq_len_buckets), self.seq_len_buckets[-1])
         with self._capture_context:
             for bs in reversed(self.sizes):
                 for max_seq_len in reversed(self.seq_len_buckets):
@@ -202,6 +209,7 @@ class CudaGraphRunner:
                         self.outputs[bs, max_seq_len] = self._forward(bs, max_seq_len)
                     self.graphs[bs, max_seq_len] = graph
         torch.cuda.synchronize()
+        logger.info("decode CUDA graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - started)
 
     def bucket(self, max_seq_len: int) -> int:
         """The smallest captured context bucket that holds max_seq_len."""

@@ -276,6 +276,7 @@ class InputStager:
             max_seq_len=max(batch.seq_lens, default=0),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=list(batch.seq_lens),
+            num_decodes=batch.query_lens.count(1),
         )
         return ModelInputs(
             input_ids=d64[:num_tokens],

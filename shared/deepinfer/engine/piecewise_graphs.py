@@ -183,6 +183,9 @@ class PiecewiseGraphRunner:
         free_before = torch.cuda.mem_get_info(device)[0] if self.use_graphs else 0
         if self.use_graphs and pool is None:
             pool = torch.cuda.graph_pool_handle()
+        if self.use_graphs:
+            logger.info("capturing piecewise CUDA graphs: %d pieces x %d token buckets (%d..%d)",
+                        len(self.layers) + 1, len(self.buckets), self.buckets[0], self.buckets[-1])
         with self._capture_context:
             for n in reversed(self.buckets):
                 meta = self._write_meta(n)

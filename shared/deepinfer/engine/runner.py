@@ -264,6 +264,7 @@ class ModelRunner:
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
+                inputs.meta.num_decodes = None  # every row through the prefill kernel, whatever its neighbours
             else:
                 assert batch.is_decode_only, "batch-invariant decode forward got a prefill row"
                 inputs.meta.max_seq_len = self.max_model_len

@@ -18,6 +18,7 @@ at the first step, with rank 0's num_blocks and block_size.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import queue
@@ -105,6 +106,7 @@ def _receive_forward(
     input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables = payload.split(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width]
     )
+    starts = query_start_loc.tolist()
     meta = AttentionMetadata(
         query_start_loc=query_start_loc.int(),
         seq_lens=seq_lens.int(),
@@ -112,8 +114,9 @@ def _receive_forward(
         slot_mapping=slot_mapping,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
-        query_start_loc_cpu=query_start_loc.tolist(),
+        query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens.tolist(),
+        num_decodes=sum(1 for a, b in itertools.pairwise(starts) if b - a == 1),
     )
     return input_ids, positions, meta
 

@@ -29,6 +29,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies: the torch twin needs no device->host sync
     seq_lens_cpu: list[int]
+    #: Sequences with exactly one new row (decodes, or a prompt's last token over a cached prefix); a mixed
+    #: step sends them to the decode kernel. None = not counted: the batch takes one kernel.
+    num_decodes: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -68,4 +71,5 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens, default=0),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=list(seq_lens),
+        num_decodes=list(query_lens).count(1),
     )

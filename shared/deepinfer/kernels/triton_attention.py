@@ -8,6 +8,11 @@ Key position j of sequence b lives in the cache at
 
 Decode (q_len <= 1 for every sequence) splits long contexts into partitions of `partition_size` keys
 (split-K); each partition writes (max, sum, partial output) and a reduce kernel merges them.
+
+A mixed step (decode rows beside prompt rows) runs both into one output: the prefill kernel skips the
+sequences with a single new row (`min_query_len=2`) and the decode kernel takes exactly those. In the prefill
+kernel a decode row would fill one row of a BLOCK_M-row tile and read its kv head's keys once per query head;
+the decode kernel reads them once per kv head, for all GROUP heads together, and splits long contexts.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ def _decode_kernel(
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_row
     seq_len = tl.load(seq_lens_ptr + b)
     part_start = part * partition_size
-    if q_len == 0 or part_start >= seq_len:  # batch padding, or a partition the reduce kernel skips
+    # batch padding (q_len 0), a prompt of a mixed step (the prefill kernel's), or a partition the reduce skips
+    if q_len != 1 or part_start >= seq_len:
         return
     q_pos = seq_len - 1
 
@@ -138,7 +144,7 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + b).to(tl.int64)
-    if tl.load(query_start_loc_ptr + b + 1) == q_row:
+    if tl.load(query_start_loc_ptr + b + 1) - q_row != 1:  # padding, or a prompt of a mixed step
         return
     seq_len = tl.load(seq_lens_ptr + b)
     offs_p = tl.arange(0, PART_PAD)
@@ -156,12 +162,12 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "min_query_len"])
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_co, stride_ch,
-    qk_scale, sliding_window,
+    qk_scale, sliding_window, min_query_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     F32_DOT: tl.constexpr,
@@ -172,7 +178,7 @@ def _prefill_kernel(
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if m_block * BLOCK_M >= q_len or q_len < min_query_len:  # past its rows, or a decode row of a mixed step
         return
     seq_len = tl.load(seq_lens_ptr + b)
     context_len = seq_len - q_len  # row i of this sequence sits at position context_len + i
@@ -269,12 +275,14 @@ def _precision(query: torch.Tensor) -> str:
 
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-    *, partition_size: int = 512,
+    *, partition_size: int = 512, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention for batches whose sequences have at most one new token each (meta.max_query_len <= 1)."""
+    """Attention of the sequences with exactly one new row. Alone (`out=None`) for decode batches
+    (meta.max_query_len <= 1); in a mixed step into `out`, where the prefill kernel wrote the prompts' rows."""
     _check_attention_inputs(query, kv_cache, meta)
-    assert meta.max_query_len <= 1, f"decode kernel got max_query_len={meta.max_query_len}"
-    out = _new_output(query, meta)
+    if out is None:
+        assert meta.max_query_len <= 1, f"decode kernel got max_query_len={meta.max_query_len} without out="
+        out = _new_output(query, meta)
     num_seqs, (num_heads, head_dim), num_kv_heads = meta.seq_lens.shape[0], query.shape[1:], kv_cache.shape[3]
     if num_seqs == 0 or meta.query_start_loc_cpu[-1] == 0:
         return out
@@ -313,8 +321,10 @@ def paged_decode_attention(
 
 def prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+    *, min_query_len: int = 1,
 ) -> torch.Tensor:
-    """Varlen causal attention of every sequence's new rows over its cached prefix and themselves."""
+    """Varlen causal attention of every sequence's new rows over its cached prefix and themselves; sequences with
+    fewer than `min_query_len` new rows are skipped (their output rows are left unwritten)."""
     _check_attention_inputs(query, kv_cache, meta)
     out = _new_output(query, meta)
     num_seqs, (num_heads, head_dim), num_kv_heads = meta.seq_lens.shape[0], query.shape[1:], kv_cache.shape[3]
@@ -331,7 +341,7 @@ def prefill_attention(
         out, query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, min_query_len,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=window > 0, PRECISION=_precision(query),
         F32_DOT=_f32_dot(query),

@@ -42,11 +42,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Decode-only batches (max_query_len <= 1) take the split-K decode kernel, all others the prefill one."""
+    """Decode batches (max_query_len <= 1) take the split-K decode kernel, prompt-only batches the prefill one;
+    a mixed step both: its single-row sequences the decode kernel, the others the prefill kernel."""
     # the choice reads only host ints, so it never waits for the device
     if meta.max_query_len <= 1:
         return paged_decode_attention(query, kv_cache, meta, scale, sliding_window)
-    return prefill_attention(query, kv_cache, meta, scale, sliding_window)
+    if not meta.num_decodes:  # 0, or not counted (None): every row through the prefill kernel
+        return prefill_attention(query, kv_cache, meta, scale, sliding_window)
+    out = prefill_attention(query, kv_cache, meta, scale, sliding_window, min_query_len=2)
+    return paged_decode_attention(query, kv_cache, meta, scale, sliding_window, out=out)
 
 
 def overrides() -> dict[str, Callable[..., Any]]:
