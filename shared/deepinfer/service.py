@@ -226,6 +226,7 @@ class Service(Generic[S]):
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         from deepinfer.telemetry import internal_app, new_registry, serve_internal, setup_tracer_provider
+        from deepinfer.telemetry.tracing import count_dropped_spans
 
         common = self.settings.common
         if self._install_signal_handlers:
@@ -233,6 +234,7 @@ class Service(Generic[S]):
         provider = setup_tracer_provider(common, self.name)
         stack.callback(provider.shutdown)
         registry = new_registry()
+        count_dropped_spans(registry)
         ids = service_ids(self.settings)
         self._bus = bus = await self._connect(common, next(iter(ids.values()), self.name))
         stack.push_async_callback(bus.close)  # a no-op after the drain in _shutdown

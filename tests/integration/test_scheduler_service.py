@@ -230,6 +230,7 @@ async def test_the_scheduler_process_serves_and_exits_zero_on_sigterm(
             metrics = (await client.get("/metrics")).text
             assert 'deepinfer_scheduler_decisions_total{status="accepted"} 1.0' in metrics
             assert 'deepinfer_scheduler_members{role="decode"} 1.0' in metrics
+            assert "deepinfer_trace_spans_dropped_total 0.0" in metrics  # every service counts dropped spans
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 15.0) == 0
     finally:

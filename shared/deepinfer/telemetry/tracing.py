@@ -15,8 +15,11 @@ once per request and a request it leaves out is recorded nowhere. Code that woul
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from opentelemetry.context import Context
@@ -31,6 +34,9 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracer, NoOpTracerProvider, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from deepinfer.config import CommonSettings
 from deepinfer.telemetry.trace_file import JsonLinesSpanExporter
@@ -65,6 +71,64 @@ class ServiceTracerProvider(TracerProvider):
         return tracer
 
 
+class SpanDrops(logging.Filter):
+    """Counts the spans the SDK's batch span processors drop on a full queue, and thins the SDK's warnings.
+
+    The SDK (1.45) drops a span when the processor's queue is full and says so only in a WARNING per span from
+    its `opentelemetry.sdk._shared_internal` logger, which its DuplicateFilter thins to one per 20 s: no count
+    anyone can read. This filter, first on that logger, counts every one and lets one warning through per
+    `interval_s`, with the count so far; `count_dropped_spans` exposes the count as a Prometheus counter."""
+
+    SDK_LOGGER = "opentelemetry.sdk._shared_internal"
+    MESSAGE = "Queue full, dropping"
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self.count = 0
+        self._lock = threading.Lock()
+        self._last_warning = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Count a drop record; pass it (reworded) once per interval, and every other record unchanged."""
+        if not str(record.msg).startswith(self.MESSAGE):
+            return True
+        with self._lock:
+            self.count += 1
+            now = time.monotonic()
+            show = now - self._last_warning >= self.interval_s
+            if show:
+                self._last_warning = now
+            count = self.count
+        if show:
+            record.msg = ("span queue full: spans are being dropped (%d so far in this process; "
+                          "deepinfer_trace_spans_dropped_total; raise OTEL_BSP_MAX_QUEUE_SIZE)")
+            record.args = (count,)
+        return show
+
+    def install(self) -> None:
+        """Watch the SDK's logger (once per process), ahead of its own filters: the SDK's DuplicateFilter passes
+        one identical record per 20 s, and a filter after it would never see the rest."""
+        logger = logging.getLogger(self.SDK_LOGGER)
+        if self not in logger.filters:
+            logger.filters.insert(0, self)
+
+
+#: The process's span-drop count (every batch span processor of the process logs through the same logger).
+SPAN_DROPS = SpanDrops()
+
+
+class _SpanDropCollector(Collector):
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("deepinfer_trace_spans_dropped", "Spans a batch span processor dropped because "
+                                  "its queue was full (OTEL_BSP_MAX_QUEUE_SIZE)", value=SPAN_DROPS.count)
+
+
+def count_dropped_spans(registry: CollectorRegistry) -> None:
+    """Expose `deepinfer_trace_spans_dropped_total` (this process's dropped spans) on `registry`."""
+    registry.register(_SpanDropCollector())
+
+
 def setup_tracer_provider(
     common: CommonSettings, service_name: str
 ) -> ServiceTracerProvider | UnexportedTracerProvider:
@@ -72,6 +136,7 @@ def setup_tracer_provider(
     `shutdown()` on it when the service stops."""
     if common.otel_exporter == "none":
         return UnexportedTracerProvider()
+    SPAN_DROPS.install()
     resource = Resource.create({"service.name": f"deepinfer-{service_name}"})
     provider = ServiceTracerProvider(common.otel_token_spans, resource=resource)
     if common.otel_exporter == "console":
