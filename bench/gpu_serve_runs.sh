@@ -10,6 +10,8 @@
 #         | trace1 (c=1 traced; bench/trace_ttft.py: the first token's path) | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
 #         | prof1 (py-spy of the decode worker at c=1) | c1-N / nostore1-N / nohost1-N (c=1 only, no offline: store tier
 #         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: piecewise CUDA graphs on / off)
+#         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
+#         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -80,6 +82,9 @@ for variant in "$@"; do
         c1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline ;;
         pw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
         nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
+        onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
+        mixedstep) timeout 300 python3 bench/mixed_step.py --random-model llama-1b --out "$OUT/mixedstep.json" \
+            > "$OUT/mixedstep.log" 2>&1; echo "mixedstep: rc $?"; cat "$OUT/mixedstep.log" | head -12 ;;
         nostore1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         nohost1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=0 ;;
         offgc) timeout 300 python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 3 \

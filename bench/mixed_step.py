@@ -8,8 +8,8 @@ P prompt tokens): B requests whose --context tokens are already in the cache dec
 request of P random tokens (max_tokens 1) is admitted whole, so each step is one forward of B + P tokens
 (B = 0: a prefill-only step). Each engine.step() is timed with a CUDA sync after it, after --warmup steps,
 once with the piecewise graphs and once with them set aside (`runner.piecewise = None`: the eager forward),
-and with the piecewise graphs once more with the mixed step's attention in one kernel (`num_decodes` not
-counted: the decode rows go through the prefill kernel, as before the split; the "one kernel" column).
+and with the piecewise graphs once more with the mixed step's attention in one kernel (the runner's
+`mixed_step_decode_kernel` off: the decode rows go through the prefill kernel; the "one kernel" column).
 Prints a table and one JSON line (`--out`: also written there). `--model DIR --device cpu`: a dry run of the
 code paths on a small checkpoint (no graphs: both columns eager).
 """
@@ -39,18 +39,6 @@ def make_engine(model_dir: str, device: str, max_decode_rows: int, max_tokens: i
                       max_num_batched_tokens=max_tokens, async_scheduling=False, kv_host_cache_bytes=0,
                       enable_kv_events=False, progress=False, piecewise_cuda_graphs=True)
     return EngineCore(args)
-
-
-def one_attention_kernel(stager) -> None:
-    """Make the stager leave num_decodes uncounted: a mixed step's attention runs in the prefill kernel alone."""
-    stage = stager.stage
-
-    def staged(*args, **kwargs):
-        inputs = stage(*args, **kwargs)
-        inputs.meta.num_decodes = None
-        return inputs
-
-    stager.stage = staged
 
 
 def sync(device: str) -> None:
@@ -139,10 +127,10 @@ def main() -> None:
                 point["piecewise_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
                                                       args.steps), 3)
                 point["piecewise_steps"] = pieces.num_runs - runs
-            one_attention_kernel(runner.stager)
+            runner.mixed_step_decode_kernel = False
             point["one_kernel_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
                                                    args.steps), 3)
-            del runner.stager.stage
+            runner.mixed_step_decode_kernel = True
             piecewise = point.get("piecewise_ms")
             speedup = f"{point['eager_ms'] / piecewise:.2f}x" if piecewise else "-"
             print(f"{b:>11} {p:>6} {b + p:>6} {point.get('bucket') or '-':>6} {point['eager_ms']:>9.2f} "

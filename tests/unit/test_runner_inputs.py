@@ -188,3 +188,31 @@ def test_dummy_weights_engine_without_tokenizer_generates_token_ids(tmp_path):
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]  # seeded weights
     weights = torch.cat([p.flatten() for p in llm.engine.runner.model.parameters()])
     assert weights.std() > 0.01 and torch.isfinite(weights).all()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_mixed_step_counts_its_decodes_unless_the_setting_is_off(tmp_path, split):
+    """`mixed_step_decode_kernel` (settings -> EngineArgs -> runner): a mixed step's metadata counts its
+    single-row sequences for the attention dispatch, or leaves them uncounted (one kernel)."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.config import DecodeSettings
+    from deepinfer.worker.settings import engine_args
+
+    assert engine_args(DecodeSettings(mixed_step_decode_kernel=split)).mixed_step_decode_kernel is split
+    torch.set_num_threads(1)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "eos_token_id": 5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
+                 progress=False, async_scheduling=False, mixed_step_decode_kernel=split).engine
+    seen, model = [], engine.runner.model
+    forward = model.forward
+    model.forward = lambda ids, positions, caches, meta: seen.append(
+        (meta.max_query_len, meta.num_decodes)) or forward(ids, positions, caches, meta)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4, 6], params)
+    engine.step()  # a's prefill
+    engine.add_request("b", [7, 8, 9], params)
+    engine.step()  # a decodes beside b's prefill
+    assert seen[1] == (3, 1 if split else None)

@@ -263,6 +263,10 @@ class WorkerSettings(ServiceSettings):
         True, description="Run prefill and mixed steps of Llama-family models as piecewise CUDA graphs (all but "
         "attention captured per token bucket; docs/gpu.md); only with CUDA graphs on (one CUDA device).",
     )
+    mixed_step_decode_kernel: bool = Field(
+        True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
+        "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )

@@ -68,6 +68,9 @@ class EngineArgs:
     #: graphs: everything but attention captured per token bucket (deepinfer.engine.piecewise_graphs). Only
     #: with CUDA graphs on (one CUDA device, not enforce_eager, not batch_invariant).
     piecewise_cuda_graphs: bool = True
+    #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
+    #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
+    mixed_step_decode_kernel: bool = True
     #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
     #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
     #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.

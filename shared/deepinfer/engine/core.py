@@ -140,6 +140,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             use_cuda_graphs=single_cuda and not args.enforce_eager,
             piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+            mixed_step_decode_kernel=args.mixed_step_decode_kernel,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,
         )

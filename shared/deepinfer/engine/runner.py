@@ -81,6 +81,7 @@ class ModelRunner:
         piecewise_cuda_graphs: bool = False,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batch_invariant: bool = False,
+        mixed_step_decode_kernel: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -103,6 +104,8 @@ class ModelRunner:
         # Columns grow on demand when max_model_len is unknown.
         self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
         self.batch_invariant = batch_invariant
+        #: Split a mixed step's attention (single-row sequences to the decode kernel); off in batch-invariant mode.
+        self.mixed_step_decode_kernel = mixed_step_decode_kernel and not batch_invariant
         if batch_invariant and max_model_len is None:
             raise ValueError("batch_invariant needs max_model_len (the fixed split of decode attention)")
         accelerator = "cuda" if self.device.type == "cuda" else "cpu"
@@ -256,6 +259,8 @@ class ModelRunner:
                 return hidden[:num_sampled]
             return hidden[torch.tensor(batch.logits_indices, device=self.device)]
         inputs = self.stager.stage(batch, self.block_table)
+        if not self.mixed_step_decode_kernel:
+            inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
         if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
@@ -264,7 +269,6 @@ class ModelRunner:
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
-                inputs.meta.num_decodes = None  # every row through the prefill kernel, whatever its neighbours
             else:
                 assert batch.is_decode_only, "batch-invariant decode forward got a prefill row"
                 inputs.meta.max_seq_len = self.max_model_len

@@ -33,6 +33,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
+        mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
