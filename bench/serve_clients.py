@@ -10,6 +10,7 @@ client parses SSE lines with `json.loads` (light); `openai` uses the official SD
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import resource
@@ -70,28 +71,30 @@ class LoadResult:
 
 def run_load(
     base_url: str | list[str], model: str, prompts: list[Any], concurrency: int, max_tokens: int, num_procs: int,
-    client: str = "httpx",
+    client: str = "httpx", warm: bool = True,
 ) -> LoadResult:
     """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them;
-    with several base URLs (gateways), process i talks to URL i modulo their number."""
+    with several base URLs (gateways), process i talks to URL i modulo their number. `warm`: each client makes one
+    request before the start (see `_clients`; False only to measure what that removes: bench/client_warmup.py)."""
     urls = [base_url] if isinstance(base_url, str) else base_url
     num_procs = max(1, min(num_procs, concurrency))
     shares = [prompts[i::num_procs] for i in range(num_procs)]
     clients = [concurrency // num_procs + (1 if i < concurrency % num_procs else 0) for i in range(num_procs)]
     context = multiprocessing.get_context("spawn")
     start_at = time.time() + 2.0  # every process imports first, then all begin together
-    jobs = [(urls[i % len(urls)], model, share, n, max_tokens, client, start_at)
+    jobs = [(urls[i % len(urls)], model, share, n, max_tokens, client, start_at, warm)
             for i, (share, n) in enumerate(zip(shares, clients, strict=True))]
     with context.Pool(num_procs) as pool:
         return LoadResult(pool.starmap(_process_main, jobs))
 
 
 def _process_main(
-    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str, start_at: float
+    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str, start_at: float,
+    warm: bool,
 ) -> ProcessResult:
     import httpx  # noqa: F401  (imported before the start line, not inside the timed window)
 
-    return asyncio.run(_clients(base_url, model, prompts, concurrency, max_tokens, client, start_at))
+    return asyncio.run(_clients(base_url, model, prompts, concurrency, max_tokens, client, start_at, warm))
 
 
 def _cpu_s() -> float:
@@ -100,9 +103,12 @@ def _cpu_s() -> float:
 
 
 async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str,
-                   start_at: float) -> ProcessResult:
-    """The process's clients, built before the common start (an SDK or httpx client takes tens of ms to make, e.g.
-    its SSL context: a one-time cost no served request pays), then its window from the start to its last answer."""
+                   start_at: float, warm: bool) -> ProcessResult:
+    """The process's clients, built and warmed before the common start, then its window from the start to its last
+    answer. Both are one-time costs of a fresh client process that no served request pays: an SDK or httpx client
+    takes tens of ms to make (its SSL context), and its first request ~25-35 ms more on the 2-core dev CPU (httpx's
+    and httpcore's lazy set-up: bench/client_warmup.py), likely the one slow request in 16 of every c=1 point on
+    the H200 (TTFT p99 67-104 ms against a p50 of 9-24 ms)."""
     queue: asyncio.Queue = asyncio.Queue()
     for messages in prompts:
         queue.put_nowait(messages)
@@ -112,12 +118,16 @@ async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: i
 
         sdk = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
         one = _openai_request(sdk, model, max_tokens)
+        if warm:
+            await _warm(sdk.models.list())
     else:
         import httpx
 
         limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
         http = httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
         one = _httpx_request(http, model, max_tokens)
+        if warm:
+            await _warm(http.get("/models"))
 
     async def worker() -> None:
         while not queue.empty():
@@ -129,6 +139,12 @@ async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: i
     ended, cpu_s = time.time(), _cpu_s() - cpu_before
     await (sdk.close() if client == "openai" else http.aclose())
     return ProcessResult(results, started, ended, cpu_s)
+
+
+async def _warm(request: Any) -> None:
+    """One cheap request (GET /v1/models) through a new client before the measured window; its outcome is moot."""
+    with contextlib.suppress(Exception):  # a failed warm-up still set the client up; the measured requests tell
+        await request
 
 
 def _body(model: str, messages: Any, max_tokens: int) -> dict[str, Any]:
