@@ -271,7 +271,9 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
               + ", ".join(f"{name} {share:.2f}" for name, share in p.get("service_cpu", {}).items()))
         for name, row in p.get("engine_steps", {}).items():
             print(f"  {name}: {row['steps']} steps, {row['graph_share']:.0%} CUDA-graph replays, "
-                  f"{row['step_ms']:.2f} ms a step (wall / steps)")
+                  f"{row['step_ms']:.2f} ms a step (wall / steps); by kind, count and p50 / p99 ms: "
+                  + ", ".join(f"{kind} {k['count']} {k['p50_ms']:.2f} / {k['p99_ms']:.2f}"
+                              for kind, k in row.get("kinds", {}).items()))
         if "offline_steps" in p:
             print(f"  offline: {p['offline_steps']} steps, {p['offline_graph_share']:.0%} CUDA-graph replays, "
                   f"{p['offline_mean_step_ms']:.2f} ms a step")

@@ -18,6 +18,7 @@ import httpx
 
 _ENGINE_GAUGE = re.compile(r'^deepinfer_worker_(engine_steps|cuda_graph_replays) ([0-9.eE+-]+)$')
 _BUCKET = re.compile(r'^deepinfer_(\w+)_hop_seconds_bucket\{hop="([^"]+)",le="([^"]+)"\} ([0-9.eE+-]+)$')
+_STEP_BUCKET = re.compile(r'^deepinfer_worker_engine_step_seconds_bucket\{kind="(\w+)",le="([^"]+)"\} ([0-9.eE+-]+)$')
 
 #: (service, hop) -> {upper bound (s): cumulative count}
 Histograms = dict[tuple[str, str], dict[float, float]]
@@ -37,28 +38,42 @@ def scrape(internal_ports: dict[str, int]) -> Histograms:
     return dict(found)
 
 
-def engine_counts(internal_ports: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Each worker's engine steps and CUDA-graph replays so far, from its /metrics (name -> internal port)."""
-    found: dict[str, dict[str, float]] = {}
+def engine_counts(internal_ports: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Each worker's engine steps and CUDA-graph replays so far, and its step-time histogram by step kind
+    (`step_seconds`: kind -> {upper bound (s): cumulative count}), from its /metrics (name -> internal port)."""
+    found: dict[str, dict[str, Any]] = {}
     for name, port in internal_ports.items():
         for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
             match = _ENGINE_GAUGE.match(line)
             if match:
                 found.setdefault(name, {})[match.group(1)] = float(match.group(2))
+            match = _STEP_BUCKET.match(line)
+            if match:
+                kind, le, value = match.groups()
+                buckets = found.setdefault(name, {}).setdefault("step_seconds", {}).setdefault(kind, {})
+                buckets[math.inf if le == "+Inf" else float(le)] = float(value)
     return found
 
 
-def step_breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-                   wall_s: float) -> dict[str, dict[str, float]]:
-    """Per worker during a run: steps, the share that replayed a CUDA graph, and the mean wall time of a step."""
-    rows = {}
+def step_breakdown(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]],
+                   wall_s: float) -> dict[str, dict[str, Any]]:
+    """Per worker during a run: steps, the share that replayed a CUDA graph, the mean wall time of a step, and
+    by step kind (decode / mixed / prefill) the count and the p50 / p99 of a step's time (`kinds`)."""
+    rows: dict[str, dict[str, Any]] = {}
     for name, counts in after.items():
         steps = counts.get("engine_steps", 0.0) - before.get(name, {}).get("engine_steps", 0.0)
         if steps <= 0:
             continue
         graphs = counts.get("cuda_graph_replays", 0.0) - before.get(name, {}).get("cuda_graph_replays", 0.0)
         rows[name] = {"steps": int(steps), "graph_share": round(graphs / steps, 3),
-                      "step_ms": round(wall_s * 1000 / steps, 3)}
+                      "step_ms": round(wall_s * 1000 / steps, 3), "kinds": {}}
+        old = before.get(name, {}).get("step_seconds", {})
+        for kind, buckets in sorted(counts.get("step_seconds", {}).items()):
+            delta = {le: n - old.get(kind, {}).get(le, 0.0) for le, n in buckets.items()}
+            if delta.get(math.inf, 0.0) > 0:
+                rows[name]["kinds"][kind] = {"count": int(delta[math.inf]),
+                                             "p50_ms": round(_quantile(delta, 0.5) * 1000, 3),
+                                             "p99_ms": round(_quantile(delta, 0.99) * 1000, 3)}
     return rows
 
 

@@ -213,6 +213,34 @@ def test_mixed_step_counts_its_decodes_unless_the_setting_is_off(tmp_path, split
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", [1, 2, 3, 4, 6], params)
     engine.step()  # a's prefill
+    kinds = [engine.last_step_kind]
     engine.add_request("b", [7, 8, 9], params)
     engine.step()  # a decodes beside b's prefill
+    kinds.append(engine.last_step_kind)
+    engine.step()
+    kinds.append(engine.last_step_kind)
     assert seen[1] == (3, 1 if split else None)
+    assert kinds == ["prefill", "mixed", "decode"]  # what the worker's step-time histogram is labelled with
+
+
+def test_async_steps_are_labelled_with_the_step_they_wait_for(tmp_path):
+    """With async scheduling a step() call launches step N+1 and waits for step N: N's kind labels its time."""
+    from deepinfer import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "eos_token_id": 5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
+                 progress=False, async_scheduling=True).engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4, 6], params)
+    kinds = []
+    for i in range(4):
+        if i == 1:
+            engine.add_request("b", [7, 8, 9], params)
+        engine.step()
+        kinds.append(engine.last_step_kind)
+    # launched: prefill(a), mixed(a + b), decode, decode; each call but the first waits for the one before
+    assert kinds == ["prefill", "prefill", "mixed", "decode"]

@@ -15,7 +15,7 @@ import pytest
 from deepinfer.engine.handoff import engine_stats
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.worker.eager import run_eagerly
-from deepinfer.worker.engine_loop import EngineLoop, StepWakeup
+from deepinfer.worker.engine_loop import EngineLoop, StepTimes, StepWakeup
 
 # -- run_eagerly --------------------------------------------------------------------------------------------------
 
@@ -155,6 +155,33 @@ async def test_steps_taken_while_the_loop_is_busy_arrive_in_order_behind_one_wak
     assert [r[1] for r in received] == [k // 2 for k in range(1, 21)]
     assert engine._wakeup.num_wakes == 1
     await engine.stop()
+
+
+async def test_each_steps_time_is_observed_by_its_kind():
+    """EngineLoop.on_step_time gets every step's kind and wall time; StepTimes counts them by kind (not empty)."""
+    from prometheus_client import CollectorRegistry
+
+    class KindedCore(CountingCore):
+        def step(self) -> list:
+            self.last_step_kind = ("mixed", "decode", "decode", "empty", "prefill")[self.steps % 5]
+            if self.last_step_kind == "mixed":
+                time.sleep(0.003)
+            return super().step()
+
+    registry, core = CollectorRegistry(), KindedCore(num_steps=20)
+    engine = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events, seq: None)
+    engine.on_step_time = StepTimes(registry).observe
+    engine.start()
+    await wait_for(lambda: core.steps == 20)
+    await engine.stop()
+
+    def sample(suffix: str, kind: str) -> float | None:
+        return registry.get_sample_value(f"deepinfer_worker_engine_step_seconds_{suffix}", {"kind": kind})
+
+    assert {kind: sample("count", kind) for kind in ("decode", "mixed", "prefill")} == {
+        "decode": 8.0, "mixed": 4.0, "prefill": 4.0}
+    assert sample("count", "empty") is None
+    assert sample("sum", "mixed") >= 4 * 0.003 > sample("sum", "decode")
 
 
 async def test_a_failing_output_handler_does_not_lose_the_next_steps(caplog):

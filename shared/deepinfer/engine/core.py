@@ -112,6 +112,8 @@ class EngineCore:
             self.host_tier = self._make_host_tier()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
+        #: `SchedulerOutput.kind` of the step the last `step()` call spent its time on (async: the one it waited for).
+        self.last_step_kind = "empty"
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
             self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
@@ -248,11 +250,13 @@ class EngineCore:
             host_tier.poll(self.scheduler)
             if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
                 time.sleep(HOST_COPY_POLL_S)  # only copies in flight: poll again soon
+                self.last_step_kind = "empty"
                 return []
         if self.async_scheduling:
             outputs = self._step_async()
         else:
             scheduled = self.scheduler.schedule()
+            self.last_step_kind = scheduled.kind
             sampled = self.runner.execute(scheduled, self.scheduler.requests)
             updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
             outputs = _engine_outputs(updates, sampled)
@@ -267,9 +271,11 @@ class EngineCore:
         (whose tokens all belong to finished requests) is drained, so no stale step outlives the batch.
         """
         outputs: list[EngineOutput] = []
+        waited = self._in_flight  # this call waits for it: its kind names the call's time (else the launched one)
         if self._in_flight is not None and self._in_flight[1].needs_sync:
             outputs = self._finish_in_flight()  # its tokens feed the next step's penalties on the host
         scheduled = self.scheduler.schedule()
+        self.last_step_kind = (waited[0] if waited is not None else scheduled).kind
         launched = (scheduled, self.runner.execute_async(scheduled, self.scheduler.requests))
         if self._in_flight is not None:
             outputs += self._finish_in_flight()

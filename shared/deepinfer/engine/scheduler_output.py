@@ -39,6 +39,16 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
 
+    @property
+    def kind(self) -> str:
+        """decode (every request feeds one token), prefill (none does), mixed (both), or empty; O(1) for decode."""
+        num_scheduled = len(self.scheduled)
+        if num_scheduled == 0:
+            return "empty"
+        if self.num_batched_tokens == num_scheduled:
+            return "decode"
+        return "mixed" if any(s.num_new_tokens == 1 for s in self.scheduled) else "prefill"
+
 
 #: Result of a step for one request: tokens it gained and, when it ended, why. It is the EngineOutput the engine
 #: hands out, built once per sampled request per step: the scheduler leaves `new_logprobs` None, and EngineCore

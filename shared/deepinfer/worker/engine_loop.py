@@ -29,10 +29,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from prometheus_client import CollectorRegistry
+
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.outputs import EngineOutput, EngineStats
+from deepinfer.telemetry.hops import HOP_BUCKETS_S
+from deepinfer.telemetry.metrics import histogram
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ class EngineLoop:
         #: Called on the event loop after each command's result is set: a command (an admission, an abort) may
         #: change the load with no step after it (the worker's load-change heartbeat check).
         self.after_command: Callable[[], None] | None = None
+        #: Called on the engine thread after each step with (`EngineCore.last_step_kind`, the step's seconds).
+        self.on_step_time: Callable[[str, float], None] | None = None
 
     def start(self) -> None:
         """Start the engine thread (call on the event loop)."""
@@ -118,9 +124,11 @@ class EngineLoop:
                     self._run_commands(block=idle)
                 if self._stopping or not core.has_unfinished_requests():
                     continue
-                self.step_started_s = time.monotonic()
+                self.step_started_s = started_s = time.monotonic()
                 outputs = core.step()
                 self.step_started_s = None
+                if self.on_step_time is not None:
+                    self.on_step_time(core.last_step_kind, time.monotonic() - started_s)
                 events = core.take_kv_events()
                 self.num_steps += 1
                 self._update_load()
@@ -207,6 +215,24 @@ class EngineLoop:
                 return
             if item is not None:
                 self._loop.call_soon_threadsafe(_set_exception, item[1], RuntimeError(f"engine failed: {exc}"))
+
+
+class StepTimes:
+    """`deepinfer_worker_engine_step_seconds{kind}`: each engine step's wall time by kind (decode, mixed, prefill;
+    `SchedulerOutput.kind`), an `EngineLoop.on_step_time`. With async scheduling a step call's time is mostly its
+    wait for the step launched before it, so that step's kind labels it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.seconds = histogram(registry, "worker_engine_step_seconds", "Wall time of an engine step, by kind: "
+                                 "decode (every request one token), mixed (prompt and decode rows), prefill.",
+                                 ["kind"], buckets=HOP_BUCKETS_S)
+        self._by_kind = {kind: self.seconds.labels(kind) for kind in ("decode", "mixed", "prefill")}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """One step (an empty one is not counted)."""
+        child = self._by_kind.get(kind)
+        if child is not None:
+            child.observe(seconds)
 
 
 class StepWakeup:

@@ -42,7 +42,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
-from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.engine_loop import EngineLoop, StepTimes
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
 from deepinfer.worker.kv_event_wire import encode_kv_event_batch
@@ -166,6 +166,7 @@ class WorkerRuntime:
               "Steps that replayed a captured CUDA graph (decode-only batches); the rest ran eagerly (a counter)."
               ).set_function(lambda: graphs.num_replays if graphs is not None else 0)
         self.engine.after_command = self._heartbeat_on_load_change
+        self.engine.on_step_time = StepTimes(self._registry).observe
         self.engine.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
         if client is not None and self.core.args.tensor_parallel_size == 1:
