@@ -190,22 +190,29 @@ def test_dummy_weights_engine_without_tokenizer_generates_token_ids(tmp_path):
     assert weights.std() > 0.01 and torch.isfinite(weights).all()
 
 
+def tiny_engine(tmp_path, **engine_args):
+    """The EngineCore of a one-layer random-weight Llama on the CPU (no tokenizer: prompts are token ids)."""
+    from deepinfer import LLM
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "eos_token_id": 5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
+               progress=False, **engine_args).engine
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_mixed_step_counts_its_decodes_unless_the_setting_is_off(tmp_path, split):
     """`mixed_step_decode_kernel` (settings -> EngineArgs -> runner): a mixed step's metadata counts its
     single-row sequences for the attention dispatch, or leaves them uncounted (one kernel)."""
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
     from deepinfer.config import DecodeSettings
     from deepinfer.worker.settings import engine_args
 
     assert engine_args(DecodeSettings(mixed_step_decode_kernel=split)).mixed_step_decode_kernel is split
     torch.set_num_threads(1)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
-              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 128, "eos_token_id": 5}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
-                 progress=False, async_scheduling=False, mixed_step_decode_kernel=split).engine
+    engine = tiny_engine(tmp_path, async_scheduling=False, mixed_step_decode_kernel=split)
     seen, model = [], engine.runner.model
     forward = model.forward
     model.forward = lambda ids, positions, caches, meta: seen.append(
@@ -225,15 +232,10 @@ def test_mixed_step_counts_its_decodes_unless_the_setting_is_off(tmp_path, split
 
 def test_async_steps_are_labelled_with_the_step_they_wait_for(tmp_path):
     """With async scheduling a step() call launches step N+1 and waits for step N: N's kind labels its time."""
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
 
     torch.set_num_threads(1)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
-              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 128, "eos_token_id": 5}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    engine = LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
-                 progress=False, async_scheduling=True).engine
+    engine = tiny_engine(tmp_path, async_scheduling=True)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request("a", [1, 2, 3, 4, 6], params)
     kinds = []
