@@ -150,13 +150,20 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict, gc_f
             max(1, math.ceil(len(prompts) / concurrency) * args.max_tokens), 2),
             "offline_ttft_ms_p50": round(percentile(ttft, 50), 2), "offline_ttft_ms_p99": round(percentile(ttft, 99), 2),
             "offline_steps": steps, "offline_graph_share": round(graph_share, 3),
-            "offline_mean_step_ms": round(seconds * 1000 / max(1, steps), 3)}
+            "offline_mean_step_ms": round(seconds * 1000 / max(1, steps), 3),
+            "offline_kinds": {kind: {"count": len(ms), "p50_ms": round(percentile(ms, 50), 3),
+                                     "p99_ms": round(percentile(ms, 99), 3)}
+                              for kind, ms in sorted(ttft.step_ms.items()) if kind != "empty"}}
 
 
 class FirstTokens(list):
-    """Offline TTFT per request (ms), and `steps`: the engine steps taken since `time_first_tokens`."""
+    """Offline TTFT per request (ms); `steps`: the engine steps taken since `time_first_tokens`; `step_ms`: each
+    step's wall ms by kind (`EngineCore.last_step_kind`, as the workers' step-time histogram)."""
 
-    steps = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.step_ms: dict[str, list[float]] = {}
 
 
 def time_first_tokens(engine) -> FirstTokens:
@@ -167,9 +174,11 @@ def time_first_tokens(engine) -> FirstTokens:
     step = engine.step
 
     def timed_step():
+        started = time.monotonic()
         outputs = step()
         ttft_ms.steps += 1
         now = time.monotonic()
+        ttft_ms.step_ms.setdefault(engine.last_step_kind, []).append((now - started) * 1000)
         for out in outputs:
             if out.new_token_ids and out.first_scheduled_time is not None and out.request_id not in seen:
                 seen.add(out.request_id)
@@ -271,12 +280,10 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
               + ", ".join(f"{name} {share:.2f}" for name, share in p.get("service_cpu", {}).items()))
         for name, row in p.get("engine_steps", {}).items():
             print(f"  {name}: {row['steps']} steps, {row['graph_share']:.0%} CUDA-graph replays, "
-                  f"{row['step_ms']:.2f} ms a step (wall / steps); by kind, count and p50 / p99 ms: "
-                  + ", ".join(f"{kind} {k['count']} {k['p50_ms']:.2f} / {k['p99_ms']:.2f}"
-                              for kind, k in row.get("kinds", {}).items()))
+                  f"{row['step_ms']:.2f} ms a step (wall / steps); {kinds_text(row.get('kinds', {}))}")
         if "offline_steps" in p:
             print(f"  offline: {p['offline_steps']} steps, {p['offline_graph_share']:.0%} CUDA-graph replays, "
-                  f"{p['offline_mean_step_ms']:.2f} ms a step")
+                  f"{p['offline_mean_step_ms']:.2f} ms a step; {kinds_text(p.get('offline_kinds', {}))}")
         print_hops("hop (histograms)", p.get("hops", []))
         print_hops("hop (spans)", p.get("spans", []))
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
@@ -286,6 +293,12 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
               "points": points}
     save_result(result, args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-"
                 f"{time.strftime('%Y-%m-%d-%H%M')}.json")
+
+
+def kinds_text(kinds: dict[str, dict]) -> str:
+    """Steps by kind as printed: count and p50 / p99 ms of each."""
+    return "by kind, count and p50 / p99 ms: " + ", ".join(
+        f"{kind} {k['count']} {k['p50_ms']:.2f} / {k['p99_ms']:.2f}" for kind, k in kinds.items())
 
 
 def save_result(result: dict, out: Path) -> None:
