@@ -11,6 +11,7 @@
 #         | prof1 (py-spy of the decode worker at c=1) | c1-N / nostore1-N / nohost1-N (c=1 only, no offline: store tier
 #         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: piecewise CUDA graphs on / off)
 #         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
+#         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
@@ -82,6 +83,11 @@ for variant in "$@"; do
         c1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline ;;
         pw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
         nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
+        pw64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline ;;
+        onek64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --one-attention-kernel ;;
+        win*-*) ms=${variant#win}; ms=${ms%%-*}
+            run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
+                --env DEEPINFER_DECODE_ADMISSION_WINDOW_S="$(python3 -c "print($ms / 1000)")" ;;
         onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
         mixedstep) timeout 300 python3 bench/mixed_step.py --random-model llama-1b --out "$OUT/mixedstep.json" \
             > "$OUT/mixedstep.log" 2>&1; echo "mixedstep: rc $?"; cat "$OUT/mixedstep.log" | head -12 ;;

@@ -246,3 +246,29 @@ def test_async_steps_are_labelled_with_the_step_they_wait_for(tmp_path):
         kinds.append(engine.last_step_kind)
     # launched: prefill(a), mixed(a + b), decode, decode; each call but the first waits for the one before
     assert kinds == ["prefill", "prefill", "mixed", "decode"]
+
+
+def test_an_admission_window_reaches_the_engine_and_every_request_finishes(tmp_path):
+    """`admission_window_s` (settings -> EngineArgs -> scheduler): with async scheduling, two requests arriving
+    while one runs are held and prefilled in one step, and every request still completes."""
+    from deepinfer import SamplingParams
+    from deepinfer.config import DecodeSettings
+    from deepinfer.worker.settings import engine_args
+
+    assert engine_args(DecodeSettings(admission_window_s=0.2)).admission_window_s == 0.2
+    torch.set_num_threads(1)
+    engine = tiny_engine(tmp_path, async_scheduling=True, admission_window_s=0.2)
+    assert engine.scheduler.admission_window.window_s == 0.2
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4, 6], params)
+    engine.step()  # a's prefill: nothing was running, so at once
+    engine.add_request("b", [7, 8, 9], params)
+    engine.add_request("c", [9, 8, 7, 6], params)
+    kinds, finished = [], set()
+    while engine.has_unfinished_requests():
+        finished.update(o.request_id for o in engine.step() if o.finish_reason is not None)
+        kinds.append(engine.last_step_kind)
+    assert finished == {"a", "b", "c"}
+    # a's prefill (async: the first call waits for it), then b and c, held while a ran (the window outlasts a
+    # here) and prefilled together in one step; no mixed step
+    assert [kind for kind in kinds if kind not in ("decode", "empty")] == ["prefill", "prefill"], kinds

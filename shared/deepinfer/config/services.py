@@ -267,6 +267,11 @@ class WorkerSettings(ServiceSettings):
         True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
         "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",
     )
+    admission_window_s: float = Field(
+        0.0, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "
+        "is over (no arrival for a quarter of this) or this long, and join the batch in one step: fewer mixed "
+        "steps in running streams (0 = admit at the next step; docs/configuration.md).",
+    )
     tensor_parallel_size: int = Field(
         1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )

@@ -71,6 +71,9 @@ class EngineArgs:
     #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
     #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
     mixed_step_decode_kernel: bool = True
+    #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
+    #: (deepinfer.engine.admission_window; 0 = admit at the next step).
+    admission_window_s: float = 0.0
     #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
     #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
     #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.

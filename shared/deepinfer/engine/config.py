@@ -27,8 +27,13 @@ class EngineConfig:
     model_fingerprint: bytes = b""
     #: Buffer Stored/Removed events for take_kv_events; turn off when nobody takes them (offline use).
     enable_kv_events: bool = True
+    #: New requests arriving in a burst while others run wait up to this long to join one step (0 = off;
+    #: deepinfer.engine.admission_window).
+    admission_window_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.admission_window_s < 0:
+            raise ValueError(f"admission_window_s must be >= 0, got {self.admission_window_s}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

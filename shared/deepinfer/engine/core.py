@@ -104,6 +104,7 @@ class EngineCore:
                 enable_prefix_caching=args.enable_prefix_caching,
                 model_fingerprint=self.fingerprint,
                 enable_kv_events=args.enable_kv_events,
+                admission_window_s=args.admission_window_s,
             )
         )
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels

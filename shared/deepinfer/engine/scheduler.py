@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from deepinfer.engine.admission_window import AdmissionWindow
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
@@ -85,6 +86,7 @@ class Scheduler(LoadingRequests):
         self.loading: dict[str, Request] = {}  # the loading state (scheduler_loading)
         #: The host tier's lookup for a preempted request resuming: True when it took it (loading); None: recompute.
         self.resume_loader: Callable[[Request], bool] | None = None
+        self.admission_window = AdmissionWindow(config.admission_window_s)
 
     @property
     def num_running(self) -> int:
@@ -109,6 +111,7 @@ class Scheduler(LoadingRequests):
         self._register(request)
         self.waiting.append(request)
         self.num_added += 1
+        self.admission_window.note_arrival()
 
     def _register(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -327,6 +330,8 @@ class Scheduler(LoadingRequests):
         step.drop(request)
 
     def _admit_waiting(self, step: _Step) -> None:
+        if self.waiting and self.admission_window.holds(self.waiting[0], bool(self.running)):
+            return  # the rest of its burst is still arriving
         offered: list[Request] = []  # to resume_loader, once a step: one whose load failed is recomputed now
         while self.waiting and step.token_budget > 0 and self._num_seqs() < self.config.max_num_seqs:
             request = self.waiting[0]

@@ -278,9 +278,13 @@ def paged_decode_attention(
     *, partition_size: int = 512, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the sequences with exactly one new row. Alone (`out=None`) for decode batches
-    (meta.max_query_len <= 1); in a mixed step into `out`, where the prefill kernel wrote the prompts' rows."""
-    _check_attention_inputs(query, kv_cache, meta)
+    (meta.max_query_len <= 1), split over `partition_size`-key partitions; in a mixed step into `out`, where the
+    prefill kernel wrote the prompts' rows (and checked the inputs), one partition a sequence: a mixed step runs
+    its attention eagerly, so a reduce launch and two scratch buffers a layer would cost more host time than the
+    split saves on the device."""
+    mixed = out is not None
     if out is None:
+        _check_attention_inputs(query, kv_cache, meta)
         assert meta.max_query_len <= 1, f"decode kernel got max_query_len={meta.max_query_len} without out="
         out = _new_output(query, meta)
     num_seqs, (num_heads, head_dim), num_kv_heads = meta.seq_lens.shape[0], query.shape[1:], kv_cache.shape[3]
@@ -288,7 +292,7 @@ def paged_decode_attention(
         return out
     block_n = 64
     assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
-    num_partitions = triton.cdiv(max(meta.max_seq_len, 1), partition_size)
+    num_partitions = triton.cdiv(max(meta.max_seq_len, 1), partition_size) if not mixed else 1
     split = num_partitions > 1
     if not split:
         partition_size = max(meta.max_seq_len, 1)

@@ -34,6 +34,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         batch_invariant=settings.batch_invariant,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
+        admission_window_s=settings.admission_window_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
