@@ -12,6 +12,7 @@
 #         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: piecewise CUDA graphs on / off)
 #         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
+#         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
@@ -65,7 +66,8 @@ for variant in "$@"; do
         aggregated8b) run aggregated8b 200 --random-model llama-8b --sweep 1,64 --prefill 0 --no-offline ;;
         trace1) run trace1 100 --random-model llama-1b --sweep 1 --no-offline --trace
             python3 bench/trace_ttft.py /tmp/trace1-logs/traces --out "$OUT/trace1-ttft.json" | tee "$OUT/trace1-ttft.log" ;;
-        trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace ;;
+        trace64) run trace64 150 --random-model llama-1b --sweep 64 --no-offline --trace
+            python3 bench/trace_ttft.py /tmp/trace64-logs/traces --out "$OUT/trace64-ttft.json" | tee "$OUT/trace64-ttft.log" ;;
         nostore64) run nostore64 150 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
         sync64) run sync64 150 --random-model llama-1b --sweep 1,64 --no-offline --env DEEPINFER_DECODE_ASYNC_SCHEDULING=false ;;
         default64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline ;;
@@ -88,6 +90,9 @@ for variant in "$@"; do
         win*-*) ms=${variant#win}; ms=${ms%%-*}
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
                 --env DEEPINFER_DECODE_ADMISSION_WINDOW_S="$(python3 -c "print($ms / 1000)")" ;;
+        egil*-*) us=${variant#egil}; us=${us%%-*}
+            run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
+                --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_EAGER_STEP_S="$(python3 -c "print($us / 1e6)")" ;;
         onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
         mixedstep) timeout 300 python3 bench/mixed_step.py --random-model llama-1b --out "$OUT/mixedstep.json" \
             > "$OUT/mixedstep.log" 2>&1; echo "mixedstep: rc $?"; cat "$OUT/mixedstep.log" | head -12 ;;

@@ -272,3 +272,25 @@ def test_an_admission_window_reaches_the_engine_and_every_request_finishes(tmp_p
     # a's prefill (async: the first call waits for it), then b and c, held while a ran (the window outlasts a
     # here) and prefilled together in one step; no mixed step
     assert [kind for kind in kinds if kind not in ("decode", "empty")] == ["prefill", "prefill"], kinds
+
+
+def test_an_eager_step_runs_under_its_own_switch_interval(tmp_path):
+    """`gil_switch_interval_eager_step_s` (settings -> EngineArgs -> runner): the layers of a step that runs
+    eagerly launch under that switch interval, and the process's own comes back after the step."""
+    import sys
+
+    from deepinfer import SamplingParams
+    from deepinfer.config import DecodeSettings
+    from deepinfer.worker.settings import engine_args
+
+    assert engine_args(DecodeSettings(gil_switch_interval_eager_step_s=5e-5)).eager_step_switch_interval_s == 5e-5
+    assert engine_args(DecodeSettings()).eager_step_switch_interval_s is None
+    torch.set_num_threads(1)
+    engine = tiny_engine(tmp_path, async_scheduling=False, eager_step_switch_interval_s=5e-5)
+    seen, model = [], engine.runner.model
+    forward = model.forward
+    model.forward = lambda *args: seen.append(sys.getswitchinterval()) or forward(*args)
+    own = sys.getswitchinterval()
+    engine.add_request("a", [1, 2, 3, 4, 6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert seen == [pytest.approx(5e-5)] and sys.getswitchinterval() == own

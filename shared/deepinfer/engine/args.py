@@ -74,6 +74,9 @@ class EngineArgs:
     #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
     #: (deepinfer.engine.admission_window; 0 = admit at the next step).
     admission_window_s: float = 0.0
+    #: Python's switch interval while a prefill or mixed step launches its layers (deepinfer.engine.runner;
+    #: None = the process's own): a shorter one returns the GIL to the engine thread sooner after each launch.
+    eager_step_switch_interval_s: float | None = None
     #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
     #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
     #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.

@@ -144,6 +144,7 @@ class EngineCore:
             use_cuda_graphs=single_cuda and not args.enforce_eager,
             piecewise_cuda_graphs=args.piecewise_cuda_graphs,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
+            eager_step_switch_interval_s=args.eager_step_switch_interval_s,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,
         )

@@ -23,7 +23,8 @@ depends on which other rows share its step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,6 +83,7 @@ class ModelRunner:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batch_invariant: bool = False,
         mixed_step_decode_kernel: bool = True,
+        eager_step_switch_interval_s: float | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -106,6 +108,10 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         #: Split a mixed step's attention (single-row sequences to the decode kernel); off in batch-invariant mode.
         self.mixed_step_decode_kernel = mixed_step_decode_kernel and not batch_invariant
+        #: Python's switch interval while a step with prompt rows launches its layers (None: unchanged). Each
+        #: Triton launch releases the GIL; a busy event loop in the same process then holds it until the
+        #: interval forces it back, once per launch (several a layer).
+        self.eager_step_switch_interval_s = eager_step_switch_interval_s
         if batch_invariant and max_model_len is None:
             raise ValueError("batch_invariant needs max_model_len (the fixed split of decode attention)")
         accelerator = "cuda" if self.device.type == "cuda" else "cpu"
@@ -264,7 +270,8 @@ class ModelRunner:
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
         if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
-            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+            with switch_interval(self.eager_step_switch_interval_s):
+                hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
             return hidden[inputs.logits_indices]
         if self.batch_invariant:
             if invariant_prefill:
@@ -272,7 +279,7 @@ class ModelRunner:
             else:
                 assert batch.is_decode_only, "batch-invariant decode forward got a prefill row"
                 inputs.meta.max_seq_len = self.max_model_len
-        with self._linear_mode():
+        with self._linear_mode(), switch_interval(self.eager_step_switch_interval_s):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden[inputs.logits_indices]
 
@@ -351,3 +358,17 @@ class _TokenLists(Sequence[list[int]]):
         if len(s.token_ids) < s.num_new_tokens and request.sampling_params.min_tokens:
             return [*request.output_token_ids, 0]
         return request.output_token_ids
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """sys.setswitchinterval(seconds) for the block, then the previous interval (None: leave it alone)."""
+    if seconds is None:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)

@@ -35,6 +35,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         admission_window_s=settings.admission_window_s,
+        eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
