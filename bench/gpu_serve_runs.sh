@@ -14,6 +14,7 @@
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
 #         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
+#         | mixedprof (py-spy of bench/mixed_step.py at 64 decode rows + a 32-token prompt, summarised)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -41,6 +42,11 @@ profile_decode() {  # NAME [CONCURRENCY]: py-spy (its wheel put in .whl-stack by
     pid=$(pgrep -f "services.decode" | head -1)
     py-spy record --pid "$pid" --duration 5 --rate 1000 --threads --idle --nonblocking --format raw \
         --output "$OUT/$name-pyspy.txt" > "$OUT/$name-pyspy.log" 2>&1
+    summarize_profile "$name"
+}
+summarize_profile() {  # NAME [MATCH]: the raw profile is tens of MB; its per-thread summary a few KB
+    python3 bench/pyspy_summary.py "$OUT/$1-pyspy.txt" ${2:+--match "$2"} > "$OUT/$1-pyspy-summary.txt"
+    gzip -f "$OUT/$1-pyspy.txt"
 }
 pin_decode() {  # NAME CPUS: every thread of the decode worker on CPUS (taskset) once its load starts
     local name=$1 cpus=$2 pid
@@ -94,6 +100,10 @@ for variant in "$@"; do
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
                 --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_EAGER_STEP_S="$(python3 -c "print($us / 1e6)")" ;;
         onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
+        mixedprof) timeout 150 py-spy record --rate 1000 --nonblocking --threads --format raw --output "$OUT/mixedprof-pyspy.txt" \
+            -- python3 bench/mixed_step.py --random-model llama-1b --decode-rows 64 --prompt-tokens 32 --steps 400 \
+            --context 300 > "$OUT/mixedprof.log" 2>&1; echo "mixedprof: rc $?"; summarize_profile mixedprof step_ms
+            head -30 "$OUT/mixedprof-pyspy-summary.txt" ;;
         mixedstep) timeout 300 python3 bench/mixed_step.py --random-model llama-1b --out "$OUT/mixedstep.json" \
             > "$OUT/mixedstep.log" 2>&1; echo "mixedstep: rc $?"; cat "$OUT/mixedstep.log" | head -12 ;;
         nostore1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline --env DEEPINFER_DECODE_KV_STORE=false ;;
@@ -102,7 +112,7 @@ for variant in "$@"; do
             --out "$OUT/offgc.json" > "$OUT/offgc.log" 2>&1; echo "offgc: rc $?"; tail -3 "$OUT/offgc.log" ;;
         offprof64) py-spy record --rate 1000 --threads --idle --nonblocking --format raw --output "$OUT/offprof64-pyspy.txt" \
             -- python3 bench/offline_gc.py --random-model llama-1b --device cuda --repeats 1 > "$OUT/offprof64.log" 2>&1
-            echo "offprof64: rc $?"; tail -3 "$OUT/offprof64.log" ;;
+            echo "offprof64: rc $?"; tail -3 "$OUT/offprof64.log"; summarize_profile offprof64 ;;
         nohost64-*) run "$variant" 120 --random-model llama-1b --sweep 64 --no-offline --env DEEPINFER_DECODE_KV_HOST_CACHE_BYTES=0 ;;
         pin1-*) pin_decode "$variant" 3 & run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline; wait ;;
         pin2-*) pin_decode "$variant" 3,4 & run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline; wait ;;
