@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from opentelemetry.trace import Tracer
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
@@ -47,6 +47,7 @@ from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
 from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
+from deepinfer.worker.model_server_metrics import ModelServerGauges
 from deepinfer.worker.outbox import Outbox
 from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
@@ -124,15 +125,7 @@ class WorkerRuntime:
         }
         #: The same load under the names the Kubernetes inference gateway's model-server protocol scrapes
         #: (TotalQueuedRequests, TotalRunningRequests, KVCacheUtilization as vLLM names them; both KV names).
-        self._model_server_gauges = {
-            name: Gauge(name, doc, registry=registry)
-            for name, doc in (
-                ("vllm:num_requests_waiting", "Requests waiting for admission (model-server protocol)."),
-                ("vllm:num_requests_running", "Requests in the running batch (model-server protocol)."),
-                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (model-server protocol)."),
-                ("vllm:gpu_cache_usage_perc", "Fraction of KV blocks in use, 1 = full (its older name)."),
-            )
-        }
+        self._model_server_gauges = ModelServerGauges(registry)
 
     async def load(self) -> None:
         """Load the model on a thread (the event loop keeps answering NATS meanwhile) and start the engine."""
@@ -246,7 +239,7 @@ class WorkerRuntime:
             ("total_blocks", self.stats.num_total_blocks),
         ):
             self._gauges[name].set(value)
-        self._set_model_server_gauges()
+        self._model_server_gauges.set(self.stats)
         if self.host_tier_metrics is not None:
             self.host_tier_metrics.update()
         load = self._worker_load()
@@ -254,14 +247,6 @@ class WorkerRuntime:
         self._last_heartbeat_s = time.monotonic()
         await self.bus.publish(subjects.heartbeat(self.model, self.worker_id), load)
         self._heartbeats_sent += 1
-
-    def _set_model_server_gauges(self) -> None:
-        stats, gauges = self.stats, self._model_server_gauges
-        usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
-        gauges["vllm:num_requests_waiting"].set(stats.num_waiting)
-        gauges["vllm:num_requests_running"].set(stats.num_running)
-        gauges["vllm:kv_cache_usage_perc"].set(usage)
-        gauges["vllm:gpu_cache_usage_perc"].set(usage)
 
     async def drain(self) -> None:
         """Announce draining (the scheduler stops picking this worker)."""
