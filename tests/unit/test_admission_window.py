@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from deepinfer.engine.admission_window import AdmissionWindow
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.sampling.params import SamplingParams
 
 WINDOW_S = 0.008
 
 
-@dataclass
-class Params:
-    max_tokens: int | None = 64
-    min_tokens: int = 0
-    ignore_eos: bool = True
-    stop_token_ids: tuple[int, ...] = ()
-
-
 def new_request(request_id: str, arrival_s: float) -> Request:
     prompt = [10 + sum(map(ord, request_id)) % 50, *range(10, 29)]
-    return Request(request_id, prompt, Params(), arrival_time=arrival_s)
+    return Request(request_id, prompt, SamplingParams(max_tokens=64, ignore_eos=True), arrival_time=arrival_s)
 
 
 def test_holds_only_a_new_request_while_others_run_and_its_burst_goes_on():
