@@ -269,8 +269,9 @@ class ModelRunner:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
+        interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s
         if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
-            with switch_interval(self.eager_step_switch_interval_s):
+            with switch_interval(interval_s):
                 hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
             return hidden[inputs.logits_indices]
         if self.batch_invariant:
@@ -279,7 +280,7 @@ class ModelRunner:
             else:
                 assert batch.is_decode_only, "batch-invariant decode forward got a prefill row"
                 inputs.meta.max_seq_len = self.max_model_len
-        with self._linear_mode(), switch_interval(self.eager_step_switch_interval_s):
+        with self._linear_mode(), switch_interval(interval_s):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden[inputs.logits_indices]
 

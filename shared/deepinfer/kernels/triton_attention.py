@@ -283,7 +283,7 @@ def paged_decode_attention(
     its attention eagerly, so a reduce launch and two scratch buffers a layer would cost more host time than the
     split saves on the device."""
     mixed = out is not None
-    if out is None:
+    if not mixed:
         _check_attention_inputs(query, kv_cache, meta)
         assert meta.max_query_len <= 1, f"decode kernel got max_query_len={meta.max_query_len} without out="
         out = _new_output(query, meta)
@@ -292,7 +292,7 @@ def paged_decode_attention(
         return out
     block_n = 64
     assert partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
-    num_partitions = triton.cdiv(max(meta.max_seq_len, 1), partition_size) if not mixed else 1
+    num_partitions = 1 if mixed else triton.cdiv(max(meta.max_seq_len, 1), partition_size)
     split = num_partitions > 1
     if not split:
         partition_size = max(meta.max_seq_len, 1)
