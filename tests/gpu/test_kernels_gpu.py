@@ -125,6 +125,32 @@ def test_attention_replays_in_a_cuda_graph(triton_ops, q_lens):
     assert_close(out, torch_ops.paged_attention(b.query, b.kv_cache, b.meta, HEAD_DIM**-0.5))
 
 
+@pytest.mark.parametrize(("q_lens", "one_kernel"), [
+    ([1, 40, 1, 1, 200, 1], False),  # a mixed step: prompts through the prefill kernel, decode rows the decode one
+    ([1, 40, 1, 1, 200, 1], True),   # the same in one kernel (num_decodes not counted)
+    ([33, 300], False),              # prompts only
+    ([1, 1, 1], False),              # single rows only (a 1-token prompt remainder beside decode rows)
+])
+def test_attention_plan_replays_match_each_layer(triton_ops, q_lens, one_kernel):
+    """The plan's replayed launches give each layer's own attention: layers 1 and 3 replay layer 0's recording,
+    layer 2 (another window) and layer 4 (another cache shape) record their own; padding rows come back zeros."""
+    seq_lens = [q + 97 * i for i, q in enumerate(q_lens)]
+    b = make_batch(q_lens, seq_lens, 16, torch.bfloat16, num_pad_rows=3)
+    if one_kernel:
+        b.meta.num_decodes = None
+    caches = [torch.randn_like(b.kv_cache) for _ in range(4)]
+    caches.append(torch.randn(2, b.kv_cache.shape[1] + 5, *b.kv_cache.shape[2:], device="cuda", dtype=torch.bfloat16))
+    windows = [None, None, 64, None, None]
+    out = torch.full_like(b.query, float("nan"))
+    plan = triton_ops.AttentionPlan(b.query, out, b.meta)
+    for i, (cache, window) in enumerate(zip(caches, windows, strict=True)):
+        plan(cache, HEAD_DIM**-0.5, window)
+        expected = torch_ops.paged_attention(b.query, cache, b.meta, HEAD_DIM**-0.5, window)
+        assert_close(out, expected)
+        assert torch.equal(out, triton_ops.paged_attention(b.query, cache, b.meta, HEAD_DIM**-0.5, window)), i
+        assert plan.num_replays == (i >= 1) + (i >= 3), (i, plan.num_replays)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_rotary_and_activation_at_model_shapes(triton_ops, dtype):
     torch.manual_seed(2)

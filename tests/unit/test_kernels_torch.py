@@ -207,8 +207,8 @@ def test_get_ops_falls_back_to_twins(accelerator):
         assert ops.paged_attention is torch_ops.paged_attention
     assert set(ops.implementations()) == {
         "reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-        "fused_moe", "mla_paged_attention", "mla_cache_write", "varlen_causal_attention", "gather_blocks",
-        "scatter_blocks",
+        "fused_moe", "attention_plan", "mla_paged_attention", "mla_cache_write", "varlen_causal_attention",
+        "gather_blocks", "scatter_blocks",
     }
 
 

@@ -137,6 +137,22 @@ def test_mixed_step_splits_decode_rows_to_the_decode_kernel(
     assert len(calls) == 1
 
 
+def test_attention_plan_matches_twin_layer_by_layer(ops):
+    """The Triton plan and its torch twin write each layer's attention into the step's buffer (pad rows zeros);
+    under the interpreter nothing is recorded, so every layer takes the plain path (replays: tests/gpu)."""
+    b = make_batch(*MIXED, 16, 4, 2, 64, torch.float32, num_pad_rows=2)
+    caches = [b.kv_cache, torch.randn_like(b.kv_cache)]
+    out, twin_out = torch.full_like(b.query, float("nan")), torch.full_like(b.query, float("nan"))
+    plan = ops.triton_ops.AttentionPlan(b.query, out, b.meta)
+    twin = torch_ops.AttentionPlan(b.query, twin_out, b.meta)
+    for cache, window in zip(caches, (None, 8), strict=True):
+        plan(cache, 0.125, window)
+        twin(cache, 0.125, window)
+        assert_close(twin_out, torch_ops.paged_attention(b.query, cache, b.meta, 0.125, window))
+        assert_close(out, twin_out)
+    assert plan.num_replays == 0
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_sliding_window_matches_twin(ops, decode):
     q_lens = [1, 1, 1] if decode else [1, 30, 12]

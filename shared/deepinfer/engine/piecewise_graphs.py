@@ -7,7 +7,8 @@ kernel and grid chosen from host ints). So, as vLLM's piecewise graphs, everythi
 token-count bucket and attention runs eagerly between the pieces, on the step's real rows and metadata:
 
     piece 0      embed + layer 0 before attention (input norm, QKV, q/k norm, RoPE, K/V write) -> q
-    attention    layer 0 paged attention, eager, rows [0, T) -> attn_out
+    attention    layer 0 paged attention, eager, rows [0, T) -> attn_out (one AttentionPlan a step: the
+                 Triton launches recorded on layer 0 are launched again for the others, kernels.triton_ops)
     piece i      layer i-1 after attention (o_proj, post norm, MLP) + layer i before attention -> q, residual
     ...
     piece L      layer L-1 after attention + the final norm -> hidden
@@ -232,10 +233,11 @@ class PiecewiseGraphRunner:
         if num_tokens < n:
             self.slot_mapping[num_tokens:n].fill_(-1)  # padding rows write no KV (ids and positions: any real ones)
         pieces = self.pieces[n]
-        q, attn_out = self.q[:num_tokens], self.attn_out[:num_tokens]
+        # the step's attention planned once, launched for each layer into the static buffer (kernels' AttentionPlan)
+        plan = self.layers[0].self_attn.ops.attention_plan(self.q[:num_tokens], self.attn_out[:num_tokens], meta)
         pieces[0]()
         for layer, kv_cache, piece in zip(self.layers, self.kv_caches, pieces[1:], strict=True):
-            attn_out.copy_(layer.self_attn.attend(q, kv_cache, meta))
+            plan(kv_cache, layer.self_attn.scale, layer.self_attn.sliding_window)
             piece()
         self.num_runs += 1
         return self.hidden[:num_tokens]

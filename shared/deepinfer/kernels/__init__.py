@@ -49,6 +49,8 @@ class KernelOps:
     rotary_embedding: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
     fused_moe: Callable[..., Any] = torch_moe.fused_moe
+    #: (query, out, meta) -> plan; plan(kv_cache, scale, sliding_window) writes paged_attention into out
+    attention_plan: Callable[..., Any] = torch_ops.AttentionPlan
     mla_paged_attention: Callable[..., Any] = torch_mla.mla_paged_attention
     mla_cache_write: Callable[..., None] = torch_mla.mla_cache_write
     varlen_causal_attention: Callable[..., Any] = torch_mla.varlen_causal_attention
@@ -74,6 +76,7 @@ def _torch_twins(accelerator: str) -> KernelOps:
         rotary_embedding=torch_ops.rotary_embedding,
         silu_and_mul=torch_ops.silu_and_mul,
         fused_moe=torch_moe.fused_moe,
+        attention_plan=torch_ops.AttentionPlan,
         mla_paged_attention=torch_mla.mla_paged_attention,
         mla_cache_write=torch_mla.mla_cache_write,
         varlen_causal_attention=torch_mla.varlen_causal_attention,

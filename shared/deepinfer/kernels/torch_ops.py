@@ -130,6 +130,19 @@ def paged_attention(
     return out
 
 
+class AttentionPlan:
+    """One step's `paged_attention` for layer after layer, into `out` (query, out and metadata fixed for the
+    step, the layer's KV cache, scale and window per call). This twin recomputes each call; the Triton plan
+    (triton_ops.AttentionPlan) launches its kernels again without Triton's per-launch host work."""
+
+    def __init__(self, query: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.query, self.out, self.meta = query, out, meta
+
+    def __call__(self, kv_cache: torch.Tensor, scale: float, sliding_window: int | None = None) -> None:
+        """Write the attention of this step over `kv_cache` (one layer's) into `out`."""
+        self.out.copy_(paged_attention(self.query, kv_cache, self.meta, scale, sliding_window))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, statistics in float32, scaled by weight in x's dtype (as transformers)."""
     assert x.dim() == 2 and weight.shape == (x.shape[1],), (

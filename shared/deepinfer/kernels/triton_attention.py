@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.kernels.triton_launch import Launch, launch_now
 from deepinfer.kernels.triton_rounding import round_to
 
 _LOG2E = 1.4426950408889634
@@ -275,13 +276,13 @@ def _precision(query: torch.Tensor) -> str:
 
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-    *, partition_size: int = 512, out: torch.Tensor | None = None,
+    *, partition_size: int = 512, out: torch.Tensor | None = None, launch: Launch = launch_now,
 ) -> torch.Tensor:
     """Attention of the sequences with exactly one new row. Alone (`out=None`) for decode batches
     (meta.max_query_len <= 1), split over `partition_size`-key partitions; in a mixed step into `out`, where the
     prefill kernel wrote the prompts' rows (and checked the inputs), one partition a sequence: a mixed step runs
     its attention eagerly, so a reduce launch and two scratch buffers a layer would cost more host time than the
-    split saves on the device."""
+    split saves on the device. `launch`: see triton_launch."""
     mixed = out is not None
     if not mixed:
         _check_attention_inputs(query, kv_cache, meta)
@@ -304,8 +305,8 @@ def paged_decode_attention(
                                device=query.device)
         part_ml = torch.empty(2, num_seqs, num_heads, num_partitions, dtype=torch.float32, device=query.device)
     window = sliding_window or 0
-    _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        out, part_out, part_ml, query, kv_cache[0], kv_cache[1],
+    launch(
+        _decode_kernel, (num_seqs, num_kv_heads, num_partitions), out, part_out, part_ml, query, kv_cache[0], kv_cache[1],
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -315,8 +316,8 @@ def paged_decode_attention(
         PRECISION=_precision(query), F32_DOT=_f32_dot(query), num_warps=4, num_stages=2,
     )
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_ml, meta.seq_lens, meta.query_start_loc,
+        launch(
+            _decode_reduce_kernel, (num_seqs, num_heads), out, part_out, part_ml, meta.seq_lens, meta.query_start_loc,
             out.stride(0), out.stride(1), partition_size, num_seqs, num_heads, num_partitions,
             HEAD_DIM=head_dim, BLOCK_D=block_d, PART_PAD=triton.next_power_of_2(num_partitions), num_warps=4,
         )
@@ -325,14 +326,15 @@ def paged_decode_attention(
 
 def prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-    *, min_query_len: int = 1,
+    *, min_query_len: int = 1, out: torch.Tensor | None = None, launch: Launch = launch_now,
 ) -> torch.Tensor:
     """Varlen causal attention of every sequence's new rows over its cached prefix and themselves; sequences with
-    fewer than `min_query_len` new rows are skipped (their output rows are left unwritten)."""
+    fewer than `min_query_len` new rows are skipped (their output rows are left unwritten). Into `out` when given
+    (its rows past query_start_loc[-1] left as they are), else a new output. `launch`: see triton_launch."""
     _check_attention_inputs(query, kv_cache, meta)
-    out = _new_output(query, meta)
+    out = _new_output(query, meta) if out is None else out
     num_seqs, (num_heads, head_dim), num_kv_heads = meta.seq_lens.shape[0], query.shape[1:], kv_cache.shape[3]
-    if num_seqs == 0 or meta.max_query_len == 0:
+    if num_seqs == 0 or meta.max_query_len < min_query_len:
         return out
     block_d = triton.next_power_of_2(head_dim)
     fp32 = query.dtype == torch.float32
@@ -341,8 +343,8 @@ def prefill_attention(
     block_n = 32 if fp32 else 64
     window = sliding_window or 0
     grid = (triton.cdiv(meta.max_query_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        out, query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+    launch(
+        _prefill_kernel, grid, out, query, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         scale * _LOG2E, window, min_query_len,
