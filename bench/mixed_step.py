@@ -9,7 +9,9 @@ request of P random tokens (max_tokens 1) is admitted whole, so each step is one
 (B = 0: a prefill-only step). Each engine.step() is timed with a CUDA sync after it, after --warmup steps,
 once with the piecewise graphs and once with them set aside (`runner.piecewise = None`: the eager forward),
 and with the piecewise graphs once more with the mixed step's attention in one kernel (the runner's
-`mixed_step_decode_kernel` off: the decode rows go through the prefill kernel; the "one kernel" column).
+`mixed_step_decode_kernel` off: the decode rows go through the prefill kernel; the "one kernel" column), and with
+the piecewise graphs and each layer's attention through `paged_attention` and a copy into the static buffer instead
+of the step's AttentionPlan (its launches recorded on layer 0 and launched again for the others; "plan off").
 Prints a table and one JSON line (`--out`: also written there). `--model DIR --device cpu`: a dry run of the
 code paths on a small checkpoint (no graphs: both columns eager).
 """
@@ -39,6 +41,27 @@ def make_engine(model_dir: str, device: str, max_decode_rows: int, max_tokens: i
                       max_num_batched_tokens=max_tokens, async_scheduling=False, kv_host_cache_bytes=0,
                       enable_kv_events=False, progress=False, piecewise_cuda_graphs=True)
     return EngineCore(args)
+
+
+class PlainAttention:
+    """The session-11 eager attention of a piecewise step, as an attention plan: paged_attention per layer, copied."""
+
+    def __init__(self, paged_attention, query, out, meta) -> None:
+        self.paged_attention, self.query, self.out, self.meta = paged_attention, query, out, meta
+
+    def __call__(self, kv_cache, scale, sliding_window=None) -> None:
+        self.out.copy_(self.paged_attention(self.query, kv_cache, self.meta, scale, sliding_window))
+
+
+def plan_off(pieces):
+    """Swap the piecewise runner's attention plan for PlainAttention; returns the attention module and its ops."""
+    import dataclasses
+    import functools
+
+    attn = pieces.layers[0].self_attn
+    ops = attn.ops
+    attn.ops = dataclasses.replace(ops, attention_plan=functools.partial(PlainAttention, ops.paged_attention))
+    return attn, ops
 
 
 def sync(device: str) -> None:
@@ -113,7 +136,7 @@ def main() -> None:
     pieces = runner.piecewise
     points = []
     print(f"{'decode rows':>11} {'prompt':>6} {'tokens':>6} {'bucket':>6} {'eager ms':>9} {'piecewise ms':>12} "
-          f"{'speedup':>7} {'one kernel ms':>13}")
+          f"{'speedup':>7} {'one kernel ms':>13} {'plan off ms':>11}")
     for b in rows:
         for p in prompts:
             point = {"decode_rows": b, "prompt_tokens": p, "tokens": b + p}
@@ -131,10 +154,16 @@ def main() -> None:
             point["one_kernel_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
                                                    args.steps), 3)
             runner.mixed_step_decode_kernel = True
+            if pieces is not None:
+                attn, ops = plan_off(pieces)
+                point["plan_off_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
+                                                     args.steps), 3)
+                attn.ops = ops
             piecewise = point.get("piecewise_ms")
             speedup = f"{point['eager_ms'] / piecewise:.2f}x" if piecewise else "-"
             print(f"{b:>11} {p:>6} {b + p:>6} {point.get('bucket') or '-':>6} {point['eager_ms']:>9.2f} "
-                  f"{piecewise or float('nan'):>12.2f} {speedup:>7} {point['one_kernel_ms']:>13.2f}")
+                  f"{piecewise or float('nan'):>12.2f} {speedup:>7} {point['one_kernel_ms']:>13.2f} "
+                  f"{point.get('plan_off_ms', float('nan')):>11.2f}")
             points.append(point)
     result = {"bench": "mixed_step", "model": args.model or args.random_model, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
