@@ -67,7 +67,7 @@ PIECEWISE = True
 
 
 def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False,
-                async_scheduling: bool = False):
+                async_scheduling: bool = False, graph_sampling: bool = True):
     """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
     from deepinfer.engine.args import EngineArgs
     from deepinfer.engine.core import EngineCore
@@ -77,7 +77,8 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
                       enable_kv_events=False, progress=False, gpu_memory_utilization=0.9,
                       batch_invariant=batch_invariant, enforce_eager=batch_invariant,
-                      async_scheduling=async_scheduling, piecewise_cuda_graphs=PIECEWISE)
+                      async_scheduling=async_scheduling, piecewise_cuda_graphs=PIECEWISE,
+                      graph_sampling=graph_sampling)
     start = time.perf_counter()
     engine = EngineCore(args)
     if batch_invariant and not engine.runner.batch_invariant:  # EngineCore does not pass the flag on yet

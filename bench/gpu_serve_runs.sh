@@ -12,6 +12,7 @@
 #         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: piecewise CUDA graphs on / off)
 #         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
+#         | nogs64-N (as pw64-N with graph_sampling off: the decode graphs end at the hidden states; A/B with pw64-N)
 #         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
 #         | mixedprof (py-spy of bench/mixed_step.py at 64 decode rows + a 32-token prompt, summarised)
@@ -92,6 +93,7 @@ for variant in "$@"; do
         pw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
         nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
         pw64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline ;;
+        nogs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-graph-sampling ;;
         onek64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --one-attention-kernel ;;
         win*-*) ms=${variant#win}; ms=${ms%%-*}
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \

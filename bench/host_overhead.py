@@ -29,12 +29,19 @@ import torch
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.cuda_graphs import CudaGraphRunner, GraphInputs, capture_sizes, seq_len_buckets
+from deepinfer.engine.cuda_graphs import (
+    CudaGraphRunner,
+    GraphInputs,
+    GraphStep,
+    capture_sizes,
+    seq_len_buckets,
+)
 from deepinfer.engine.host_tier import OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS, HostTier
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.sampler import greedy_tokens
 
 VOCAB, HIDDEN = 64, 8
 
@@ -180,6 +187,22 @@ class _NoOpGraph:
         """Nothing to run on the CPU."""
 
 
+class _GreedyTailGraph:
+    """Stands in for a decode graph that computes the logits and greedy tokens (graph_sampling): replay() runs
+    the tail on the CPU into the step's static outputs (the forward itself costs nothing here)."""
+
+    def __init__(self, model: torch.nn.Module, step: GraphStep) -> None:
+        self.model, self.step = model, step
+
+    def replay(self) -> None:
+        """The captured tail: logits into the static buffer, each row's argmax and its logprob."""
+        step = self.step
+        step.logits.copy_(self.model.compute_logits(step.hidden))
+        token_ids, logprobs = greedy_tokens(step.logits)
+        step.greedy_token_ids.copy_(token_ids)
+        step.greedy_logprobs.copy_(logprobs)
+
+
 class _NoOpEvent:
     """Stands in for torch.cuda.Event: the CPU copies are done when issued."""
 
@@ -190,9 +213,10 @@ class _NoOpEvent:
         """Nothing to wait for."""
 
 
-def cpu_graph_runner(runner: ModelRunner, max_model_len: int) -> CudaGraphRunner:
-    """A CudaGraphRunner whose device buffers are CPU tensors and whose graphs are no-ops: its run() does the
-    host work of a replay (GraphInputs.fill, the static-input copies, the placeholder fill) for real."""
+def cpu_graph_runner(runner: ModelRunner, max_model_len: int, graph_sampling: bool = True) -> CudaGraphRunner:
+    """A CudaGraphRunner whose device buffers are CPU tensors and whose graphs are no-ops (with graph_sampling:
+    they compute the logits and greedy tokens, as the captured tail does): its run() does the host work of a
+    replay (GraphInputs.fill, the static-input copies, the placeholder fill) for real."""
     graphs = CudaGraphRunner.__new__(CudaGraphRunner)
     graphs.model, graphs.kv_caches, graphs.block_size = runner.model, [], runner.block_size
     graphs.max_model_len, graphs.sizes = max_model_len, capture_sizes(runner.max_num_seqs)
@@ -202,19 +226,30 @@ def cpu_graph_runner(runner: ModelRunner, max_model_len: int) -> CudaGraphRunner
     graphs.static64 = torch.zeros(graphs.inputs.host64.shape, dtype=torch.int64)
     graphs.static32 = torch.zeros(graphs.inputs.host32.numel(), dtype=torch.int32)
     keys = [(bs, bucket) for bs in graphs.sizes for bucket in graphs.seq_len_buckets]
-    graphs.graphs = {key: _NoOpGraph() for key in keys}
-    graphs.outputs = {key: torch.zeros(key[0], HIDDEN) for key in keys}
+    graphs.compute_logits = runner.model.compute_logits if graph_sampling else None
+    graphs.logits = torch.zeros(graphs.max_bs, VOCAB) if graph_sampling else None
+    graphs.outputs, graphs.graphs = {}, {}
+    for key in keys:
+        bs = key[0]
+        if graph_sampling:
+            step = GraphStep(torch.zeros(bs, HIDDEN), graphs.logits[:bs], torch.zeros(bs, dtype=torch.int64),
+                             torch.zeros(bs))
+            graphs.outputs[key], graphs.graphs[key] = step, _GreedyTailGraph(runner.model, step)
+        else:
+            graphs.outputs[key] = GraphStep(torch.zeros(bs, HIDDEN), None, None, None)
+            graphs.graphs[key] = _NoOpGraph()
     graphs.num_replays, graphs._copied = 0, _NoOpEvent()
     graphs._step_views = {}
     graphs._capture_context = contextlib.nullcontext()
     return graphs
 
 
-def build_async_engine(batch: int, context: int, block_size: int, max_tokens: int) -> EngineCore:
+def build_async_engine(batch: int, context: int, block_size: int, max_tokens: int,
+                       graph_sampling: bool = True) -> EngineCore:
     """An EngineCore (no model load) over the async scheduler, the CPU graph runner and a host tier batching its
     offloads as on CUDA (tiny KV caches: one layer, one head of HIDDEN)."""
     scheduler, runner = build(batch, context, block_size, max_tokens, AsyncScheduler)
-    runner.graphs = cpu_graph_runner(runner, scheduler.config.max_model_len)
+    runner.graphs = cpu_graph_runner(runner, scheduler.config.max_model_len, graph_sampling)
     kv = torch.zeros(2, scheduler.config.num_blocks, block_size, 1, HIDDEN, dtype=torch.float16)
     host_tier = HostTier([kv], 4 * scheduler.config.num_blocks, scheduler.block_pool)
     host_tier.offload_batch_blocks, host_tier.offload_max_steps = OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS
@@ -224,11 +259,12 @@ def build_async_engine(batch: int, context: int, block_size: int, max_tokens: in
     return core
 
 
-def measure_async(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
-    """As measure(), for EngineCore.step with async scheduling; phases as the profile names them."""
+def measure_async(batch: int, context: int, steps: int, block_size: int = 16, graph_sampling: bool = True) -> dict:
+    """As measure(), for EngineCore.step with async scheduling; phases as the profile names them. With
+    graph_sampling (the default on CUDA) the greedy steps take the graph's tokens: no metadata, no sampler."""
     torch.set_num_threads(1)
     freeze_start_up_objects()
-    core = build_async_engine(batch, context, block_size, max_tokens=4 * steps + 32)
+    core = build_async_engine(batch, context, block_size, max_tokens=4 * steps + 32, graph_sampling=graph_sampling)
     runner = core.runner
     timer = PhaseTimer()
     timer.wrap(core.scheduler, "schedule", "schedule")
@@ -261,7 +297,8 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16) ->
     phases["rest_of_execute_async"] = round(rest - phases["sampler"], 3)
     phases["rest_of_finish"] = round(phases["finish_in_flight"] - phases["update"], 3)
     step_ms = 1e3 * statistics.median(per_step)
-    return {"mode": "async", "batch": batch, "context": context, "step_ms": round(step_ms, 3),
+    return {"mode": "async", "batch": batch, "context": context, "graph_sampling": graph_sampling,
+            "step_ms": round(step_ms, 3),
             "step_cpu_ms": round(1e3 * statistics.median(cpu_per_step), 3),
             "step_ms_without_sampling": round(step_ms - phases["sampling_metadata"] - phases["sampler"], 3),
             "phases_ms": phases}
@@ -275,9 +312,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--async", dest="async_mode", action="store_true",
                         help="EngineCore.step with async scheduling and the CUDA-graph path's host work")
+    parser.add_argument("--no-graph-sampling", action="store_true",
+                        help="--async: the graphs end at the hidden states; the sampler runs every step")
     args = parser.parse_args()
     if args.async_mode:
-        res = measure_async(args.batch, args.context, args.steps)
+        res = measure_async(args.batch, args.context, args.steps, graph_sampling=not args.no_graph_sampling)
         print(f"async host ms/step at B={res['batch']}, context {res['context']}: {res['step_ms']} "
               f"(without sampling {res['step_ms_without_sampling']})  phases {res['phases_ms']}")
     else:

@@ -7,12 +7,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import host_overhead  # noqa: E402
+import pytest  # noqa: E402
 
 from deepinfer.protocol import FinishReason  # noqa: E402
 
 
-def test_async_engine_runs_every_decode_step_through_the_graph_runner():
-    core = host_overhead.build_async_engine(batch=4, context=40, block_size=16, max_tokens=6)
+@pytest.mark.parametrize("graph_sampling", [True, False])
+def test_async_engine_runs_every_decode_step_through_the_graph_runner(graph_sampling):
+    core = host_overhead.build_async_engine(batch=4, context=40, block_size=16, max_tokens=6,
+                                            graph_sampling=graph_sampling)
     tokens: dict[str, list[int]] = {}
     finish: dict[str, FinishReason] = {}
     for _ in range(20):
@@ -32,7 +35,7 @@ def test_async_engine_runs_every_decode_step_through_the_graph_runner():
 
 def test_measure_async_reports_the_phases_and_unwraps_what_it_timed():
     try:
-        res = host_overhead.measure_async(batch=4, context=40, steps=4)
+        res = host_overhead.measure_async(batch=4, context=40, steps=4, graph_sampling=False)
     finally:
         gc.unfreeze()  # the bench freezes what exists, as the worker does; not in the test process
     assert res["mode"] == "async" and res["step_ms"] > res["step_ms_without_sampling"] > 0
@@ -42,10 +45,24 @@ def test_measure_async_reports_the_phases_and_unwraps_what_it_timed():
         assert phases[name] > 0, name
 
 
-def test_graph_path_feeds_each_request_the_token_its_previous_step_sampled():
+def test_greedy_steps_take_the_graphs_tokens_without_metadata_or_sampler():
+    # graph_sampling: every request is greedy (temperature 0, no penalties), so no step builds sampling metadata
+    # or runs the sampler: the tokens are the graph tail's argmax.
+    try:
+        res = host_overhead.measure_async(batch=4, context=40, steps=4, graph_sampling=True)
+    finally:
+        gc.unfreeze()
+    phases = res["phases_ms"]
+    assert phases["sampling_metadata"] == 0 and phases["sampler"] == 0
+    assert phases["graph_run"] > 0 and res["step_ms"] == res["step_ms_without_sampling"] > 0
+
+
+@pytest.mark.parametrize("graph_sampling", [True, False])
+def test_graph_path_feeds_each_request_the_token_its_previous_step_sampled(graph_sampling):
     # The fake model's logits ignore the inputs, so check the inputs themselves: the ids in the static input
     # buffer at each replay are the prompt's last token, then every token the request was given, in order.
-    core = host_overhead.build_async_engine(batch=8, context=40, block_size=16, max_tokens=12)
+    core = host_overhead.build_async_engine(batch=8, context=40, block_size=16, max_tokens=12,
+                                            graph_sampling=graph_sampling)
     graphs, fed = core.runner.graphs, {}
     run = graphs.run
 

@@ -12,6 +12,7 @@ import torch
 from deepinfer.engine.async_step import SampledTokenBuffer
 from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.sampler import Sampler, greedy_tokens
 from deepinfer.sampling.staging import HostStaging
 from tests.sampling_reference import metadata_differences, random_params, random_step, reference_build
 
@@ -162,3 +163,42 @@ def test_seeds_none_needs_every_params_seed():
     builder = SamplingMetadataBuilder("cpu")
     with pytest.raises(ValueError, match="no seed"):
         builder.build([SamplingParams(seed=1), SamplingParams()], [0, 0], None, [[1], [1]], [[], []], 10)
+
+
+@pytest.mark.parametrize(
+    ("extra", "plain"),
+    [({}, True), ({"logprobs": 0}, True), ({"seed": 3}, True), ({"stop_token_ids": [5]}, True),
+     ({"temperature": 0.7}, False), ({"presence_penalty": 0.5}, False), ({"repetition_penalty": 1.1}, False),
+     ({"logit_bias": {3: 2.0}}, False), ({"min_tokens": 4}, False), ({"logprobs": 2}, False)],
+)
+def test_plain_greedy_only_where_the_sampler_takes_the_argmax(extra, plain):
+    builder = SamplingMetadataBuilder("cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    params = [greedy, SamplingParams(**{"temperature": 0, "max_tokens": 8, **extra}), greedy]
+    assert builder.plain_greedy(params, VOCAB, eos_token_ids=[1]) is plain
+    assert builder.plain_greedy([greedy], VOCAB) is True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_greedy_batches_sample_what_greedy_tokens_gives(seed):
+    # Where plain_greedy holds, the sampler's tokens and logprobs are greedy_tokens' bit for bit (the decode CUDA
+    # graphs compute those instead of running the sampler).
+    rng = random.Random(seed)
+    builder = SamplingMetadataBuilder("cpu")
+    sampler = Sampler()
+    pool = [random_params(rng, VOCAB) for _ in range(12)] + [SamplingParams(temperature=0, max_tokens=8)] * 12
+    checked = 0
+    for _ in range(40):
+        batch = rng.sample(pool, rng.randrange(1, 6))
+        if not builder.plain_greedy(batch, VOCAB, eos_token_ids=[1]):
+            continue
+        n = len(batch)
+        meta = builder.build(batch, positions=[3] * n, seeds=[1] * n, prompt_token_ids=[[2]] * n,
+                             output_token_ids=[[4]] * n, vocab_size=VOCAB, eos_token_ids=[1])
+        logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        out = sampler(logits, meta)
+        token_ids, logprobs = greedy_tokens(logits)
+        assert torch.equal(out.token_ids, token_ids) and torch.equal(out.logprobs, logprobs)
+        assert out.top_logprob_ids is None
+        checked += 1
+    assert checked >= 3

@@ -267,6 +267,10 @@ class WorkerSettings(ServiceSettings):
         True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
         "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",
     )
+    graph_sampling: bool = Field(
+        True, description="The decode CUDA graphs also compute the logits and each row's greedy token: an "
+        "all-greedy decode step without penalties, bias or top logprobs launches no sampler (docs/gpu.md).",
+    )
     admission_window_s: float = Field(
         0.0, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "
         "is over (no arrival for a quarter of this) or this long, and join the batch in one step: fewer mixed "

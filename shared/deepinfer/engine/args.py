@@ -71,6 +71,9 @@ class EngineArgs:
     #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
     #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
     mixed_step_decode_kernel: bool = True
+    #: True = the decode CUDA graphs also compute the logits and each row's greedy token with its logprob: an
+    #: all-greedy decode step without penalties, bias or top logprobs launches no sampler (deepinfer.engine.cuda_graphs).
+    graph_sampling: bool = True
     #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
     #: (deepinfer.engine.admission_window; 0 = admit at the next step).
     admission_window_s: float = 0.0

@@ -144,6 +144,7 @@ class EngineCore:
             use_cuda_graphs=single_cuda and not args.enforce_eager,
             piecewise_cuda_graphs=args.piecewise_cuda_graphs,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
+            graph_sampling=args.graph_sampling,
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,
@@ -341,6 +342,10 @@ class EngineCore:
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
             activations += num_seqs * cfg.activation_bytes_per_token(elem)
             activations += num_seqs * cfg.num_attention_heads * num_partitions * (head_dim + 2) * 4
+            if self.args.graph_sampling and not self.args.batch_invariant:
+                # The graphs' logits: the static float32 buffer, and in the pool the LM head's output, its float32
+                # copy and the raw logprobs of max_num_seqs rows.
+                logits += num_seqs * cfg.vocab_size * (elem + 12)
             if self.args.piecewise_cuda_graphs and not self.args.batch_invariant:
                 # The piecewise graphs' static buffers and the pieces' intermediates, beside the eager step's.
                 activations += min(tokens, MAX_BUCKET_TOKENS) * cfg.activation_bytes_per_token(elem)

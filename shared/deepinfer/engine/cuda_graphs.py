@@ -13,6 +13,11 @@ non_blocking copy per dtype from pinned host buffers of the same layout (`GraphI
     int32 [max_bs_aligned + max_bs * W]     seq_lens  | block_tables (row-major, W = max blocks per sequence)
     int32 [max_bs + 1]                      query_start_loc = 0, 1, 2, ... (fixed: one token per row)
 
+With `logits` given (the model's compute_logits), each graph also computes the step's float32 logits into one
+static [max_bs, V] buffer that every graph writes (the eager sampler reads it when a row samples at random), and
+each row's greedy token with its raw logprob (`sampling.sampler.greedy_tokens`): an all-greedy step without
+penalties or bias needs no sampler launch and no metadata upload, and no step launches the LM head itself.
+
 The attention metadata is captured with max_seq_len = the bucket, so the split-K grid (and its partition
 buffers) is fixed per graph; partitions past a sequence's end exit at once. Batch-invariant mode captures
 only the max_model_len bucket, so a sequence's partitions never depend on the other sequences.
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from deepinfer.kernels.metadata import AttentionMetadata
+from deepinfer.sampling.sampler import greedy_tokens
 
 if TYPE_CHECKING:
     from deepinfer.engine.inputs import BlockTable, HostBatch
@@ -46,6 +52,15 @@ DECODE_PARTITION_SIZE = 512
 _MAX_CACHED_VIEWS = 1024
 #: Rows of the int64 static buffer: the graph's three inputs, then the async step's three index lists.
 _NUM_INT64_ROWS = 6
+
+
+class GraphStep(NamedTuple):
+    """What a decode graph's replay leaves on the device, [bs] rows (padding rows last)."""
+
+    hidden: torch.Tensor  # [bs, hidden]
+    logits: torch.Tensor | None  # [bs, V] float32, a view of the static buffer every graph writes (None: no logits)
+    greedy_token_ids: torch.Tensor | None  # [bs] int64: each row's argmax
+    greedy_logprobs: torch.Tensor | None  # [bs] float32: its raw logprob
 
 
 class StagedIndices(NamedTuple):
@@ -124,7 +139,7 @@ class GraphInputs:
 
 
 class CudaGraphRunner:
-    """Captures the model forward for decode batches and replays it; the hidden states come back [bs, hidden]."""
+    """Captures the model forward (and the logits) for decode batches and replays it: a GraphStep of [bs] rows."""
 
     def __init__(
         self,
@@ -137,8 +152,13 @@ class CudaGraphRunner:
         *,
         batch_invariant: bool = False,
         capture_context: contextlib.AbstractContextManager | None = None,
+        logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        #: hidden [N, hidden] -> float32 logits [N, V], captured after the forward (None: the graphs end there).
+        self.compute_logits = logits
+        #: The static logits every graph writes ([max_bs, V]; allocated by the first warm-up, outside the pool).
+        self.logits: torch.Tensor | None = None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -152,7 +172,7 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         #: (batch size, context bucket) -> graph and its output
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], GraphStep] = {}
         #: Replays so far (decode steps that ran as a graph).
         self.num_replays = 0
         self._copied = torch.cuda.Event()
@@ -185,6 +205,18 @@ class CudaGraphRunner:
         meta = self._metadata(bs, max_seq_len)
         return self.model(self.static64[0, :bs], self.static64[1, :bs], self.kv_caches, meta)
 
+    def _step(self, bs: int, max_seq_len: int) -> GraphStep:
+        """The captured work: the forward, then (with compute_logits) the logits and the greedy tokens."""
+        hidden = self._forward(bs, max_seq_len)
+        if self.compute_logits is None:
+            return GraphStep(hidden, None, None, None)
+        logits = self.compute_logits(hidden)
+        if self.logits is None:  # the first warm-up (outside capture): the one buffer for every graph
+            self.logits = torch.empty(self.max_bs, logits.shape[1], dtype=logits.dtype, device=logits.device)
+        static = self.logits[:bs]
+        static.copy_(logits)
+        return GraphStep(hidden, static, *greedy_tokens(static))
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every (size, bucket), largest first, into one shared memory pool (inputs = padding rows)."""
@@ -202,11 +234,11 @@ class CudaGraphRunner:
                     # Warm-up off the capture: Triton compiles its specialisations and cuBLAS picks kernels here.
                     stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(stream):
-                        self._forward(bs, max_seq_len)
+                        self._step(bs, max_seq_len)
                     torch.cuda.current_stream().wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.outputs[bs, max_seq_len] = self._forward(bs, max_seq_len)
+                        self.outputs[bs, max_seq_len] = self._step(bs, max_seq_len)
                     self.graphs[bs, max_seq_len] = graph
         torch.cuda.synchronize()
         logger.info("decode CUDA graphs: %d captured in %.1f s", len(self.graphs), time.perf_counter() - started)
@@ -235,8 +267,8 @@ class CudaGraphRunner:
         batch: HostBatch,
         block_table: BlockTable,
         before_replay: Callable[[torch.Tensor, StagedIndices], None] | None = None,
-    ) -> torch.Tensor:
-        """Fill the static buffers from `batch` (padded to its captured size) and replay: hidden [bs, hidden].
+    ) -> GraphStep:
+        """Fill the static buffers from `batch` (padded to its captured size) and replay: its GraphStep ([bs] rows).
 
         `before_replay(input_ids, indices)` runs on the static input ids [bs] after the copy (device-side fills),
         with the batch's placeholder and sampled rows, which came in the same copy.

@@ -41,7 +41,7 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.engine.cuda_graphs import CudaGraphRunner, StagedIndices
+    from deepinfer.engine.cuda_graphs import CudaGraphRunner, GraphStep, StagedIndices
     from deepinfer.engine.piecewise_graphs import PiecewiseGraphRunner
 
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
@@ -84,6 +84,7 @@ class ModelRunner:
         batch_invariant: bool = False,
         mixed_step_decode_kernel: bool = True,
         eager_step_switch_interval_s: float | None = None,
+        graph_sampling: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -103,6 +104,8 @@ class ModelRunner:
         self.sample_landing = SampleLanding(pinned=True) if self.device.type == "cuda" else None
         #: This step's sampled rows on the device, when they travelled with its placeholder fill.
         self._staged_sampled_rows: torch.Tensor | None = None
+        #: This step's decode-graph replay, when it computed the logits of every row (see CudaGraphRunner).
+        self._graph_step: GraphStep | None = None
         # Columns grow on demand when max_model_len is unknown.
         self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
         self.batch_invariant = batch_invariant
@@ -125,6 +128,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(
                 model, kv_caches, block_size, max_num_seqs, max_model_len, self.device,
                 batch_invariant=batch_invariant, capture_context=self._linear_mode(),
+                logits=model.compute_logits if graph_sampling and not batch_invariant else None,
             )
             self.graphs.capture()
         #: Piecewise graphs for steps with prompt rows (None: those run eagerly).
@@ -203,7 +207,7 @@ class ModelRunner:
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> tuple[SamplerOutput, list[Request], list[ScheduledRequest], bool] | None:
         """(sampler output, sampled requests, their ScheduledRequests, host sync needed); None when none samples."""
-        self._staged_sampled_rows = None
+        self._staged_sampled_rows = self._graph_step = None
         if self.batch_invariant:
             hidden, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
         else:
@@ -213,9 +217,18 @@ class ModelRunner:
             hidden, sampled = self.forward(batch), batch.sampled
         if not sampled:
             return None
-        with self._linear_mode():
-            logits = self.model.compute_logits(hidden)
         chosen = [requests[s.request_id] for s in sampled]
+        graph_step = self._graph_step
+        if graph_step is None:
+            with self._linear_mode():
+                logits = self.model.compute_logits(hidden)
+        else:  # a decode graph computed the logits of every row (all sample), and their greedy tokens
+            logits = graph_step.logits[: len(sampled)]
+            if self._plain_greedy(chosen, logits.shape[-1]):
+                token_ids, logprobs = graph_step.greedy_token_ids[: len(sampled)], graph_step.greedy_logprobs[: len(sampled)]
+                if self.sample_landing is None:  # read where they are, later: the next replay rewrites them
+                    token_ids, logprobs = token_ids.clone(), logprobs.clone()
+                return SamplerOutput(token_ids, logprobs, None, None), chosen, sampled, False
         if not self.batch_invariant and len(sampled) == batch.num_seqs:
             positions = batch.seq_lens  # every sequence samples, at its last position
         else:
@@ -233,6 +246,13 @@ class ModelRunner:
         # Penalties and grammars read the previous token on the host: async scheduling updates before the next step.
         needs_sync = meta.need_penalties or meta.allowed is not None
         return self.sampler(logits, meta), chosen, sampled, needs_sync
+
+    def _plain_greedy(self, chosen: Sequence[Request], vocab_size: int) -> bool:
+        """True when the sampler would take every row's argmax of the raw logits (no grammar, penalties, bias
+        or top logprobs): the graph's greedy tokens are the step's."""
+        return (all(r.grammar is None for r in chosen)
+                and self.sampling_metadata.plain_greedy([r.sampling_params for r in chosen], vocab_size,
+                                                        self.eos_token_ids))
 
     def prepare_batch(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request] | None = None
@@ -259,11 +279,12 @@ class ModelRunner:
         with prompt rows the piecewise graphs when they fit; else eager (decode steps too when the decode graphs
         are set aside, as benches do)."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
+            step = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
             num_sampled = len(batch.sampled)
             if num_sampled == batch.num_seqs:
-                return hidden[:num_sampled]
-            return hidden[torch.tensor(batch.logits_indices, device=self.device)]
+                self._graph_step = step if step.logits is not None else None
+                return step.hidden[:num_sampled]
+            return step.hidden[torch.tensor(batch.logits_indices, device=self.device)]
         inputs = self.stager.stage(batch, self.block_table)
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step

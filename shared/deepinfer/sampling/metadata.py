@@ -250,6 +250,16 @@ class SamplingMetadataBuilder:
             **batch.flags,
         )
 
+    def plain_greedy(self, params_list: Sequence[SamplingParams], vocab_size: int,
+                     eos_token_ids: Sequence[int] = ()) -> bool:
+        """True when `Sampler.forward` would take each row's argmax of the raw logits and nothing more (every row
+        greedy; no penalties, logit bias, min_tokens ban or top logprobs): no metadata is needed for the step.
+        Read from the batch composition's constants (cached, as `build` reads them)."""
+        batch = self._batch_constants(params_list, vocab_size, eos_token_ids)
+        flags = batch.flags
+        return (flags["all_greedy"] and not flags["need_penalties"] and not batch.bias_rows
+                and not flags["max_num_logprobs"])
+
     def _batch_constants(
         self, params_list: Sequence[SamplingParams], vocab_size: int, eos_token_ids: Sequence[int]
     ) -> _BatchConstants:

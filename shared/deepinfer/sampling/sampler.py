@@ -54,6 +54,14 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax of float32 logits [B, V] and its raw logprob: the same kernels `Sampler.forward` runs for
+    a greedy row without penalties or logit bias, so the same bits (the decode CUDA graphs capture this)."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    token_ids = logits.argmax(dim=-1)
+    return token_ids, raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+
+
 def apply_sampling_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution random rows draw from: temperature, top-k, top-p, min-p, softmax; [B, V] float32.
 
