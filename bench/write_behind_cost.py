@@ -44,9 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "shared"))
 sys.path.insert(0, str(ROOT))
 
-from bench.loop_cost import GIL_SWITCH_INTERVAL_S, StepClock  # noqa: E402
+from bench.loop_cost import GIL_SWITCH_INTERVAL_S  # noqa: E402
 from bench.results_io import emit_json_line  # noqa: E402
 from bench.serve_hops import cpu_seconds  # noqa: E402
+from bench.step_clock import StepClock  # noqa: E402
 
 SECRET = "w" * 32
 SHARD = "wb0"
@@ -67,7 +68,7 @@ class FakeRunner:
         self.host_s, self.device_s = host_s, device_s
 
     def execute(self, output, requests):
-        from bench.loop_cost import FAKE_OP_S
+        from bench.step_clock import FAKE_OP_S
         from deepinfer.engine.outputs import SampledToken
 
         end_s = time.perf_counter() + self.host_s
