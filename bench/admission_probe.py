@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-#: The fake step's host work between two GIL releases (one torch call's worth of Python).
-FAKE_OP_S = 10e-6
+from step_clock import host_work
 
 
 class FakeDevice:
@@ -19,12 +18,7 @@ class FakeDevice:
         self.free_at = 0.0
 
     def _launch(self, output) -> float:
-        end_s = time.perf_counter() + self.host_s
-        while (now_s := time.perf_counter()) < end_s:
-            op_end_s = min(now_s + FAKE_OP_S, end_s)
-            while time.perf_counter() < op_end_s:
-                pass
-            time.sleep(0)  # releases the GIL, as a torch call does
+        host_work(self.host_s)
         prefill_tokens = max(0, output.num_batched_tokens - len(output.scheduled))
         start_s = max(time.perf_counter(), self.free_at)
         self.free_at = start_s + self.device_s + self.per_token_s * prefill_tokens

@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 FAKE_OP_S = 10e-6
 
 
+def host_work(seconds: float) -> None:
+    """`seconds` of Python holding the GIL, in slices of FAKE_OP_S each followed by a release (as every torch
+    call makes): an accelerator step's host part."""
+    end_s = time.perf_counter() + seconds
+    while (now_s := time.perf_counter()) < end_s:
+        op_end_s = min(now_s + FAKE_OP_S, end_s)
+        while time.perf_counter() < op_end_s:
+            pass
+        time.sleep(0)  # releases the GIL, as a torch call does
+
+
 @dataclass
 class StepClock:
     """Wraps an engine's `step` (instance attribute shadows the method): wall and thread-CPU at each step's
@@ -88,12 +99,7 @@ class FakeStep:
         from deepinfer.engine.outputs import EngineOutput
         from deepinfer.protocol import FinishReason
 
-        end_s = time.perf_counter() + self.host_s
-        while (now_s := time.perf_counter()) < end_s:
-            op_end_s = min(now_s + FAKE_OP_S, end_s)
-            while time.perf_counter() < op_end_s:
-                pass
-            time.sleep(0)  # releases the GIL, as a torch call does
+        host_work(self.host_s)
         time.sleep(self.device_s)
         finish = None
         if index == self.last:

@@ -68,15 +68,10 @@ class FakeRunner:
         self.host_s, self.device_s = host_s, device_s
 
     def execute(self, output, requests):
-        from bench.step_clock import FAKE_OP_S
+        from bench.step_clock import host_work
         from deepinfer.engine.outputs import SampledToken
 
-        end_s = time.perf_counter() + self.host_s
-        while (now_s := time.perf_counter()) < end_s:
-            op_end_s = min(now_s + FAKE_OP_S, end_s)
-            while time.perf_counter() < op_end_s:
-                pass
-            time.sleep(0)
+        host_work(self.host_s)
         time.sleep(self.device_s)
         return {s.request_id: SampledToken(3 + (s.num_computed_tokens * 31 + len(s.request_id)) % 300, 0.0)
                 for s in output.scheduled if s.sample}

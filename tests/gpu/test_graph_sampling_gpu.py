@@ -3,9 +3,6 @@ logprobs, with the sampler skipped only for steps where it would take each row's
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,12 +11,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-# Loaded by path: deepinfer.testing's __init__ imports the bus, absent on the GPU image.
-_spec = importlib.util.spec_from_file_location(
-    "checkpoints", Path(__file__).resolve().parents[2] / "shared/deepinfer/testing/checkpoints.py"
-)
-checkpoints = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checkpoints)
+from tiny_checkpoints import checkpoints  # noqa: E402  (deepinfer.testing by path: no bus on the GPU image)
 
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 30 + 5 * i))} for i in range(4)]
 

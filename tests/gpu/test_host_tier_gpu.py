@@ -5,9 +5,7 @@ chunks) move export_blocks' payload bytes exactly, both cache layouts, bf16 and 
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +15,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-# Loaded by path: deepinfer.testing's __init__ imports the bus, absent on the GPU image.
-_spec = importlib.util.spec_from_file_location(
-    "checkpoints", Path(__file__).resolve().parents[2] / "shared/deepinfer/testing/checkpoints.py"
-)
-checkpoints = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checkpoints)
+from tiny_checkpoints import checkpoints  # noqa: E402  (deepinfer.testing by path: no bus on the GPU image)
 
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 16, 24, 256
 P = [(13 * i + 7) % 370 + 3 for i in range(100)]  # 100 tokens: 6 full blocks to hit

@@ -7,7 +7,6 @@ Runs on a bare GPU image: `PYTHONPATH=shared python -m pytest tests/gpu -q --noc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,10 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-# Loaded by path: deepinfer.testing's __init__ imports the bus, absent on the GPU image.
-_spec = importlib.util.spec_from_file_location("checkpoints", ROOT / "shared/deepinfer/testing/checkpoints.py")
-checkpoints = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checkpoints)
+from tiny_checkpoints import checkpoints  # noqa: E402  (deepinfer.testing by path: no bus on the GPU image)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 512,
           "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
