@@ -44,6 +44,8 @@ from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import greedy_tokens
 
 VOCAB, HIDDEN = 64, 8
+#: The requests' temperature (--temperature): 0 = greedy; above, every row samples at random (seeded).
+TEMPERATURE = 0.0
 
 
 class FakeModel(torch.nn.Module):
@@ -111,7 +113,7 @@ def build(
                           max_num_seqs=batch, max_num_batched_tokens=2048, enable_kv_events=False)
     scheduler = scheduler_class(config)
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for i in range(batch):
         request = Request(f"r{i}", rng.integers(0, VOCAB, context + 1).tolist(), params, eos_token_ids=(1,))
         assert scheduler.add_prefilled_request(request, context) is not None
@@ -314,7 +316,11 @@ def main() -> None:
                         help="EngineCore.step with async scheduling and the CUDA-graph path's host work")
     parser.add_argument("--no-graph-sampling", action="store_true",
                         help="--async: the graphs end at the hidden states; the sampler runs every step")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' temperature (default 0: greedy; above 0 every row samples at random)")
     args = parser.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     if args.async_mode:
         res = measure_async(args.batch, args.context, args.steps, graph_sampling=not args.no_graph_sampling)
         print(f"async host ms/step at B={res['batch']}, context {res['context']}: {res['step_ms']} "

@@ -12,6 +12,7 @@ import torch
 
 from deepinfer.sampling.metadata import SamplingMetadata
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.random import row_keys
 from deepinfer.sampling.seeds import as_int64
 
 _MIN_TEMPERATURE = 1e-5
@@ -66,6 +67,8 @@ def reference_build(
     return SamplingMetadata(
         temperature=temperature_t, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t, repetition_penalty=rep,
         presence_penalty=presence, frequency_penalty=frequency, seeds=seeds_t, positions=positions_t,
+        # The noise keys by the device's own arithmetic (the builder computes them on the host).
+        row_keys=torch.zeros_like(seeds_t) if all(greedy) else row_keys(seeds_t, positions_t),
         is_greedy=greedy_t.bool(),
         logit_bias=_logit_bias(params_list, output_token_ids, eos_token_ids, vocab_size, device),
         prompt_mask=prompt_mask, output_counts=output_counts,

@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.sampling.random import exponential_noise, mix64, random_bits, uniform_noise
+from deepinfer.sampling.random import (
+    exponential_noise,
+    exponential_noise_from_keys,
+    host_row_keys,
+    mix64,
+    random_bits,
+    row_keys,
+    uniform_noise,
+)
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -123,3 +131,25 @@ def test_cpu_and_cuda_give_identical_bits() -> None:
     assert torch.equal(cpu_bits, cuda_bits)
     assert torch.equal(uniform_noise(seeds, positions, vocab_size),
                        uniform_noise(seeds.cuda(), positions.cuda(), vocab_size).cpu())
+
+
+def test_host_row_keys_are_the_device_arithmetics_bits() -> None:
+    # The builder computes each row's key on the host (numpy uint64 lanes); the device's int64 tensor arithmetic
+    # is the reference, edge values included (int64 extremes, -1, positions past 2**32).
+    rng = np.random.default_rng(1)
+    seeds = np.concatenate([[0, -1, 2**63 - 1, -(2**63), 7], rng.integers(-(2**63), 2**63 - 1, size=300)])
+    positions = np.concatenate([[0, 1, 2**40, 2**62, 4095], rng.integers(0, 2**33, size=300)])
+    seeds, positions = seeds.astype(np.int64), positions.astype(np.int64)
+    want = row_keys(torch.from_numpy(seeds), torch.from_numpy(positions)).numpy()
+    assert (host_row_keys(seeds, positions) == want).all()
+    out = np.full_like(seeds, 5)
+    assert host_row_keys(seeds, positions, out=out) is not None and (out == want).all()
+    assert (seeds[:2] == [0, -1]).all()  # the inputs are left as they were
+
+
+def test_noise_from_host_keys_is_the_noise_from_seeds_and_positions() -> None:
+    seeds, positions = np.array([3, -9, 2**62], dtype=np.int64), np.array([0, 17, 2**35], dtype=np.int64)
+    keys = torch.from_numpy(host_row_keys(seeds, positions))
+    want = exponential_noise(torch.from_numpy(seeds), torch.from_numpy(positions), 101)
+    assert torch.equal(exponential_noise_from_keys(keys, 101), want)
+    assert torch.equal(exponential_noise_from_keys(keys, 101), want)  # the cached counters give the same

@@ -5,8 +5,11 @@ per request (`RowConstants`), the batch's packed constants and host flags once p
 (`_BatchConstants`), so a decode step only writes positions and seeds next to them into reusable staging memory
 (`deepinfer.sampling.staging`) and sends it in one copy:
 
-    bytes   | int64 [3, B]: top_k | seeds | positions | float32 [6, B]: temperature | top_p | min_p |
+    bytes   | int64 [4, B]: top_k | seeds | positions | row keys | float32 [6, B]: temperature | top_p | min_p |
             | repetition | presence | frequency | bool [B]: is_greedy |
+
+The row keys are the noise streams' keys of the random rows (`deepinfer.sampling.random.host_row_keys` of seed and
+position, computed here on the host; zeros when every row is greedy).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import torch
 
 from deepinfer.sampling.dense import allowed_tokens, dense_bias, dense_rows
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.random import host_keys_from_states, host_row_keys, host_seed_states
 from deepinfer.sampling.seeds import as_int64
 from deepinfer.sampling.staging import HostStaging
 
 _MIN_TEMPERATURE = 1e-5
 #: Requests whose RowConstants a builder keeps before it forgets all but the current batch's.
 _MAX_CACHED_ROWS = 4096
-_NUM_INT64, _NUM_FLOAT32 = 3, 6  # staged per row: top_k, seed, position | the six float stages (+ one bool byte)
+_NUM_INT64, _NUM_FLOAT32 = 4, 6  # staged per row: top_k, seed, position, row key | six float stages (+ a bool byte)
 _ROW_BYTES = 8 * _NUM_INT64 + 4 * _NUM_FLOAT32 + 1
 
 
@@ -50,6 +54,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64, absolute position of the token being sampled
+    row_keys: torch.Tensor  # [B] int64, each row's noise key: random.row_keys(seeds, positions) (0 if all greedy)
     is_greedy: torch.Tensor  # [B] bool
     logit_bias: torch.Tensor | None  # [B, V] float32, only if a row has a bias or is below min_tokens
     prompt_mask: torch.Tensor | None  # [B, V] bool, token seen in the prompt; only if need_penalties
@@ -144,6 +149,7 @@ class _BatchConstants:
     rows: list[RowConstants]
     top_k_bytes: np.ndarray  # uint8 [8 B]: int64 top_k
     seed_bytes: np.ndarray | None  # uint8 [8 B]: int64 params.seed of every row; None when a row has none
+    seed_states: np.ndarray | None  # uint64 [B]: random.host_seed_states of those seeds (None: none, or all greedy)
     tail_bytes: np.ndarray  # uint8 [25 B]: float32 [6, B] stages, then bool [B] is_greedy
     flags: dict[str, Any]  # SamplingMetadata's host fields
     bias_rows: list[int]  # rows with a logit_bias or ids to ban below min_tokens
@@ -170,9 +176,10 @@ class _BatchConstants:
         }
         seeds = [r.params.seed for r in rows]
         seed_bytes = None if None in seeds else _int64_column(seeds).view(np.uint8)
+        seed_states = None if seed_bytes is None or all_greedy else host_seed_states(seed_bytes.view(np.int64))
         return cls(
             key=key, rows=rows, top_k_bytes=np.ascontiguousarray(records["top_k"]).view(np.uint8),
-            seed_bytes=seed_bytes, tail_bytes=tail,
+            seed_bytes=seed_bytes, seed_states=seed_states, tail_bytes=tail,
             flags=flags, bias_rows=_rows_with(rows, BIASED, any_row), repeated_rows=_rows_with(rows, REPEATED, any_row),
             penalised_rows=_rows_with(rows, PENALISED, any_row),
         )
@@ -233,7 +240,7 @@ class SamplingMetadataBuilder:
         batch = self._batch_constants(params_list, vocab_size, eos_token_ids)
         if seeds is None and batch.seed_bytes is None:
             raise ValueError("seeds=None, but a row's params have no seed")
-        top_k, seeds_t, positions_t, floats, is_greedy = self._stage(batch, positions, seeds)
+        top_k, seeds_t, positions_t, keys_t, floats, is_greedy = self._stage(batch, positions, seeds)
         temperature, top_p, min_p, repetition, presence, frequency = floats
         prompt_mask = output_counts = None
         if batch.flags["need_penalties"]:
@@ -244,6 +251,7 @@ class SamplingMetadataBuilder:
         return SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition,
             presence_penalty=presence, frequency_penalty=frequency, seeds=seeds_t, positions=positions_t,
+            row_keys=keys_t,
             is_greedy=is_greedy, logit_bias=self._logit_bias(batch, output_token_ids, vocab_size),
             prompt_mask=prompt_mask, output_counts=output_counts,
             allowed=allowed_tokens(grammar_bitmasks, num_rows, vocab_size, self.device), vocab_size=vocab_size,
@@ -288,9 +296,9 @@ class SamplingMetadataBuilder:
 
     def _stage(
         self, batch: _BatchConstants, positions: Sequence[int], seeds: Sequence[int] | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-        """Write the step's columns into staging memory and copy them over: (top_k, seeds, positions, the six
-        float stages, is_greedy) as views of one device tensor."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        """Write the step's columns into staging memory and copy them over: (top_k, seeds, positions, row keys,
+        the six float stages, is_greedy) as views of one device tensor."""
         n = len(batch.rows)
         ints_end, floats_end = 8 * _NUM_INT64 * n, (8 * _NUM_INT64 + 4 * _NUM_FLOAT32) * n
         host = self.staging.acquire(_ROW_BYTES * n)
@@ -304,11 +312,18 @@ class SamplingMetadataBuilder:
             except OverflowError:  # a uint64 seed past int64's range: its 64 bits as int64, as the device holds it
                 ints[1] = [as_int64(s) for s in seeds]
         ints[2] = positions
+        if batch.flags["any_random"]:
+            if seeds is None:  # the composition's seeds: their states were mixed once
+                host_keys_from_states(batch.seed_states, ints[2], out=ints[3])
+            else:
+                host_row_keys(ints[1], ints[2], out=ints[3])
+        else:
+            ints[3] = 0
         host[ints_end:] = batch.tail_bytes
         staged = self.staging.upload(_ROW_BYTES * n)
-        top_k, seeds_t, positions_t = staged[:ints_end].view(torch.int64).view(_NUM_INT64, n).unbind(0)
+        top_k, seeds_t, positions_t, keys_t = staged[:ints_end].view(torch.int64).view(_NUM_INT64, n).unbind(0)
         floats = staged[ints_end:floats_end].view(torch.float32).view(_NUM_FLOAT32, n).unbind(0)
-        return top_k, seeds_t, positions_t, floats, staged[floats_end:].view(torch.bool)
+        return top_k, seeds_t, positions_t, keys_t, floats, staged[floats_end:].view(torch.bool)
 
     def _logit_bias(
         self, batch: _BatchConstants, output_token_ids: Sequence[Sequence[int]], vocab_size: int

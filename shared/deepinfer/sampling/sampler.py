@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.sampling.metadata import SamplingMetadata
 from deepinfer.sampling.penalties import apply_penalties
-from deepinfer.sampling.random import exponential_noise
+from deepinfer.sampling.random import exponential_noise_from_keys
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Sampler(torch.nn.Module):
             processed = processed.masked_fill(~meta.allowed, float("-inf"))
         if meta.any_random:
             probs = apply_sampling_filters(processed, meta)
-            noise = exponential_noise(meta.seeds, meta.positions, logits.shape[-1])
+            noise = exponential_noise_from_keys(meta.row_keys, logits.shape[-1])
             # argmax(p / E), E ~ Exp(1) i.i.d., picks token v with probability p[v] (exponential race).
             token_ids = probs.div_(noise).argmax(dim=-1)
             if meta.any_greedy:
