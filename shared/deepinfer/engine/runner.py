@@ -218,23 +218,24 @@ class ModelRunner:
         if not sampled:
             return None
         chosen = [requests[s.request_id] for s in sampled]
-        graph_step = self._graph_step
+        params = [r.sampling_params for r in chosen]
+        graph_step, num_sampled = self._graph_step, len(sampled)
         if graph_step is None:
             with self._linear_mode():
                 logits = self.model.compute_logits(hidden)
         else:  # a decode graph computed the logits of every row (all sample), and their greedy tokens
-            logits = graph_step.logits[: len(sampled)]
-            if self._plain_greedy(chosen, logits.shape[-1]):
-                token_ids, logprobs = graph_step.greedy_token_ids[: len(sampled)], graph_step.greedy_logprobs[: len(sampled)]
+            logits = graph_step.logits[:num_sampled]
+            if self._plain_greedy(chosen, params, logits.shape[-1]):
+                token_ids, logprobs = graph_step.greedy_token_ids[:num_sampled], graph_step.greedy_logprobs[:num_sampled]
                 if self.sample_landing is None:  # read where they are, later: the next replay rewrites them
                     token_ids, logprobs = token_ids.clone(), logprobs.clone()
                 return SamplerOutput(token_ids, logprobs, None, None), chosen, sampled, False
-        if not self.batch_invariant and len(sampled) == batch.num_seqs:
+        if not self.batch_invariant and num_sampled == batch.num_seqs:
             positions = batch.seq_lens  # every sequence samples, at its last position
         else:
             positions = [s.num_computed_tokens + s.num_new_tokens for s in sampled]
         meta = self.sampling_metadata.build(
-            [r.sampling_params for r in chosen],
+            params,
             positions=positions,
             seeds=None,  # each request's params carry its seed (EngineCore.new_request draws one when unset)
             prompt_token_ids=_TokenLists(chosen, sampled, output=False),
@@ -247,12 +248,11 @@ class ModelRunner:
         needs_sync = meta.need_penalties or meta.allowed is not None
         return self.sampler(logits, meta), chosen, sampled, needs_sync
 
-    def _plain_greedy(self, chosen: Sequence[Request], vocab_size: int) -> bool:
+    def _plain_greedy(self, chosen: Sequence[Request], params: Sequence[SamplingParams], vocab_size: int) -> bool:
         """True when the sampler would take every row's argmax of the raw logits (no grammar, penalties, bias
         or top logprobs): the graph's greedy tokens are the step's."""
         return (all(r.grammar is None for r in chosen)
-                and self.sampling_metadata.plain_greedy([r.sampling_params for r in chosen], vocab_size,
-                                                        self.eos_token_ids))
+                and self.sampling_metadata.plain_greedy(params, vocab_size, self.eos_token_ids))
 
     def prepare_batch(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request] | None = None
