@@ -13,9 +13,10 @@
 #         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
 #         | nogs64-N (as pw64-N with graph_sampling off: the decode graphs end at the hidden states; A/B with pw64-N)
+#         | nofull64-N (as pw64-N with full_cuda_graphs off: prompt steps as piecewise graphs; A/B with pw64-N)
 #         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
-#         | mixedprof (py-spy of bench/mixed_step.py at 64 decode rows + a 32-token prompt, summarised)
+#         | mixedprof (py-spy of bench/mixed_step.py at 64 decode rows + a 32-token prompt, summarised; MIXEDPROF_VARIANTS: its columns, default full)
 #         | handoff (bench/gil_handoff.py on the host's CPU) | gil64-N / gil05-N (the decode worker's switch interval 0.1 / 0.5 ms)
 #         | default64-N | hosttier64-N | wgen64-N (c=64 only, no offline: interleave them for an A/B, e.g.
 #         default64-1 hosttier64-1 wgen64-1 default64-2 ...; wgen: host tier + decode writes generated blocks)
@@ -94,6 +95,7 @@ for variant in "$@"; do
         nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
         pw64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline ;;
         nogs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-graph-sampling ;;
+        nofull64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-full-graphs ;;
         onek64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --one-attention-kernel ;;
         win*-*) ms=${variant#win}; ms=${ms%%-*}
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
@@ -104,7 +106,7 @@ for variant in "$@"; do
         onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
         mixedprof) timeout 150 py-spy record --rate 1000 --nonblocking --threads --format raw --output "$OUT/mixedprof-pyspy.txt" \
             -- python3 bench/mixed_step.py --random-model llama-1b --decode-rows 64 --prompt-tokens 32 --steps 400 \
-            --context 300 > "$OUT/mixedprof.log" 2>&1; echo "mixedprof: rc $?"; summarize_profile mixedprof step_ms
+            --context 300 --variants ${MIXEDPROF_VARIANTS:-full} > "$OUT/mixedprof.log" 2>&1; echo "mixedprof: rc $?"; summarize_profile mixedprof step_ms
             head -30 "$OUT/mixedprof-pyspy-summary.txt" ;;
         mixedstep) timeout 300 python3 bench/mixed_step.py --random-model llama-1b --out "$OUT/mixedstep.json" \
             > "$OUT/mixedstep.log" 2>&1; echo "mixedstep: rc $?"; cat "$OUT/mixedstep.log" | head -12 ;;

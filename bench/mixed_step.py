@@ -1,4 +1,4 @@
-"""Mixed prefill+decode steps, eager vs piecewise CUDA graphs, split vs one attention kernel: ms per engine step.
+"""Mixed prefill+decode steps, eager vs piecewise vs full CUDA graphs, split vs one attention kernel: ms a step.
 
     PYTHONPATH=shared:. python bench/mixed_step.py --random-model llama-1b [--out FILE] \
         [--decode-rows 0,64,256] [--prompt-tokens 32,512,1536] [--steps 20]
@@ -10,8 +10,7 @@ request of P random tokens (max_tokens 1) is admitted whole, so each step is one
 once with the piecewise graphs and once with them set aside (`runner.piecewise = None`: the eager forward),
 and with the piecewise graphs once more with the mixed step's attention in one kernel (the runner's
 `mixed_step_decode_kernel` off: the decode rows go through the prefill kernel; the "one kernel" column), and with
-the piecewise graphs and each layer's attention through `paged_attention` and a copy into the static buffer instead
-of the step's AttentionPlan (its launches recorded on layer 0 and launched again for the others; "plan off").
+the full graphs (one graph a step, attention inside: engine.full_graphs, captured into the same pool; "full").
 Prints a table and one JSON line (`--out`: also written there). `--model DIR --device cpu`: a dry run of the
 code paths on a small checkpoint (no graphs: both columns eager).
 """
@@ -39,29 +38,20 @@ def make_engine(model_dir: str, device: str, max_decode_rows: int, max_tokens: i
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32",
                       device=device, max_model_len=max_model_len, max_num_seqs=max_decode_rows + 1,
                       max_num_batched_tokens=max_tokens, async_scheduling=False, kv_host_cache_bytes=0,
-                      enable_kv_events=False, progress=False, piecewise_cuda_graphs=True)
+                      enable_kv_events=False, progress=False, piecewise_cuda_graphs=True, full_cuda_graphs=False)
     return EngineCore(args)
 
 
-class PlainAttention:
-    """The session-11 eager attention of a piecewise step, as an attention plan: paged_attention per layer, copied."""
+def capture_full(engine, max_tokens: int, max_model_len: int):
+    """Full graphs of the engine's model beside its piecewise ones (None without decode graphs)."""
+    from deepinfer.engine.full_graphs import capture_full as capture
 
-    def __init__(self, paged_attention, query, out, meta) -> None:
-        self.paged_attention, self.query, self.out, self.meta = paged_attention, query, out, meta
-
-    def __call__(self, kv_cache, scale, sliding_window=None) -> None:
-        self.out.copy_(self.paged_attention(self.query, kv_cache, self.meta, scale, sliding_window))
-
-
-def plan_off(pieces):
-    """Swap the piecewise runner's attention plan for PlainAttention; returns the attention module and its ops."""
-    import dataclasses
-    import functools
-
-    attn = pieces.layers[0].self_attn
-    ops = attn.ops
-    attn.ops = dataclasses.replace(ops, attention_plan=functools.partial(PlainAttention, ops.paged_attention))
-    return attn, ops
+    runner = engine.runner
+    if runner.graphs is None:
+        return None
+    graphs = runner.graphs
+    return capture(runner.model, runner.kv_caches, max_tokens, runner.max_num_seqs, max_model_len, runner.block_size,
+                   runner.device, graphs.pool, graphs.compute_logits, graphs.logits)
 
 
 def sync(device: str) -> None:
@@ -118,8 +108,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache of each decode row")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variants", default="eager,piecewise,one_kernel,full",
+                        help="columns to time, of eager, piecewise, one_kernel, full")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    variants = args.variants.split(",")
     rows = [int(b) for b in args.decode_rows.split(",")]
     prompts = [int(p) for p in args.prompt_tokens.split(",")]
     model = args.model
@@ -134,36 +127,32 @@ def main() -> None:
     start_s = time.perf_counter() - started
     runner, rng = engine.runner, np.random.default_rng(0)
     pieces = runner.piecewise
+    full = capture_full(engine, max_tokens, max_model_len) if "full" in variants else None
     points = []
     print(f"{'decode rows':>11} {'prompt':>6} {'tokens':>6} {'bucket':>6} {'eager ms':>9} {'piecewise ms':>12} "
-          f"{'speedup':>7} {'one kernel ms':>13} {'plan off ms':>11}")
+          f"{'speedup':>7} {'one kernel ms':>13} {'full ms':>8}")
     for b in rows:
         for p in prompts:
-            point = {"decode_rows": b, "prompt_tokens": p, "tokens": b + p}
-            runner.piecewise = None
-            point["eager_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
-                                              args.steps), 3)
-            runner.piecewise = pieces
-            if pieces is not None:
-                runs = pieces.num_runs
-                point["bucket"] = pieces.bucket(b + p)
-                point["piecewise_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
-                                                      args.steps), 3)
-                point["piecewise_steps"] = pieces.num_runs - runs
-            runner.mixed_step_decode_kernel = False
-            point["one_kernel_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
-                                                   args.steps), 3)
-            runner.mixed_step_decode_kernel = True
-            if pieces is not None:
-                attn, ops = plan_off(pieces)
-                point["plan_off_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
-                                                     args.steps), 3)
-                attn.ops = ops
-            piecewise = point.get("piecewise_ms")
-            speedup = f"{point['eager_ms'] / piecewise:.2f}x" if piecewise else "-"
-            print(f"{b:>11} {p:>6} {b + p:>6} {point.get('bucket') or '-':>6} {point['eager_ms']:>9.2f} "
-                  f"{piecewise or float('nan'):>12.2f} {speedup:>7} {point['one_kernel_ms']:>13.2f} "
-                  f"{point.get('plan_off_ms', float('nan')):>11.2f}")
+            point = {"decode_rows": b, "prompt_tokens": p, "tokens": b + p,
+                     "bucket": pieces.bucket(b + p) if pieces else None}
+            for name in variants:  # (the full graphs, the piecewise ones, the split of a mixed step's attention)
+                full_graphs, piecewise, split = {"eager": (None, None, True), "piecewise": (None, pieces, True),
+                                                 "one_kernel": (None, pieces, False), "full": (full, None, True)}[name]
+                prompt_runner = full_graphs or piecewise
+                if name != "eager" and prompt_runner is None:
+                    continue
+                runner.full_graphs, runner.piecewise, runner.mixed_step_decode_kernel = full_graphs, piecewise, split
+                runs = prompt_runner.num_runs if prompt_runner else 0
+                point[f"{name}_ms"] = round(step_ms(engine, rng, args.device, b, p, args.context, args.warmup,
+                                                    args.steps), 3)
+                if prompt_runner is not None:
+                    point[f"{name}_steps"] = prompt_runner.num_runs - runs
+            runner.full_graphs, runner.piecewise, runner.mixed_step_decode_kernel = None, pieces, True
+            eager, piecewise = point.get("eager_ms"), point.get("piecewise_ms")
+            speedup = f"{eager / piecewise:.2f}x" if eager and piecewise else "-"
+            print(f"{b:>11} {p:>6} {b + p:>6} {point['bucket'] or '-':>6} {eager or float('nan'):>9.2f} "
+                  f"{piecewise or float('nan'):>12.2f} {speedup:>7} {point.get('one_kernel_ms', float('nan')):>13.2f} "
+                  f"{point.get('full_ms', float('nan')):>8.2f}")
             points.append(point)
     result = {"bench": "mixed_step", "model": args.model or args.random_model, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

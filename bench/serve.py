@@ -204,6 +204,8 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_PREFILL_MIXED_STEP_DECODE_KERNEL": "false", "DEEPINFER_DECODE_MIXED_STEP_DECODE_KERNEL": "false"}
     if args.no_graph_sampling:
         env |= {"DEEPINFER_PREFILL_GRAPH_SAMPLING": "false", "DEEPINFER_DECODE_GRAPH_SAMPLING": "false"}
+    if args.no_full_graphs:
+        env |= {"DEEPINFER_PREFILL_FULL_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "false"}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
                   num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode,
@@ -248,6 +250,8 @@ def main() -> None:
             options["mixed_step_decode_kernel"] = False
         if args.no_graph_sampling:
             options["graph_sampling"] = False
+        if args.no_full_graphs:
+            options["full_cuda_graphs"] = False
         if share is not None and share.device.startswith("cuda"):
             options["device"] = share.device
             if share.gpu_memory_utilization:
@@ -349,6 +353,8 @@ def parse_args() -> argparse.Namespace:
                         help="mixed steps attend every row with the prefill kernel (mixed_step_decode_kernel off)")
     parser.add_argument("--no-graph-sampling", action="store_true",
                         help="decode graphs end at the hidden states; the sampler runs every step (graph_sampling off)")
+    parser.add_argument("--no-full-graphs", action="store_true",
+                        help="prompt and mixed steps as piecewise graphs, attention eager (full_cuda_graphs off)")
     parser.add_argument("--offline-threads", type=int, default=1,
                         help="torch threads offline on the CPU (default 1: what each worker gets on 2 cores)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/serve-*.json)")

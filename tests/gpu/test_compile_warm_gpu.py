@@ -43,7 +43,7 @@ params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.7, min_p=0.1, seed=4, max_tokens=9, ignore_eos=True, logprobs=2)]
 for round_ in range(2):
     llm.generate(prompts, [params[(i + round_) % 3] for i in range(len(prompts))], use_tqdm=False)
-pieces = llm.engine.runner.piecewise  # prompt steps ran as piecewise graphs (the default): their kernels too
+pieces = llm.engine.runner.full_graphs  # prompt steps ran as full graphs (the default): their kernels too
 print(json.dumps({"start": start, "serving": watch.serving_compiles, "piecewise_runs": pieces.num_runs,
                   "piecewise_graphs": pieces.num_graphs}))
 """

@@ -111,13 +111,18 @@ def test_piecewise_pieces_over_padded_static_buffers_equal_the_eager_forward(mod
         hidden = runner.run(ids, positions, meta)
         assert hidden.shape == eager.shape
         torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
-        written = torch.zeros(piecewise_caches[0][0].view(-1, *piecewise_caches[0].shape[3:]).shape[0], dtype=bool)
-        written[meta.slot_mapping] = True
-        for ours, eagers, old in zip(piecewise_caches, cache.kv_caches, before, strict=True):
-            ours, eagers, old = (c.view(2, -1, *c.shape[3:]) for c in (ours, eagers, old))
-            assert torch.equal(ours[:, ~written], old[:, ~written]), "a padding row wrote KV"
-            torch.testing.assert_close(ours[:, written], eagers[:, written], rtol=1e-5, atol=1e-5)
+        assert_kv_writes(piecewise_caches, cache.kv_caches, before, meta.slot_mapping)
     assert runner.num_runs == 3
+
+
+def assert_kv_writes(caches, eager_caches, before, slot_mapping) -> None:
+    """The step's slots hold the eager forward's K/V (to 1e-5); every other slot is as it was `before`."""
+    written = torch.zeros(caches[0][0].view(-1, *caches[0].shape[3:]).shape[0], dtype=bool)
+    written[slot_mapping] = True
+    for ours, eagers, old in zip(caches, eager_caches, before, strict=True):
+        ours, eagers, old = (c.view(2, -1, *c.shape[3:]) for c in (ours, eagers, old))
+        assert torch.equal(ours[:, ~written], old[:, ~written]), "a padding row wrote KV"
+        torch.testing.assert_close(ours[:, written], eagers[:, written], rtol=1e-5, atol=1e-5)
 
 
 def test_token_buckets():

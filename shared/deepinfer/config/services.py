@@ -263,6 +263,10 @@ class WorkerSettings(ServiceSettings):
         True, description="Run prefill and mixed steps of Llama-family models as piecewise CUDA graphs (all but "
         "attention captured per token bucket; docs/gpu.md); only with CUDA graphs on (one CUDA device).",
     )
+    full_cuda_graphs: bool = Field(
+        True, description="Run those prefill and mixed steps as one CUDA graph per token bucket with attention "
+        "inside (static attention metadata; docs/gpu.md) instead of the piecewise graphs; needs piecewise_cuda_graphs.",
+    )
     mixed_step_decode_kernel: bool = Field(
         True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
         "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",

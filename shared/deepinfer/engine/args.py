@@ -68,6 +68,9 @@ class EngineArgs:
     #: graphs: everything but attention captured per token bucket (deepinfer.engine.piecewise_graphs). Only
     #: with CUDA graphs on (one CUDA device, not enforce_eager, not batch_invariant).
     piecewise_cuda_graphs: bool = True
+    #: True = those steps run one CUDA graph per token bucket with their attention inside (static metadata,
+    #: deepinfer.engine.full_graphs) instead of the piecewise graphs; needs piecewise_cuda_graphs.
+    full_cuda_graphs: bool = True
     #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
     #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
     mixed_step_decode_kernel: bool = True

@@ -143,6 +143,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             use_cuda_graphs=single_cuda and not args.enforce_eager,
             piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+            full_cuda_graphs=args.full_cuda_graphs,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
             graph_sampling=args.graph_sampling,
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,

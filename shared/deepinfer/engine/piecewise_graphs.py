@@ -67,6 +67,11 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return [*buckets, largest]
 
 
+def smallest_bucket(buckets: list[int], num_tokens: int) -> int | None:
+    """The smallest of the ascending `buckets` that holds num_tokens rows; None above the largest."""
+    return next((b for b in buckets if b >= num_tokens), None)
+
+
 def supports_piecewise(model: torch.nn.Module) -> bool:
     """True for a single-rank model whose blocks are all the Llama-family `DecoderLayer` (Llama, Mistral, Qwen2,
     Qwen3); DeepSeek (MLA, MoE) and tensor-parallel shards run their prompt steps eagerly."""
@@ -146,7 +151,7 @@ class PiecewiseGraphRunner:
 
     def bucket(self, num_tokens: int) -> int | None:
         """The smallest bucket that holds num_tokens rows; None above the largest."""
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        return smallest_bucket(self.buckets, num_tokens)
 
     def can_run(self, num_tokens: int) -> bool:
         """True once captured, for a step of 1..largest bucket tokens."""

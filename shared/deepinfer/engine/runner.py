@@ -10,9 +10,9 @@ runs one forward over it and samples the rows that reached the end of their know
 
 Block tables persist across steps in a host `BlockTable` (one row per running request, updated from the
 scheduler's new block ids, freed from its finished and preempted ids). Decode-only steps replay a CUDA graph
-on CUDA (`cuda_graphs`); steps with prompt rows of a Llama-family model run piecewise graphs (everything but
-attention captured per token bucket, `piecewise_graphs`); every other step, and every step on the CPU or with
-enforce_eager, runs eagerly.
+on CUDA (`cuda_graphs`); steps with prompt rows of a Llama-family model one graph per token bucket with attention
+inside (`full_graphs`), or piecewise graphs (all but attention, `piecewise_graphs`); every other step, and every
+step on the CPU or with enforce_eager, runs eagerly.
 
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
 always splits into max_model_len / 512 partitions, prefill attention always uses its largest query tile,
@@ -42,6 +42,7 @@ from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
     from deepinfer.engine.cuda_graphs import CudaGraphRunner, GraphStep, StagedIndices
+    from deepinfer.engine.full_graphs import FullGraphRunner
     from deepinfer.engine.piecewise_graphs import PiecewiseGraphRunner
 
 #: Batch-invariant prefill steps claim at least this max_query_len, so the prefill attention kernel always
@@ -60,11 +61,9 @@ def warm_up_query_lens(max_num_batched_tokens: int, max_model_len: int) -> list[
 class ModelRunner:
     """Runs forward + sample for the scheduler's batch; the only engine part that touches tensors.
 
-    With `max_model_len` given and `use_cuda_graphs` set on a CUDA device, decode-only batches of up to
-    `max_num_seqs` requests replay CUDA graphs captured at start (see `deepinfer.engine.cuda_graphs`); with
-    `piecewise_cuda_graphs` too, other steps of up to `max_num_batched_tokens` tokens of a model that supports it
-    run piecewise graphs (`deepinfer.engine.piecewise_graphs`). `batch_invariant`: see the module docstring
-    (needs max_model_len; always eager but for its decode graphs).
+    CUDA graphs (module docstring) need `max_model_len` and `use_cuda_graphs` on a CUDA device; for steps with
+    prompt rows (up to `max_num_batched_tokens` tokens) also `piecewise_cuda_graphs`, and `full_cuda_graphs` for
+    the full ones. `batch_invariant`: see the module docstring (needs max_model_len; eager but for decode graphs).
     """
 
     def __init__(
@@ -80,6 +79,7 @@ class ModelRunner:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         use_cuda_graphs: bool = False,
         piecewise_cuda_graphs: bool = False,
+        full_cuda_graphs: bool = False,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batch_invariant: bool = False,
         mixed_step_decode_kernel: bool = True,
@@ -131,12 +131,19 @@ class ModelRunner:
                 logits=model.compute_logits if graph_sampling and not batch_invariant else None,
             )
             self.graphs.capture()
-        #: Piecewise graphs for steps with prompt rows (None: those run eagerly).
+        #: Full or else piecewise graphs for steps with prompt rows (both None: those run eagerly).
+        self.full_graphs: FullGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         if self.graphs is not None and piecewise_cuda_graphs and not batch_invariant:
+            from deepinfer.engine.full_graphs import capture_full
             from deepinfer.engine.piecewise_graphs import capture_piecewise
 
-            self.piecewise = capture_piecewise(model, kv_caches, max_num_batched_tokens, self.device, self.graphs.pool)
+            graphs, tokens = self.graphs, max_num_batched_tokens
+            if full_cuda_graphs:
+                self.full_graphs = capture_full(model, kv_caches, tokens, max_num_seqs, max_model_len, block_size,
+                                                self.device, graphs.pool, graphs.compute_logits, graphs.logits)
+            else:
+                self.piecewise = capture_piecewise(model, kv_caches, tokens, self.device, graphs.pool)
 
     @torch.inference_mode()
     def warm_up(self, query_lens: Sequence[int]) -> None:
@@ -276,14 +283,13 @@ class ModelRunner:
 
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
         """Final hidden states of the sampled rows [S, hidden]: a decode graph replay when one fits; for a step
-        with prompt rows the piecewise graphs when they fit; else eager (decode steps too when the decode graphs
-        are set aside, as benches do)."""
+        with prompt rows the full or piecewise graphs when they fit; else eager (decode steps too when the decode
+        graphs are set aside, as benches do). A graph that computed the logits leaves them in `_graph_step`."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
             step = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
-            num_sampled = len(batch.sampled)
-            if num_sampled == batch.num_seqs:
+            if len(batch.sampled) == batch.num_seqs:
                 self._graph_step = step if step.logits is not None else None
-                return step.hidden[:num_sampled]
+                return step.hidden[: batch.num_seqs]
             return step.hidden[torch.tensor(batch.logits_indices, device=self.device)]
         inputs = self.stager.stage(batch, self.block_table)
         if not self.mixed_step_decode_kernel:
@@ -291,6 +297,11 @@ class ModelRunner:
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
         interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s
+        full = self.full_graphs
+        if full is not None and not batch.is_decode_only and full.can_run(batch.num_tokens):
+            step = full.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
+            self._graph_step = step if step.logits is not None else None
+            return step.hidden
         if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
             with switch_interval(interval_s):
                 hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)

@@ -32,6 +32,9 @@ class AttentionMetadata:
     #: Sequences with exactly one new row (decodes, or a prompt's last token over a cached prefix); a mixed
     #: step sends them to the decode kernel. None = not counted: the batch takes one kernel.
     num_decodes: int | None = None
+    #: Graph mode (kernels.triton_graph_attention): [1 + 2 * capacity] int32 on device, the step's prefill tiles;
+    #: the device tensors above are then static buffers padded to the bucket. None: the eager launches.
+    prefill_tiles: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -163,6 +163,80 @@ def _decode_reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _prefill_block(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, m_block, b, head,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cb, stride_co, stride_ch,
+    qk_scale, sliding_window, min_query_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """Query block m_block of sequence b, query head `head`: BLOCK_M new rows against the cached prefix and
+    themselves. Nothing past the sequence's rows, nor for a sequence of fewer than min_query_len new rows."""
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if m_block * BLOCK_M < q_len and q_len >= min_query_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        context_len = seq_len - q_len  # row i of this sequence sits at position context_len + i
+        kv_head = head // GROUP
+
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        q_pos = context_len + offs_m  # [BLOCK_M]
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
+        if F32_DOT:
+            q = q.to(tl.float32)
+        block_table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
+
+        #   keys: [lo ........ mid)[mid ......... hi)
+        #          every row sees  causal/window mask; hi = last row's position + 1
+        first_pos = context_len + m_block * BLOCK_M
+        hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+        if USE_WINDOW:
+            lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+            mid = lo
+        else:
+            lo = 0
+            mid = first_pos // BLOCK_N * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        all_keys = tl.full([BLOCK_N], 1, tl.int1)
+        for start in range(lo, mid, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            k = _load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, pos, all_keys, offs_d, d_mask,
+                              stride_cb, stride_co, stride_ch, BLOCK_SIZE, True, F32_DOT)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            v = _load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, pos, all_keys, offs_d, d_mask,
+                              stride_cb, stride_co, stride_ch, BLOCK_SIZE, False, F32_DOT)
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+        for start in range(mid, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_mask = pos < hi
+            k = _load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, pos, pos_mask, offs_d, d_mask,
+                              stride_cb, stride_co, stride_ch, BLOCK_SIZE, True, F32_DOT)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            keep = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                keep = keep & (q_pos[:, None] - pos[None, :] < sliding_window)
+            s = tl.where(keep, s, float("-inf"))
+            v = _load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, pos, pos_mask, offs_d, d_mask,
+                              stride_cb, stride_co, stride_ch, BLOCK_SIZE, False, F32_DOT)
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["stride_bt", "min_query_len"])
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -173,71 +247,14 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    """One (query block, sequence, query head): BLOCK_M new rows against the cached prefix and themselves."""
-    m_block = tl.program_id(0)
-    b = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if m_block * BLOCK_M >= q_len or q_len < min_query_len:  # past its rows, or a decode row of a mixed step
-        return
-    seq_len = tl.load(seq_lens_ptr + b)
-    context_len = seq_len - q_len  # row i of this sequence sits at position context_len + i
-    kv_head = head // GROUP
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < q_len
-    q_pos = context_len + offs_m  # [BLOCK_M]
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
-    if F32_DOT:
-        q = q.to(tl.float32)
-    block_table_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
-
-    #   keys: [lo ........ mid)[mid ......... hi)
-    #          every row sees  causal/window mask; hi = last row's position + 1
-    first_pos = context_len + m_block * BLOCK_M
-    hi = tl.minimum(first_pos + BLOCK_M, seq_len)
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
-        mid = lo
-    else:
-        lo = 0
-        mid = first_pos // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    all_keys = tl.full([BLOCK_N], 1, tl.int1)
-    for start in range(lo, mid, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        k = _load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, pos, all_keys, offs_d, d_mask,
-                          stride_cb, stride_co, stride_ch, BLOCK_SIZE, True, F32_DOT)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        v = _load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, pos, all_keys, offs_d, d_mask,
-                          stride_cb, stride_co, stride_ch, BLOCK_SIZE, False, F32_DOT)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
-    for start in range(mid, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < hi
-        k = _load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, pos, pos_mask, offs_d, d_mask,
-                          stride_cb, stride_co, stride_ch, BLOCK_SIZE, True, F32_DOT)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        keep = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            keep = keep & (q_pos[:, None] - pos[None, :] < sliding_window)
-        s = tl.where(keep, s, float("-inf"))
-        v = _load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, pos, pos_mask, offs_d, d_mask,
-                          stride_cb, stride_co, stride_ch, BLOCK_SIZE, False, F32_DOT)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
-
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptrs = out_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    """One (query block, sequence, query head); a decode row of a mixed step (min_query_len 2) is skipped."""
+    _prefill_block(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_co, stride_ch,
+        qk_scale, sliding_window, min_query_len,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_SIZE, BLOCK_M, BLOCK_N, USE_WINDOW, PRECISION, F32_DOT,
+    )
 
 
 def _check_attention_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:

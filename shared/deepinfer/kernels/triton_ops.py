@@ -13,6 +13,7 @@ from deepinfer.kernels.triton_activation import silu_and_mul
 from deepinfer.kernels.triton_attention import paged_decode_attention, prefill_attention
 from deepinfer.kernels.triton_block_copy import gather_blocks, scatter_blocks
 from deepinfer.kernels.triton_cache import reshape_and_cache
+from deepinfer.kernels.triton_graph_attention import graph_attention
 from deepinfer.kernels.triton_launch import Launch, LaunchRecorder, RecordedLaunch, launch_now
 from deepinfer.kernels.triton_mla import mla_cache_write, mla_paged_attention
 from deepinfer.kernels.triton_moe import fused_moe
@@ -51,6 +52,9 @@ def paged_attention(
     a mixed step both: its single-row sequences the decode kernel, the others the prefill kernel. With `out`, into
     it (rows past query_start_loc[-1] left as they are), the decode rows one partition each as in a mixed step."""
     # the choice reads only host ints, so it never waits for the device
+    if meta.prefill_tiles is not None:  # inside a captured graph: launches fixed by the shapes
+        assert out is None, "graph-mode attention allocates its output"
+        return graph_attention(query, kv_cache, meta, scale, sliding_window, launch=launch)
     if meta.max_query_len <= 1 and out is None:
         return paged_decode_attention(query, kv_cache, meta, scale, sliding_window, launch=launch)
     if not meta.num_decodes:  # 0, or not counted (None): every row through the prefill kernel

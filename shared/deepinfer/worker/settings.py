@@ -33,6 +33,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
+        full_cuda_graphs=settings.full_cuda_graphs,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         graph_sampling=settings.graph_sampling,
         admission_window_s=settings.admission_window_s,
