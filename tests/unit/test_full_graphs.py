@@ -109,3 +109,24 @@ def test_deepseek_has_no_full_graphs(tmp_path):
     assert capture_full(deepseek, [], 2048, 8, 128, BLOCK_SIZE, CPU) is None
     with pytest.raises(ValueError, match="graph-mode attention"):
         FullGraphRunner(deepseek, [], 64, 8, 128, BLOCK_SIZE, CPU, use_graphs=False)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_prompt_graphs_capture_into_the_decode_graphs_pool_with_their_tail(monkeypatch, full):
+    """ModelRunner's choice between full and piecewise graphs (captured on CUDA only: the capture is recorded here):
+    the decode graphs' pool, sequence count, context length and logits tail go to the full graphs."""
+    from deepinfer.engine import full_graphs
+    from deepinfer.engine.cuda_graphs import CudaGraphRunner
+
+    calls = []
+    monkeypatch.setattr(full_graphs, "capture_full", lambda *a: calls.append(("full", a)) or "F")
+    monkeypatch.setattr(full_graphs, "capture_piecewise", lambda *a: calls.append(("piecewise", a)) or "P")
+    decode = CudaGraphRunner.__new__(CudaGraphRunner)  # the attributes a captured one has, on the CPU
+    decode.static64, decode.max_bs, decode.max_model_len, decode.pool = torch.zeros(1), 8, 128, (0, 1)
+    decode.compute_logits, decode.logits = len, torch.zeros(8, 5)
+    got = full_graphs.capture_prompt_graphs("model", ["cache"], decode, 512, BLOCK_SIZE, full=full)
+    if full:
+        assert got == ("F", None)
+        assert calls == [("full", ("model", ["cache"], 512, 8, 128, BLOCK_SIZE, CPU, (0, 1), len, decode.logits))]
+    else:
+        assert got == (None, "P") and calls == [("piecewise", ("model", ["cache"], 512, CPU, (0, 1)))]

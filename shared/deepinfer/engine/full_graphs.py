@@ -36,8 +36,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from deepinfer.engine.cuda_graphs import GraphStep
-from deepinfer.engine.piecewise_graphs import smallest_bucket, supports_piecewise, token_buckets
+from deepinfer.engine.cuda_graphs import CudaGraphRunner, GraphStep
+from deepinfer.engine.piecewise_graphs import (
+    PiecewiseGraphRunner,
+    capture_piecewise,
+    smallest_bucket,
+    supports_piecewise,
+    token_buckets,
+)
 from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.kernels.triton_graph_attention import graph_block_m, prefill_tile_capacity, write_prefill_tiles
 from deepinfer.sampling.sampler import greedy_tokens
@@ -253,3 +259,16 @@ def capture_full(
                              logits=logits, logits_buffer=logits_buffer)
     runner.capture(pool)
     return runner
+
+
+def capture_prompt_graphs(
+    model: torch.nn.Module, kv_caches: list[torch.Tensor], decode_graphs: CudaGraphRunner, max_num_batched_tokens: int,
+    block_size: int, *, full: bool,
+) -> tuple[FullGraphRunner | None, PiecewiseGraphRunner | None]:
+    """(full graphs, piecewise graphs) of `model`'s prompt steps, one or neither, in the decode graphs' pool (the full
+    ones with their logits tail when the decode graphs have one)."""
+    graphs, device = decode_graphs, decode_graphs.static64.device
+    if not full:
+        return None, capture_piecewise(model, kv_caches, max_num_batched_tokens, device, graphs.pool)
+    return capture_full(model, kv_caches, max_num_batched_tokens, graphs.max_bs, graphs.max_model_len, block_size,
+                        device, graphs.pool, graphs.compute_logits, graphs.logits), None

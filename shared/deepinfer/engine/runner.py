@@ -104,7 +104,7 @@ class ModelRunner:
         self.sample_landing = SampleLanding(pinned=True) if self.device.type == "cuda" else None
         #: This step's sampled rows on the device, when they travelled with its placeholder fill.
         self._staged_sampled_rows: torch.Tensor | None = None
-        #: This step's decode-graph replay, when it computed the logits of every row (see CudaGraphRunner).
+        #: This step's decode or full graph outputs, when the graph computed the sampled rows' logits.
         self._graph_step: GraphStep | None = None
         # Columns grow on demand when max_model_len is unknown.
         self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
@@ -135,15 +135,10 @@ class ModelRunner:
         self.full_graphs: FullGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         if self.graphs is not None and piecewise_cuda_graphs and not batch_invariant:
-            from deepinfer.engine.full_graphs import capture_full
-            from deepinfer.engine.piecewise_graphs import capture_piecewise
+            from deepinfer.engine.full_graphs import capture_prompt_graphs
 
-            graphs, tokens = self.graphs, max_num_batched_tokens
-            if full_cuda_graphs:
-                self.full_graphs = capture_full(model, kv_caches, tokens, max_num_seqs, max_model_len, block_size,
-                                                self.device, graphs.pool, graphs.compute_logits, graphs.logits)
-            else:
-                self.piecewise = capture_piecewise(model, kv_caches, tokens, self.device, graphs.pool)
+            self.full_graphs, self.piecewise = capture_prompt_graphs(
+                model, kv_caches, self.graphs, max_num_batched_tokens, block_size, full=full_cuda_graphs)
 
     @torch.inference_mode()
     def warm_up(self, query_lens: Sequence[int]) -> None:
