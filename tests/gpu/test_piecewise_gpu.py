@@ -29,13 +29,18 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 16, 1024, 512
 LENGTHS = (3, 9, 17, 30, 64, 100, 130, 200, 300, 450)
 
 
-def llm_outputs(model_dir: Path, piecewise: bool, full: bool = False):
+#: The prompt steps' graphs: piecewise, full, full with the logits tail (full_graph_sampling).
+MODES = ("piecewise", "full", "full_sampling")
+
+
+def llm_outputs(model_dir: Path, piecewise: bool, mode: str = "piecewise"):
     """Greedy tokens and logprobs of prompts of 3..450 tokens admitted while earlier ones decode (a 256-token
     budget: most steps mix decode rows with prompt chunks), and the engine's runner."""
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
-              piecewise_cuda_graphs=piecewise, full_cuda_graphs=full, kv_cache_bytes=64 << 20, progress=False)
+              piecewise_cuda_graphs=piecewise, full_cuda_graphs=mode != "piecewise",
+              full_graph_sampling=mode == "full_sampling", kv_cache_bytes=64 << 20, progress=False)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 4 for j in range(n)]} for i, n in enumerate(LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     result = llm.generate(prompts, params, use_tqdm=False)
@@ -47,17 +52,19 @@ def llm_outputs(model_dir: Path, piecewise: bool, full: bool = False):
     return tokens, runner
 
 
-@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: the q/k norm inside the first half
-def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch, full):
+def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch, mode):
     from deepinfer.engine.full_graphs import FullGraphRunner
 
     model_dir = checkpoints.make_tiny_checkpoint(tmp_path / arch, arch)
     eager, off = llm_outputs(model_dir, piecewise=False)
-    piecewise, on = llm_outputs(model_dir, piecewise=True, full=full)
+    piecewise, on = llm_outputs(model_dir, piecewise=True, mode=mode)
     assert off.piecewise is None and off.full_graphs is None and off.graphs is not None
-    prompt_graphs = on.full_graphs or on.piecewise
+    prompt_graphs, full = on.full_graphs or on.piecewise, mode != "piecewise"
     assert isinstance(prompt_graphs, FullGraphRunner) == full and (on.piecewise is None) == full
+    if full:  # the tail's logits land in the decode graphs' buffer
+        assert (prompt_graphs.compute_logits is not None) == (mode == "full_sampling")
     assert prompt_graphs.num_runs > 0 and prompt_graphs.num_graphs > 0
     for (got, got_lp), (want, want_lp) in zip(piecewise, eager, strict=True):
         # bf16: padded rows may take another GEMM algorithm; the first tokens agree, logprobs to rounding.
@@ -65,8 +72,9 @@ def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch, full):
         assert max(abs(a - b) for a, b in zip(got_lp[:4], want_lp[:4], strict=True)) < 0.05
 
 
-def make_runner(tmp_path, full: bool):
-    """A CUDA runner over dummy bf16 weights with decode and piecewise or full graphs (buckets up to 512 tokens)."""
+def make_runner(tmp_path, mode: str):
+    """A CUDA runner over dummy bf16 weights with decode graphs and the prompt graphs of `mode` (buckets up to 512
+    tokens)."""
     from deepinfer.engine.runner import ModelRunner
     from deepinfer.kernels import get_ops
     from deepinfer.loader.dummy import load_dummy_model
@@ -76,8 +84,8 @@ def make_runner(tmp_path, full: bool):
     kv_caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 128, dtype=torch.bfloat16, device="cuda")
                  for _ in range(CONFIG["num_hidden_layers"])]
     return ModelRunner(model, kv_caches, BLOCK_SIZE, CONFIG["vocab_size"], torch.device("cuda"), max_model_len=1024,
-                       max_num_seqs=16, use_cuda_graphs=True, piecewise_cuda_graphs=True, full_cuda_graphs=full,
-                       max_num_batched_tokens=MAX_TOKENS)
+                       max_num_seqs=16, use_cuda_graphs=True, piecewise_cuda_graphs=True, full_cuda_graphs=mode != "piecewise",
+                       full_graph_sampling=mode == "full_sampling", max_num_batched_tokens=MAX_TOKENS)
 
 
 class Blocks:
@@ -102,10 +110,10 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(4, CONFIG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("mode", MODES)
 @torch.inference_mode()
-def test_mixed_step_logits_piecewise_vs_eager_and_padding_writes_no_kv(tmp_path, full):
-    runner = make_runner(tmp_path, full)
+def test_mixed_step_logits_piecewise_vs_eager_and_padding_writes_no_kv(tmp_path, mode):
+    runner, full = make_runner(tmp_path, mode), mode != "piecewise"
     model, pieces, blocks = runner.model, runner.full_graphs or runner.piecewise, Blocks()
     assert pieces is not None and pieces.buckets[-1] == MAX_TOKENS and (runner.full_graphs is not None) == full
     contexts = {f"d{i}": prompt(n, i) for i, n in enumerate((40, 100, 7, 300))}
@@ -119,11 +127,16 @@ def test_mixed_step_logits_piecewise_vs_eager_and_padding_writes_no_kv(tmp_path,
     eager_caches = [c.clone() for c in runner.kv_caches]
     eager = model.compute_logits(model(inputs.input_ids, inputs.positions, eager_caches, inputs.meta))
     runs = pieces.num_runs
-    if full:  # the graph ends at the sampled rows (each sequence's last): their logits and greedy tokens
+    if full:  # the graph ends at the sampled rows (each sequence's last), with the tail their logits and tokens
         rows = inputs.logits_indices.tolist()
         graph_step = pieces.run(inputs.input_ids, inputs.positions, inputs.meta, rows)
-        logits, eager = graph_step.logits, eager[rows]
-        assert torch.equal(graph_step.greedy_token_ids, logits.argmax(-1)) and len(rows) == 6
+        eager = eager[rows]
+        if mode == "full_sampling":
+            logits = graph_step.logits
+            assert torch.equal(graph_step.greedy_token_ids, logits.argmax(-1)) and len(rows) == 6
+        else:
+            assert graph_step.logits is None and graph_step.hidden.shape[0] == 6
+            logits = model.compute_logits(graph_step.hidden)
     else:
         logits = model.compute_logits(pieces.run(inputs.input_ids, inputs.positions, inputs.meta))
         assert logits.shape == (194, CONFIG["vocab_size"])
@@ -141,11 +154,11 @@ def test_mixed_step_logits_piecewise_vs_eager_and_padding_writes_no_kv(tmp_path,
         torch.testing.assert_close(ours[:, written], theirs[:, written], rtol=0.02, atol=0.06)
 
 
-@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("mode", MODES)
 @torch.inference_mode()
-def test_step_above_the_largest_bucket_runs_eagerly(tmp_path, full):
-    runner = make_runner(tmp_path, full)
-    attr = "full_graphs" if full else "piecewise"
+def test_step_above_the_largest_bucket_runs_eagerly(tmp_path, mode):
+    runner = make_runner(tmp_path, mode)
+    attr = "piecewise" if mode == "piecewise" else "full_graphs"
     pieces, blocks = getattr(runner, attr), Blocks()
     lengths = {"a": 300, "b": 200, "c": 100}  # 600 tokens > 512
     tables = {rid: blocks.take(n) for rid, n in lengths.items()}

@@ -111,10 +111,11 @@ def test_deepseek_has_no_full_graphs(tmp_path):
         FullGraphRunner(deepseek, [], 64, 8, 128, BLOCK_SIZE, CPU, use_graphs=False)
 
 
-@pytest.mark.parametrize("full", [False, True])
-def test_prompt_graphs_capture_into_the_decode_graphs_pool_with_their_tail(monkeypatch, full):
+@pytest.mark.parametrize(("full", "sampling"), [(False, False), (True, False), (True, True)])
+def test_prompt_graphs_capture_into_the_decode_graphs_pool_with_their_tail(monkeypatch, full, sampling):
     """ModelRunner's choice between full and piecewise graphs (captured on CUDA only: the capture is recorded here):
-    the decode graphs' pool, sequence count, context length and logits tail go to the full graphs."""
+    the decode graphs' pool, sequence count and context length go to the full graphs, and with `sampling` their
+    logits tail (off by default: full_graph_sampling)."""
     from deepinfer.engine import full_graphs
     from deepinfer.engine.cuda_graphs import CudaGraphRunner
 
@@ -124,9 +125,10 @@ def test_prompt_graphs_capture_into_the_decode_graphs_pool_with_their_tail(monke
     decode = CudaGraphRunner.__new__(CudaGraphRunner)  # the attributes a captured one has, on the CPU
     decode.static64, decode.max_bs, decode.max_model_len, decode.pool = torch.zeros(1), 8, 128, (0, 1)
     decode.compute_logits, decode.logits = len, torch.zeros(8, 5)
-    got = full_graphs.capture_prompt_graphs("model", ["cache"], decode, 512, BLOCK_SIZE, full=full)
+    got = full_graphs.capture_prompt_graphs("model", ["cache"], decode, 512, BLOCK_SIZE, full=full, sampling=sampling)
     if full:
+        tail = (len, decode.logits) if sampling else (None, None)
         assert got == ("F", None)
-        assert calls == [("full", ("model", ["cache"], 512, 8, 128, BLOCK_SIZE, CPU, (0, 1), len, decode.logits))]
+        assert calls == [("full", ("model", ["cache"], 512, 8, 128, BLOCK_SIZE, CPU, (0, 1), *tail))]
     else:
         assert got == (None, "P") and calls == [("piecewise", ("model", ["cache"], 512, CPU, (0, 1)))]

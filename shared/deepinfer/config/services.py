@@ -275,6 +275,10 @@ class WorkerSettings(ServiceSettings):
         True, description="The decode CUDA graphs also compute the logits and each row's greedy token: an "
         "all-greedy decode step without penalties, bias or top logprobs launches no sampler (docs/gpu.md).",
     )
+    full_graph_sampling: bool = Field(
+        False, description="The full graphs of prompt steps (full_cuda_graphs) also compute their sampled rows' "
+        "logits and greedy tokens, as graph_sampling does for decode steps (off until verified on a GPU; docs/gpu.md).",
+    )
     admission_window_s: float = Field(
         0.0, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "
         "is over (no arrival for a quarter of this) or this long, and join the batch in one step: fewer mixed "

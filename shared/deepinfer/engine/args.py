@@ -77,6 +77,9 @@ class EngineArgs:
     #: True = the decode CUDA graphs also compute the logits and each row's greedy token with its logprob: an
     #: all-greedy decode step without penalties, bias or top logprobs launches no sampler (deepinfer.engine.cuda_graphs).
     graph_sampling: bool = True
+    #: True = the full graphs of prompt steps (full_cuda_graphs) end the same way: their sampled rows' logits and
+    #: greedy tokens (deepinfer.engine.full_graphs). Off by default until it has run on a GPU (docs/gpu.md).
+    full_graph_sampling: bool = False
     #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
     #: (deepinfer.engine.admission_window; 0 = admit at the next step).
     admission_window_s: float = 0.0

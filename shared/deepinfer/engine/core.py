@@ -146,6 +146,7 @@ class EngineCore:
             full_cuda_graphs=args.full_cuda_graphs,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
             graph_sampling=args.graph_sampling,
+            full_graph_sampling=args.full_graph_sampling,
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,

@@ -263,12 +263,14 @@ def capture_full(
 
 def capture_prompt_graphs(
     model: torch.nn.Module, kv_caches: list[torch.Tensor], decode_graphs: CudaGraphRunner, max_num_batched_tokens: int,
-    block_size: int, *, full: bool,
+    block_size: int, *, full: bool, sampling: bool = False,
 ) -> tuple[FullGraphRunner | None, PiecewiseGraphRunner | None]:
     """(full graphs, piecewise graphs) of `model`'s prompt steps, one or neither, in the decode graphs' pool (the full
-    ones with their logits tail when the decode graphs have one)."""
+    ones, with `sampling`, also with their logits tail when the decode graphs have one)."""
     graphs, device = decode_graphs, decode_graphs.static64.device
     if not full:
         return None, capture_piecewise(model, kv_caches, max_num_batched_tokens, device, graphs.pool)
+    tail = sampling and graphs.compute_logits is not None
     return capture_full(model, kv_caches, max_num_batched_tokens, graphs.max_bs, graphs.max_model_len, block_size,
-                        device, graphs.pool, graphs.compute_logits, graphs.logits), None
+                        device, graphs.pool, graphs.compute_logits if tail else None,
+                        graphs.logits if tail else None), None

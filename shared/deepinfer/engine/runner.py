@@ -63,7 +63,7 @@ class ModelRunner:
 
     CUDA graphs (module docstring) need `max_model_len` and `use_cuda_graphs` on a CUDA device; for steps with
     prompt rows (up to `max_num_batched_tokens` tokens) also `piecewise_cuda_graphs`, and `full_cuda_graphs` for
-    the full ones. `batch_invariant`: see the module docstring (needs max_model_len; eager but for decode graphs).
+    the full ones (`full_graph_sampling`: with the decode graphs' logits tail). `batch_invariant`: see the module docstring (needs max_model_len; eager but for decode graphs).
     """
 
     def __init__(
@@ -85,6 +85,7 @@ class ModelRunner:
         mixed_step_decode_kernel: bool = True,
         eager_step_switch_interval_s: float | None = None,
         graph_sampling: bool = True,
+        full_graph_sampling: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -138,7 +139,8 @@ class ModelRunner:
             from deepinfer.engine.full_graphs import capture_prompt_graphs
 
             self.full_graphs, self.piecewise = capture_prompt_graphs(
-                model, kv_caches, self.graphs, max_num_batched_tokens, block_size, full=full_cuda_graphs)
+                model, kv_caches, self.graphs, max_num_batched_tokens, block_size, full=full_cuda_graphs,
+                sampling=full_graph_sampling)
 
     @torch.inference_mode()
     def warm_up(self, query_lens: Sequence[int]) -> None:

@@ -36,6 +36,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         full_cuda_graphs=settings.full_cuda_graphs,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         graph_sampling=settings.graph_sampling,
+        full_graph_sampling=settings.full_graph_sampling,
         admission_window_s=settings.admission_window_s,
         eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
         load_format=settings.load_format,
