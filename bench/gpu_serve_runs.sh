@@ -14,6 +14,8 @@
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
 #         | nogs64-N (as pw64-N with graph_sampling off: the decode graphs end at the hidden states; A/B with pw64-N)
 #         | nofull64-N (as pw64-N with full_cuda_graphs off: prompt steps as piecewise graphs; A/B with pw64-N)
+#         | fgs64-N (as pw64-N with full_graph_sampling on: the full graphs' logits tail; A/B with pw64-N)
+#         | temp64-N (as pw64-N at temperature 0.7, with offline: every step through the sampler and its row keys)
 #         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
 #         | mixedprof (py-spy of bench/mixed_step.py at 64 decode rows + a 32-token prompt, summarised; MIXEDPROF_VARIANTS: its columns, default full)
@@ -96,6 +98,8 @@ for variant in "$@"; do
         pw64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline ;;
         nogs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-graph-sampling ;;
         nofull64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-full-graphs ;;
+        fgs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --full-graph-sampling ;;
+        temp64-*) run "$variant" 200 --random-model llama-1b --sweep 64,256 --temperature 0.7 ;;
         onek64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --one-attention-kernel ;;
         win*-*) ms=${variant#win}; ms=${ms%%-*}
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \

@@ -42,6 +42,21 @@ from serve_hops import (  # noqa: E402
     step_breakdown,
 )
 
+#: Engine settings a flag changes on both sides (the workers' env, the offline engine's options):
+#: flag -> (EngineArgs / worker setting, its value with the flag, help).
+ENGINE_FLAGS = {
+    "no_piecewise": ("piecewise_cuda_graphs", False,
+                     "prompt and mixed steps eager (workers and offline engine: piecewise_cuda_graphs off)"),
+    "one_attention_kernel": ("mixed_step_decode_kernel", False,
+                             "mixed steps attend every row with the prefill kernel (mixed_step_decode_kernel off)"),
+    "no_graph_sampling": ("graph_sampling", False,
+                          "decode graphs end at the hidden states; the sampler runs every step (graph_sampling off)"),
+    "no_full_graphs": ("full_cuda_graphs", False,
+                       "prompt and mixed steps as piecewise graphs, attention eager (full_cuda_graphs off)"),
+    "full_graph_sampling": ("full_graph_sampling", True,
+                            "the full graphs of prompt steps also compute their logits and greedy tokens"),
+}
+
 TOPICS = ["the sea", "volcanoes", "a lighthouse", "bread baking", "the moon", "trains", "bees", "chess"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -78,7 +93,8 @@ def service_point(args, stack, base_url: list[str], model: str, concurrency: int
     steps_before = engine_counts(ports) if ports else {}
     print(f"concurrency {concurrency}: measured load starts ({num_requests} requests)", flush=True)
     since_ns = time.time_ns()
-    load = run_load(base_url, model, conversations(num_requests), concurrency, args.max_tokens, procs, args.client)
+    load = run_load(base_url, model, conversations(num_requests), concurrency, args.max_tokens, procs, args.client,
+                    temperature=args.temperature)
     until_ns = time.time_ns()
     point = summarize(load, concurrency, procs)
     point["service_cpu"] = cpu_fractions(cpu_before, cpu_seconds(pids), (until_ns - since_ns) / 1e9)
@@ -129,7 +145,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict, gc_f
         if gc_freeze:
             gc.collect()
             gc.freeze()
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
         ttft = time_first_tokens(llm.engine)
         graphs = llm.engine.runner.graphs
         replays_before, steps_before = (graphs.num_replays if graphs else 0), ttft.steps
@@ -198,14 +214,8 @@ def start_stack(args, model: str):
         env |= {"DEEPINFER_PREFILL_LOAD_FORMAT": "dummy", "DEEPINFER_DECODE_LOAD_FORMAT": "dummy"}
     if args.trace:
         env |= {"DEEPINFER_OTEL_EXPORTER": "file", "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    if args.no_piecewise:
-        env |= {"DEEPINFER_PREFILL_PIECEWISE_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_PIECEWISE_CUDA_GRAPHS": "false"}
-    if args.one_attention_kernel:
-        env |= {"DEEPINFER_PREFILL_MIXED_STEP_DECODE_KERNEL": "false", "DEEPINFER_DECODE_MIXED_STEP_DECODE_KERNEL": "false"}
-    if args.no_graph_sampling:
-        env |= {"DEEPINFER_PREFILL_GRAPH_SAMPLING": "false", "DEEPINFER_DECODE_GRAPH_SAMPLING": "false"}
-    if args.no_full_graphs:
-        env |= {"DEEPINFER_PREFILL_FULL_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "false"}
+    env |= {f"DEEPINFER_{role}_{name.upper()}": str(value).lower() for name, value in engine_options(args).items()
+            for role in ("PREFILL", "DECODE")}
     env |= dict(item.split("=", 1) for item in args.env)
     stack = Stack(model=model, device=args.device, port=0, env_overrides=env, start_timeout_s=900, log_dir=args.log_dir,
                   num_gateways=args.gateways, num_prefill=args.prefill, num_decode=args.decode,
@@ -213,6 +223,11 @@ def start_stack(args, model: str):
     stack.start()
     stack.wait_ready()
     return stack, [stack.base_url]
+
+
+def engine_options(args) -> dict[str, bool]:
+    """The engine settings the command line's ENGINE_FLAGS change."""
+    return {name: value for flag, (name, value, _) in ENGINE_FLAGS.items() if getattr(args, flag)}
 
 
 def default_num_gateways() -> int:
@@ -243,15 +258,7 @@ def main() -> None:
         if stack is not None:
             stack.stop()
     if not args.no_offline:
-        options = {"load_format": "dummy"} if args.random_model else {}
-        if args.no_piecewise:
-            options["piecewise_cuda_graphs"] = False
-        if args.one_attention_kernel:
-            options["mixed_step_decode_kernel"] = False
-        if args.no_graph_sampling:
-            options["graph_sampling"] = False
-        if args.no_full_graphs:
-            options["full_cuda_graphs"] = False
+        options = ({"load_format": "dummy"} if args.random_model else {}) | engine_options(args)
         if share is not None and share.device.startswith("cuda"):
             options["device"] = share.device
             if share.gpu_memory_utilization:
@@ -270,7 +277,8 @@ def main() -> None:
 def report(args, points: list[dict], num_prefill: int | None) -> None:
     """Tables, the JSON line, and the JSON file."""
     print(f"\nservice vs offline: {args.random_model or args.model}, {args.max_tokens} output tokens, "
-          f"client {args.client}, device {args.device}")
+          f"temperature {args.temperature:g}, client {args.client}, device {args.device}, "
+          f"engine {engine_options(args) or 'defaults'}")
     header = ["conc", "procs", "cpu max", "service tok/s", "offline tok/s", "ratio", "TTFT p50", "TTFT p99",
               "off TTFT p50", "ITL p50", "ITL p99", "TPOT", "off step"]
     print("".join(f"{h:>14}" for h in header))
@@ -297,7 +305,7 @@ def report(args, points: list[dict], num_prefill: int | None) -> None:
     result = {"bench": "serve", "model": args.random_model or args.model, "max_tokens": args.max_tokens,
               "client": args.client, "device": args.device, "trace": args.trace,
               "gateways": args.gateways or default_num_gateways(), "prefill": num_prefill, "decode": args.decode,
-              "env": args.env,
+              "env": args.env, "temperature": args.temperature, "engine_options": engine_options(args),
               "points": points}
     save_result(result, args.out or RESULTS_DIR / f"serve-{args.random_model or 'default'}-"
                 f"{time.strftime('%Y-%m-%d-%H%M')}.json")
@@ -347,14 +355,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="file span exporter on every service; span breakdown")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the services' logs here (default: removed)")
     parser.add_argument("--no-offline", action="store_true")
-    parser.add_argument("--no-piecewise", action="store_true",
-                        help="prompt and mixed steps eager (workers and offline engine: piecewise_cuda_graphs off)")
-    parser.add_argument("--one-attention-kernel", action="store_true",
-                        help="mixed steps attend every row with the prefill kernel (mixed_step_decode_kernel off)")
-    parser.add_argument("--no-graph-sampling", action="store_true",
-                        help="decode graphs end at the hidden states; the sampler runs every step (graph_sampling off)")
-    parser.add_argument("--no-full-graphs", action="store_true",
-                        help="prompt and mixed steps as piecewise graphs, attention eager (full_cuda_graphs off)")
+    for flag, (_, _, text) in ENGINE_FLAGS.items():
+        parser.add_argument(f"--{flag.replace('_', '-')}", action="store_true", help=text)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request, both sides (default 0: greedy)")
     parser.add_argument("--offline-threads", type=int, default=1,
                         help="torch threads offline on the CPU (default 1: what each worker gets on 2 cores)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/serve-*.json)")

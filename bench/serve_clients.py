@@ -71,30 +71,32 @@ class LoadResult:
 
 def run_load(
     base_url: str | list[str], model: str, prompts: list[Any], concurrency: int, max_tokens: int, num_procs: int,
-    client: str = "httpx", warm: bool = True,
+    client: str = "httpx", warm: bool = True, temperature: float = 0.0,
 ) -> LoadResult:
     """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them;
     with several base URLs (gateways), process i talks to URL i modulo their number. `warm`: each client makes one
-    request before the start (see `_clients`; False only to measure what that removes: bench/client_warmup.py)."""
+    request before the start (see `_clients`; False only to measure what that removes: bench/client_warmup.py).
+    Every request streams exactly max_tokens tokens (ignore_eos) at `temperature`."""
     urls = [base_url] if isinstance(base_url, str) else base_url
     num_procs = max(1, min(num_procs, concurrency))
     shares = [prompts[i::num_procs] for i in range(num_procs)]
     clients = [concurrency // num_procs + (1 if i < concurrency % num_procs else 0) for i in range(num_procs)]
     context = multiprocessing.get_context("spawn")
     start_at = time.time() + 2.0  # every process imports first, then all begin together
-    jobs = [(urls[i % len(urls)], model, share, n, max_tokens, client, start_at, warm)
+    params = {"max_tokens": max_tokens, "temperature": temperature}
+    jobs = [(urls[i % len(urls)], model, share, n, params, client, start_at, warm)
             for i, (share, n) in enumerate(zip(shares, clients, strict=True))]
     with context.Pool(num_procs) as pool:
         return LoadResult(pool.starmap(_process_main, jobs))
 
 
 def _process_main(
-    base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str, start_at: float,
-    warm: bool,
+    base_url: str, model: str, prompts: list[Any], concurrency: int, params: dict[str, Any], client: str,
+    start_at: float, warm: bool,
 ) -> ProcessResult:
     import httpx  # noqa: F401  (imported before the start line, not inside the timed window)
 
-    return asyncio.run(_clients(base_url, model, prompts, concurrency, max_tokens, client, start_at, warm))
+    return asyncio.run(_clients(base_url, model, prompts, concurrency, params, client, start_at, warm))
 
 
 def _cpu_s() -> float:
@@ -102,8 +104,8 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int, client: str,
-                   start_at: float, warm: bool) -> ProcessResult:
+async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: int, params: dict[str, Any],
+                   client: str, start_at: float, warm: bool) -> ProcessResult:
     """The process's clients, built and warmed before the common start, then its window from the start to its last
     answer. Both are one-time costs of a fresh client process that no served request pays: an SDK or httpx client
     takes tens of ms to make (its SSL context), and its first request ~25-35 ms more on the 2-core dev CPU (httpx's
@@ -117,7 +119,7 @@ async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: i
         import openai
 
         sdk = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
-        one = _openai_request(sdk, model, max_tokens)
+        one = _openai_request(sdk, model, params)
         if warm:
             await _warm(sdk.models.list())
     else:
@@ -125,7 +127,7 @@ async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: i
 
         limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
         http = httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
-        one = _httpx_request(http, model, max_tokens)
+        one = _httpx_request(http, model, params)
         if warm:
             await _warm(http.get("/models"))
 
@@ -147,16 +149,17 @@ async def _warm(request: Any) -> None:
         await request
 
 
-def _body(model: str, messages: Any, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+def _body(model: str, messages: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat request of `params` (max_tokens, temperature)."""
+    return {"model": model, "messages": messages, **params, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
 
 
-def _httpx_request(http, model: str, max_tokens: int):
+def _httpx_request(http, model: str, params: dict[str, Any]):
     async def one(messages: Any) -> RequestStats:
         stats = RequestStats()
         sent = last = time.perf_counter()
-        async with http.stream("POST", "/chat/completions", json=_body(model, messages, max_tokens)) as response:
+        async with http.stream("POST", "/chat/completions", json=_body(model, messages, params)) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -174,14 +177,13 @@ def _httpx_request(http, model: str, max_tokens: int):
     return one
 
 
-def _openai_request(sdk, model: str, max_tokens: int):
+def _openai_request(sdk, model: str, params: dict[str, Any]):
     async def one(messages: Any) -> RequestStats:
         stats = RequestStats()
         sent = last = time.perf_counter()
-        body = _body(model, messages, max_tokens)
         stream = await sdk.chat.completions.create(
-            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"ignore_eos": True}, stream_options=body["stream_options"],
+            model=model, messages=messages, **params, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
         )
         async for chunk in stream:
             if chunk.usage is not None:
