@@ -63,7 +63,8 @@ class ModelRunner:
 
     CUDA graphs (module docstring) need `max_model_len` and `use_cuda_graphs` on a CUDA device; for steps with
     prompt rows (up to `max_num_batched_tokens` tokens) also `piecewise_cuda_graphs`, and `full_cuda_graphs` for
-    the full ones (`full_graph_sampling`: with the decode graphs' logits tail). `batch_invariant`: see the module docstring (needs max_model_len; eager but for decode graphs).
+    the full ones (`full_graph_sampling`: with the decode graphs' logits tail). `batch_invariant`: see the module
+    docstring (needs max_model_len; eager but for decode graphs).
     """
 
     def __init__(
@@ -293,12 +294,12 @@ class ModelRunner:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         if batch.placeholder_indices:
             self._fill_placeholders(batch, inputs.input_ids)
-        interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s
         full = self.full_graphs
         if full is not None and not batch.is_decode_only and full.can_run(batch.num_tokens):
             step = full.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
             self._graph_step = step if step.logits is not None else None
             return step.hidden
+        interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s  # the eager launches' GIL
         if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
             with switch_interval(interval_s):
                 hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
