@@ -106,7 +106,7 @@ async def measure(server, model_dir: Path, args, data_dir: Path) -> dict:
         if shard is not None:
             await _wait_for_shard(handler, shard)
         fake = FakeDevice(args.fake_step[0] / 1e6, args.fake_step[1] / 1e6, args.device_us_per_token / 1e6)
-        core = handler.runtime.core
+        core = handler.runtime.engine.core
         core.runner.execute, core.runner.execute_async = fake.execute, fake.execute_async
         probe.install_engine(handler)
         await handler.start()

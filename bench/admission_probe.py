@@ -106,7 +106,7 @@ class Probe:
 
     def install_engine(self, handler) -> None:
         """After load(): the engine loop, the core and the scheduler."""
-        engine, core = handler.runtime.engine, handler.runtime.core
+        engine, core = handler.runtime.engine_loop, handler.runtime.engine.core
         call, settle = engine.call, engine._settle
         current = self._current_request_id
 

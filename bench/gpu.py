@@ -62,8 +62,8 @@ def ceilings() -> dict:
     return {"matmul_tflops": round(2 * n**3 / mm_s / 1e12, 1), "copy_gb_s": round(2 * src.nbytes / cp_s / 1e9, 1)}
 
 
-#: --no-piecewise: prompt and mixed steps run eagerly (EngineArgs.piecewise_cuda_graphs off).
-PIECEWISE = True
+#: --execution-mode (EngineArgs.execution_mode): which steps replay CUDA graphs.
+EXECUTION_MODE = "full"
 
 
 def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool = False,
@@ -71,21 +71,14 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
     """Our engine over the config alone (load_format="dummy"), CUDA graphs on."""
     from deepinfer.engine.args import EngineArgs
     from deepinfer.engine.core import EngineCore
-    from deepinfer.engine.runner import ModelRunner
 
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=8192,
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_SEQS * PREFILL_LEN,
                       enable_kv_events=False, progress=False, gpu_memory_utilization=0.9,
-                      batch_invariant=batch_invariant, enforce_eager=batch_invariant,
-                      async_scheduling=async_scheduling, piecewise_cuda_graphs=PIECEWISE,
-                      graph_sampling=graph_sampling)
+                      batch_invariant=batch_invariant, async_scheduling=async_scheduling,
+                      execution_mode=EXECUTION_MODE, graph_sampling=graph_sampling)
     start = time.perf_counter()
     engine = EngineCore(args)
-    if batch_invariant and not engine.runner.batch_invariant:  # EngineCore does not pass the flag on yet
-        r = engine.runner
-        engine.runner = ModelRunner(r.model, r.kv_caches, r.block_size, r.vocab_size, r.device, r.eos_token_ids,
-                                    max_model_len=engine.max_model_len, max_num_seqs=max_num_seqs,
-                                    use_cuda_graphs=True, batch_invariant=True)
     for cache in engine.runner.kv_caches:  # random KV (never zeros): decode reads it at full width
         cache.normal_(0, 1)
     return engine, time.perf_counter() - start
@@ -294,10 +287,11 @@ def main() -> None:
                         help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu_deepseek.py)")
     parser.add_argument("--tiny", action="store_true", help="deepseek: a toy config on the CPU (code paths only)")
     parser.add_argument("--hf-compile", action="store_true", help="deepseek: let transformers compile its decode")
-    parser.add_argument("--no-piecewise", action="store_true", help="prompt and mixed steps eager (no piecewise graphs)")
+    parser.add_argument("--execution-mode", choices=("eager", "decode", "piecewise", "full"), default="full",
+                        help="which steps replay CUDA graphs (decode: prompt and mixed steps eager)")
     args = parser.parse_args()
-    global PIECEWISE
-    PIECEWISE = not args.no_piecewise
+    global EXECUTION_MODE
+    EXECUTION_MODE = args.execution_mode
     if args.model == "deepseek":
         from gpu_deepseek import main_deepseek
 
@@ -309,7 +303,7 @@ def main() -> None:
     cfg = {**LLAMA_31_8B, "num_hidden_layers": args.layers}
     res: dict = {"bench": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "layers": args.layers, "sections": sorted(sections), "date": time.strftime("%Y-%m-%d"),
-                 "async_scheduling": args.async_scheduling, "piecewise_cuda_graphs": PIECEWISE}
+                 "async_scheduling": args.async_scheduling, "execution_mode": EXECUTION_MODE}
 
     def save() -> None:
         if out is not None:

@@ -9,12 +9,11 @@
 #         worker's threads on one core / two cores / unpinned) | mbt512-N / mbt8k-N (c=256, max_num_batched_tokens 512 / 8192)
 #         | trace1 (c=1 traced; bench/trace_ttft.py: the first token's path) | gw8-N / sched2-N (c=64 and 256 with 8 gateway processes / 2 schedulers)
 #         | prof1 (py-spy of the decode worker at c=1) | c1-N / nostore1-N / nohost1-N (c=1 only, no offline: store tier
-#         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: piecewise CUDA graphs on / off)
+#         off / host tier off) | pw-N / nopw-N (sweep 1,64,256, no offline: prompt-step graphs on / off)
 #         | onek-N (as pw-N with mixed steps' attention in one kernel: mixed_step_decode_kernel off; A/B with pw-N)
 #         | pw64-N / onek64-N / winM-N (sweep 64,256, no offline: as pw-N / onek-N / with admission_window_s = M ms)
 #         | nogs64-N (as pw64-N with graph_sampling off: the decode graphs end at the hidden states; A/B with pw64-N)
-#         | nofull64-N (as pw64-N with full_cuda_graphs off: prompt steps as piecewise graphs; A/B with pw64-N)
-#         | fgs64-N (as pw64-N with full_graph_sampling on: the full graphs' logits tail; A/B with pw64-N)
+#         | nofull64-N (as pw64-N with execution_mode piecewise: prompt steps as piecewise graphs; A/B with pw64-N)
 #         | temp64-N (as pw64-N at temperature 0.7, with offline: every step through the sampler and its row keys)
 #         | egilU-N (as pw64-N, the decode worker's switch interval U µs while a prefill or mixed step launches)
 #         | mixedstep (bench/mixed_step.py: eager / piecewise / one attention kernel per mixed step)
@@ -94,11 +93,10 @@ for variant in "$@"; do
         prof1) profile_decode prof1 1 & run prof1 120 --random-model llama-1b --sweep 1 --no-offline --rounds 32; wait ;;
         c1-*) run "$variant" 100 --random-model llama-1b --sweep 1 --no-offline ;;
         pw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline ;;
-        nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --no-piecewise ;;
+        nopw-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --decode-graphs-only ;;
         pw64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline ;;
         nogs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-graph-sampling ;;
-        nofull64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --no-full-graphs ;;
-        fgs64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --full-graph-sampling ;;
+        nofull64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --piecewise-graphs ;;
         temp64-*) run "$variant" 200 --random-model llama-1b --sweep 64,256 --temperature 0.7 ;;
         onek64-*) run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline --one-attention-kernel ;;
         win*-*) ms=${variant#win}; ms=${ms%%-*}

@@ -28,13 +28,13 @@ SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "
 NEW_TOKENS = 24
 #: name -> engine arguments over the eager baseline
 MODES = {
-    "decode": {"piecewise_cuda_graphs": False, "graph_sampling": False},
-    "decode+tail": {"piecewise_cuda_graphs": False},
-    "piecewise": {"full_cuda_graphs": False},
-    "full": {},
-    "full+tail": {"full_graph_sampling": True},
+    "decode": {"execution_mode": "decode", "graph_sampling": False},
+    "decode+tail": {"execution_mode": "decode"},
+    "piecewise": {"execution_mode": "piecewise"},
+    "full": {"execution_mode": "full", "graph_sampling": False},
+    "full+tail": {"execution_mode": "full"},
     "full-sync": {"async_scheduling": False},
-    "decode-sync": {"piecewise_cuda_graphs": False, "graph_sampling": False, "async_scheduling": False},
+    "decode-sync": {"execution_mode": "decode", "graph_sampling": False, "async_scheduling": False},
 }
 
 
@@ -117,10 +117,10 @@ def main() -> None:
                 got, got_random = greedy(llm, batch), sampled(llm, batch)
                 rows = compare(eager, llm, batch, ref, got)
                 entry = {"rows": rows, "equal": got == ref, "random_equal": got_random == ref_random,
-                         "runner": {"graphs": llm.engine.runner.graphs is not None,
-                                    "piecewise": llm.engine.runner.piecewise is not None,
-                                    "full": llm.engine.runner.full_graphs is not None,
-                                    "async": llm.engine.async_scheduling},
+                         "runner": {"graphs": llm.engine.core.runner.graphs is not None,
+                                    "piecewise": llm.engine.core.runner.piecewise is not None,
+                                    "full": llm.engine.core.runner.full_graphs is not None,
+                                    "async": llm.engine.core.async_scheduling},
                          "seconds": round(time.monotonic() - started, 1)}
                 del llm
             except Exception as exc:  # a mode that fails to build or run: record it, go on

@@ -36,6 +36,7 @@ from deepinfer.engine.cuda_graphs import (
     capture_sizes,
     seq_len_buckets,
 )
+from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS, HostTier
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
@@ -118,8 +119,9 @@ def build(
         request = Request(f"r{i}", rng.integers(0, VOCAB, context + 1).tolist(), params, eos_token_ids=(1,))
         assert scheduler.add_prefilled_request(request, context) is not None
         scheduler.commit_prefilled(request.request_id)
-    runner = ModelRunner(FakeModel(), [], block_size, VOCAB, torch.device("cpu"), (1,),
-                         max_model_len=max_model_len, max_num_seqs=batch)
+    runner = ModelRunner(FakeModel(), [], RunnerConfig(block_size=block_size, vocab_size=VOCAB,
+                                                       device=torch.device("cpu"), eos_token_ids=(1,),
+                                                       max_model_len=max_model_len, max_num_seqs=batch))
     return scheduler, runner
 
 

@@ -114,7 +114,7 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
         # The window starts once every request is past its prompt (prompts go in the first steps).
         first = WARMUP_STEPS + concurrency // 4
         clock = StepClock(fake=_fake(fake_s, first, steps))
-        clock.wrap(handler.runtime.core)
+        clock.wrap(handler.runtime.engine.core)
         start_mark, end_mark = clock.mark(loop, first), clock.mark(loop, first + steps)
         max_tokens = first + steps + 10
         admit = handler.decode if tracing is None else lambda r: _admit_traced(handler, r, tracing.sampled)

@@ -38,7 +38,7 @@ def make_engine(model_dir: str, device: str, max_decode_rows: int, max_tokens: i
     args = EngineArgs(model=model_dir, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32",
                       device=device, max_model_len=max_model_len, max_num_seqs=max_decode_rows + 1,
                       max_num_batched_tokens=max_tokens, async_scheduling=False, kv_host_cache_bytes=0,
-                      enable_kv_events=False, progress=False, piecewise_cuda_graphs=True, full_cuda_graphs=False)
+                      enable_kv_events=False, progress=False, execution_mode="piecewise")
     return EngineCore(args)
 
 

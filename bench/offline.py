@@ -87,12 +87,12 @@ def main() -> None:
     run_ours(llm, prompts[:2], 4)  # warm-up
     ours_s, ours_tokens = run_ours(llm, prompts, args.max_tokens)
     hf_s, hf_tokens = run_transformers(
-        llm.engine.model_dir, prompts, args.max_tokens, llm.engine.device, llm.engine.dtype, args.hf_batch_size
+        llm.engine.model_dir, prompts, args.max_tokens, llm.engine.device, llm.engine.core.dtype, args.hf_batch_size
     )
     rows = [("deepinfer", ours_s, ours_tokens), ("transformers.generate", hf_s, hf_tokens)]
     prompt_tokens = sum(len(p) for p in prompts)
     print(f"{args.num_prompts} prompts ({prompt_tokens} prompt tokens), {args.max_tokens} new tokens each, "
-          f"device={llm.engine.device}, dtype={llm.engine.dtype}, threads={torch.get_num_threads()}")
+          f"device={llm.engine.device}, dtype={llm.engine.core.dtype}, threads={torch.get_num_threads()}")
     print(f"{'engine':<24}{'seconds':>10}{'out tok':>10}{'out tok/s':>12}{'total tok/s':>13}")
     for name, seconds, tokens in rows:
         print(f"{name:<24}{seconds:>10.2f}{tokens:>10}{tokens / seconds:>12.1f}{(tokens + prompt_tokens) / seconds:>13.1f}")
@@ -100,7 +100,7 @@ def main() -> None:
         "bench": "offline",
         "model": str(llm.engine.model_dir.name),
         "device": str(llm.engine.device),
-        "dtype": str(llm.engine.dtype),
+        "dtype": str(llm.engine.core.dtype),
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "prompt_tokens": prompt_tokens,

@@ -45,16 +45,14 @@ from serve_hops import (  # noqa: E402
 #: Engine settings a flag changes on both sides (the workers' env, the offline engine's options):
 #: flag -> (EngineArgs / worker setting, its value with the flag, help).
 ENGINE_FLAGS = {
-    "no_piecewise": ("piecewise_cuda_graphs", False,
-                     "prompt and mixed steps eager (workers and offline engine: piecewise_cuda_graphs off)"),
+    "decode_graphs_only": ("execution_mode", "decode",
+                           "prompt and mixed steps eager (workers and offline engine: execution_mode decode)"),
     "one_attention_kernel": ("mixed_step_decode_kernel", False,
                              "mixed steps attend every row with the prefill kernel (mixed_step_decode_kernel off)"),
     "no_graph_sampling": ("graph_sampling", False,
-                          "decode graphs end at the hidden states; the sampler runs every step (graph_sampling off)"),
-    "no_full_graphs": ("full_cuda_graphs", False,
-                       "prompt and mixed steps as piecewise graphs, attention eager (full_cuda_graphs off)"),
-    "full_graph_sampling": ("full_graph_sampling", True,
-                            "the full graphs of prompt steps also compute their logits and greedy tokens"),
+                          "graphs end at the hidden states; the sampler runs every step (graph_sampling off)"),
+    "piecewise_graphs": ("execution_mode", "piecewise",
+                         "prompt and mixed steps as piecewise graphs, attention eager (execution_mode piecewise)"),
 }
 
 TOPICS = ["the sea", "volcanoes", "a lighthouse", "bread baking", "the moon", "trains", "bees", "chess"]
@@ -147,7 +145,7 @@ def offline_point(args, model: str, concurrency: int, engine_options: dict, gc_f
             gc.freeze()
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
         ttft = time_first_tokens(llm.engine)
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.core.runner.graphs
         replays_before, steps_before = (graphs.num_replays if graphs else 0), ttft.steps
         started = time.perf_counter()
         outputs = llm.chat(prompts, params, use_tqdm=False)

@@ -155,11 +155,11 @@ async def measure(server, shard_pid: int, model_dir: Path, cache_dir: Path, run:
                 break
             await asyncio.sleep(0.05)
         assert store.client.has_shards(), "the worker never saw the shard"
-        core, loop = handler.runtime.core, asyncio.get_running_loop()
+        core, loop = handler.runtime.engine.core, asyncio.get_running_loop()
         core.runner.execute = FakeRunner(*fake_s).execute
         clock = StepClock()
         clock.wrap(core)
-        commands = CommandClock(handler.runtime.engine, clock)
+        commands = CommandClock(handler.runtime.engine_loop, clock)
         start_mark, end_mark = clock.mark(loop, first), clock.mark(loop, first + steps)
         accepted = await asyncio.gather(*(handler.decode(r) for r in _requests(run, concurrency, max_tokens)))
         assert all(a.error is None for a in accepted), next(a.error for a in accepted if a.error)

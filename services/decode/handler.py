@@ -27,9 +27,17 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import DecodeSettings
 from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
-from deepinfer.engine.handoff import admit_prefilled
-from deepinfer.engine.kv_device_transfer import PeerCaches, admit_from_device, host_id
-from deepinfer.engine.outputs import EngineOutput
+from deepinfer.engine import (
+    COMPUTE,
+    Abort,
+    AddRequest,
+    Admission,
+    EngineOutput,
+    EngineRequest,
+    KvSource,
+    PeerDeviceKv,
+    PulledKv,
+)
 from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
@@ -96,7 +104,6 @@ class DecodeHandler:
         self.runtime.on_cancel = self._on_cancel
         self._streams: dict[str, _Stream] = {}
         self._clients: dict[str, DataPlaneClient] = {}
-        self._peers = PeerCaches(host_id())
         self._tasks = self.runtime.tasks
         self._subscriptions = Subscriptions(ctx.bus)
         self._step = 0
@@ -160,10 +167,9 @@ class DecodeHandler:
         for gateway_id, chunks in by_gateway.items():
             batch = TokenBatch(worker_id=self.runtime.worker_id, step=self._step + 1, chunks=chunks)
             self._tasks.spawn(self.bus.publish(subjects.tokens(self.runtime.model, gateway_id), batch))
-        if self.runtime.engine is not None:
-            ids = list(streams)
+        if self.runtime.engine_loop is not None:
             with contextlib.suppress(Exception):
-                await self.runtime.engine.call(lambda core: core.abort_requests(ids))
+                await self.runtime.run(Abort(list(streams)))
 
     async def close(self) -> None:
         """Stop the engine and close data-plane connections."""
@@ -171,8 +177,9 @@ class DecodeHandler:
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
-        self._peers.clear()
         await self.runtime.close()
+        if self.runtime.engine is not None:
+            self.runtime.engine.close_peers()
 
     # -- the loop -----------------------------------------------------------------------------------------------
     async def _on_decode(self, request: DecodeRequest, msg: IncomingMsg) -> None:
@@ -200,8 +207,8 @@ class DecodeHandler:
                 check_layout(handle, self.runtime.layout)
             except LayoutMismatch as exc:
                 return _refused(request_id, ErrorDetail(code=ErrorCode.LAYOUT_MISMATCH, message=str(exc)))
-        on_device = handle is not None and self.runtime.core is not None and self._peers.usable(
-            handle, self.runtime.core.runner.device)
+        engine = self.runtime.engine
+        on_device = handle is not None and engine is not None and engine.accepts_device_kv(handle)
         traced = trace.get_current_span().is_recording()
         self._streams[request_id] = _Stream(request.gateway_id, params.logprobs is not None, chunk_prefix(request_id),
                                             self._batch_pieces(request.gateway_id),
@@ -209,56 +216,43 @@ class DecodeHandler:
                                             if traced else None,
                                             num_tokens=len(request.output_token_ids))
         try:
-            kv = None
+            admission = None
             if on_device:
                 with self.runtime.hops.span("kv_transfer", via="device"):
-                    kv = await self._admit_on_device(request, params)
-            if kv is None:
-                payloads = None
+                    admission = await self._admit_on_device(request, params)
+            if admission is None:
+                kv: KvSource = COMPUTE
                 if handle is not None:
                     with self.runtime.hops.span("kv_transfer", via="data_plane", num_blocks=len(handle.block_ids)):
                         payloads = await self._pull(handle)
-                kv = await self._admit(request, params, payloads)
+                    kv = COMPUTE if payloads is None else PulledKv(payloads)
+                # Pulled KV with no free block right now, no handle, a failed pull: the prompt is computed here.
+                admission = await self.runtime.add_request(_engine_request(request, params, kv))
         except ValueError as exc:
             self._streams.pop(request_id, None)
             return _refused(request_id, error_detail(exc, "invalid request"))
-        admitted = self._admitted.get(kv)
+        kv_label = admission.kv if admission.kv in ("pulled", "device") else (
+            "recomputed" if handle is not None else "local")
+        admitted = self._admitted.get(kv_label)
         if admitted is None:  # `labels` takes a lock and builds its key each call: once per kind here
-            admitted = self._admitted[kv] = self._requests.labels(kv)
+            admitted = self._admitted[kv_label] = self._requests.labels(kv_label)
         admitted.inc()
         return DecodeAccepted(request_id=request_id, status=DecodeStatus.ACCEPTED)
 
-    async def _admit(self, request: DecodeRequest, params: SamplingParams, payloads: list[bytes] | None) -> str:
-        engine = self.runtime.engine
-        assert engine is not None
-        args = (request.request_id, request.prompt_token_ids, request.output_token_ids, params)
-        if payloads is not None:
-            admitted = await engine.call(lambda core: admit_prefilled(core, *args, payloads, request.cache_salt))
-            if admitted:
-                return "pulled"
-        # No handle, a failed pull, or no free blocks right now: compute the prompt here (it waits its turn).
-        await self.runtime.add_request(request.request_id, request.prompt_token_ids, params, request.cache_salt,
-                                       request.output_token_ids)
-        return "recomputed" if request.kv_handle is not None else "local"
-
-    async def _admit_on_device(self, request: DecodeRequest, params: SamplingParams) -> str | None:
+    async def _admit_on_device(self, request: DecodeRequest, params: SamplingParams) -> Admission | None:
         """Admit with the KV copied device to device from a same-host owner (CUDA IPC); None: use the data plane."""
-        engine, handle = self.runtime.engine, request.kv_handle
-        assert engine is not None and handle is not None and handle.device_transfer is not None
-        export = handle.device_transfer
-        args = (request.request_id, request.prompt_token_ids, request.output_token_ids, params)
+        handle = request.kv_handle
+        assert handle is not None and handle.device_transfer is not None
+        kv = PeerDeviceKv(handle.device_transfer, handle.block_ids)
         try:
-            admission = await engine.call(lambda core: admit_from_device(
-                core, *args, self._peers.get(export), handle.block_ids, request.cache_salt))
-        except RuntimeError as exc:  # mapping refused, GPU not visible
+            admission = await self.runtime.run(AddRequest(_engine_request(request, params, kv)))
+        except RuntimeError as exc:  # mapping refused (DeviceTransferError), GPU not visible
             log.warning("device pull from %s failed (%s): using the data plane", handle.owner_worker_id, exc)
             return None
         # Off the engine thread: it steps on meanwhile. A CUDA error here is sticky (the engine fails with it).
         await asyncio.to_thread(admission.wait_copied)
-        self._release(handle)  # the copy has completed: the owner may reuse its blocks
-        if admission.admitted:
-            return "device"
-        return await self._admit(request, params, None)
+        self._release(handle)  # the copy has completed (or, no block free, never started): the owner may reuse them
+        return admission
 
     async def _pull(self, handle: KvHandle) -> list[bytes] | None:
         """The handle's blocks, or None (lease gone, peer down, checksum): the caller recomputes."""
@@ -372,10 +366,14 @@ class DecodeHandler:
         return subject
 
     def _on_cancel(self, cancel: Cancel) -> None:
-        if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine is None:
+        if self._streams.pop(cancel.request_id, None) is None or self.runtime.engine_loop is None:
             return
-        request_id = cancel.request_id
-        self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
+        self._tasks.spawn(self.runtime.run(Abort([cancel.request_id])))
+
+
+def _engine_request(request: DecodeRequest, params: SamplingParams, kv: KvSource) -> EngineRequest:
+    return EngineRequest(request.request_id, request.prompt_token_ids, params, request.cache_salt,
+                         request.output_token_ids, kv=kv)
 
 
 def _refused(request_id: str, error: ErrorDetail) -> DecodeAccepted:

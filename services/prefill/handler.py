@@ -18,9 +18,16 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import PrefillSettings
 from deepinfer.dataplane import DataPlaneServer, LeaseExpired
-from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, release_held
-from deepinfer.engine.kv_device_transfer import export_for_handles, host_id
-from deepinfer.engine.outputs import EngineOutput
+from deepinfer.engine import (
+    Abort,
+    EngineOutput,
+    EngineRequest,
+    ExportDeviceKv,
+    ExportHeld,
+    HeldBlockIds,
+    LeaseNotHeld,
+    ReleaseHeld,
+)
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.protocol import (
     Cancel,
@@ -77,9 +84,7 @@ class PrefillHandler:
     async def load(self) -> None:
         """Load the model and bind the data plane (before the internal server reports ready)."""
         await self.runtime.load()
-        assert self.runtime.engine is not None
-        local_host = host_id()
-        self._device_export = await self.runtime.engine.call(lambda core: export_for_handles(core, local_host))
+        self._device_export = await self.runtime.run(ExportDeviceKv())
         secret = self.settings.common.data_plane_secret
         self.data_plane = DataPlaneServer(
             self, host=self.settings.data_plane_host, port=self.settings.data_plane_port,
@@ -148,8 +153,7 @@ class PrefillHandler:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run the prompt through the engine; the first token, and a handle to the held KV unless finished."""
-        engine, request_id = self.runtime.engine, request.request_id
-        assert engine is not None
+        request_id = request.request_id
         try:
             params = engine_sampling(request.sampling)
         except ValueError as exc:
@@ -159,8 +163,8 @@ class PrefillHandler:
         self._pending[request_id] = pending
         added_s = time.monotonic()  # the engine thread takes the command between steps: waiting starts here
         try:
-            await self.runtime.add_request(request_id, request.prompt_token_ids, first_params, request.cache_salt,
-                                           hold_blocks=True)
+            await self.runtime.add_request(EngineRequest(request_id, request.prompt_token_ids, first_params,
+                                                         request.cache_salt, hold_blocks=True))
         except ValueError as exc:
             self._pending.pop(request_id, None)
             return PrefillResult(request_id=request_id, error=error_detail(exc, "invalid request"))
@@ -174,9 +178,9 @@ class PrefillHandler:
 
     async def _result(self, request: PrefillRequest, params, output: EngineOutput) -> PrefillResult:
         request_id, engine = request.request_id, self.runtime.engine
-        assert engine is not None and engine.core is not None
+        assert engine is not None
         if output.finish_reason == FinishReason.ABORT:
-            await engine.call(lambda core: release_held(core, request_id))
+            await self.runtime.run(ReleaseHeld(request_id))
             cancelled = ErrorDetail(code=ErrorCode.CANCELLED, message="cancelled while prefilling")
             return PrefillResult(request_id=request_id, finish_reason=FinishReason.ABORT, error=cancelled)
         first = output.new_token_ids[0]
@@ -184,7 +188,7 @@ class PrefillHandler:
         finish = None
         if output.finish_reason == FinishReason.STOP:
             finish = FinishReason.STOP
-        elif params.max_tokens == 1 or num_prompt + 1 >= engine.core.max_model_len:
+        elif params.max_tokens == 1 or num_prompt + 1 >= engine.max_model_len:
             finish = FinishReason.LENGTH
         result = PrefillResult(
             request_id=request_id,
@@ -195,13 +199,12 @@ class PrefillHandler:
             finish_reason=finish,
         )
         if finish is not None:
-            await engine.call(lambda core: release_held(core, request_id))
+            await self.runtime.run(ReleaseHeld(request_id))
             return result
-        block_ids = await engine.call(lambda core: held_block_ids(core, request_id))
-        core = engine.core
+        block_ids = await self.runtime.run(HeldBlockIds(request_id))
         result.kv_handle = KvHandle(
             request_id=request_id,
-            block_hashes=hash_blocks(request.prompt_token_ids, core.args.block_size, core.fingerprint,
+            block_hashes=hash_blocks(request.prompt_token_ids, engine.block_size, engine.fingerprint,
                                      request.cache_salt),
             block_ids=block_ids,
             num_tokens=num_prompt,
@@ -229,10 +232,9 @@ class PrefillHandler:
 
     def _on_cancel(self, cancel: Cancel) -> None:
         pending = self._pending.pop(cancel.request_id, None)
-        if pending is not None and self.runtime.engine is not None:
-            request_id = cancel.request_id
-            self._tasks.spawn(self.runtime.engine.call(lambda core: core.abort_requests([request_id])))
-            pending.done.set_result(EngineOutput(request_id, [], None, FinishReason.ABORT, None, 0))
+        if pending is not None and self.runtime.engine_loop is not None:
+            self._tasks.spawn(self.runtime.run(Abort([cancel.request_id])))
+            pending.done.set_result(EngineOutput(cancel.request_id, [], None, FinishReason.ABORT, None, 0))
         elif cancel.request_id in self._leases:
             self._tasks.spawn(self._end_lease(cancel.request_id, "cancelled"))
 
@@ -244,8 +246,7 @@ class PrefillHandler:
         if handle is None:
             return
         handle.cancel()
-        assert self.runtime.engine is not None
-        await self.runtime.engine.call(lambda core: release_held(core, request_id))
+        await self.runtime.run(ReleaseHeld(request_id))
         log.debug("lease of %s %s", request_id, why)
 
     # -- data plane provider ------------------------------------------------------------------------------------
@@ -255,9 +256,8 @@ class PrefillHandler:
             raise LeaseExpired(f"layout {layout_id} is not this worker's ({self.runtime.layout.layout_id()})")
         if request_id not in self._leases:
             raise LeaseExpired(f"no lease for request {request_id!r}")
-        assert self.runtime.engine is not None
         try:
-            return await self.runtime.engine.call(lambda core: export_held(core, request_id, block_ids))
+            return await self.runtime.run(ExportHeld(request_id, block_ids))
         except LeaseNotHeld as exc:
             raise LeaseExpired(str(exc)) from exc
 

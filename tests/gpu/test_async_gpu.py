@@ -29,7 +29,7 @@ def outputs(model_dir, async_scheduling: bool):
         SamplingParams(temperature=0.5, min_p=0.1, seed=3, max_tokens=40, ignore_eos=True),
     ]
     result = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in result], llm.engine.runner
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in result], llm.engine.core.runner
 
 
 def test_async_equals_sync_with_cuda_graphs(tmp_path):

@@ -23,6 +23,7 @@ MAX_MODEL_LEN, BLOCK_SIZE, MAX_NUM_SEQS, NUM_BLOCKS = 1536, 16, 72, 4096
 def make_runner(tmp_path, batch_invariant: bool, use_cuda_graphs: bool = True):
     """A CUDA runner over dummy bf16 weights and its scheduler config."""
     from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.execution import ExecutionMode, RunnerConfig
     from deepinfer.engine.runner import ModelRunner
     from deepinfer.kernels import get_ops
     from deepinfer.loader.dummy import load_dummy_model
@@ -31,9 +32,10 @@ def make_runner(tmp_path, batch_invariant: bool, use_cuda_graphs: bool = True):
     model = load_dummy_model(tmp_path, torch.bfloat16, "cuda", get_ops("cuda"), seed=5, std=0.05)
     kv_caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 128, dtype=torch.bfloat16, device="cuda")
                  for _ in range(CONFIG["num_hidden_layers"])]
-    runner = ModelRunner(model, kv_caches, BLOCK_SIZE, CONFIG["vocab_size"], torch.device("cuda"),
-                         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, use_cuda_graphs=use_cuda_graphs,
-                         batch_invariant=batch_invariant)
+    mode = ExecutionMode.DECODE if use_cuda_graphs else ExecutionMode.EAGER
+    runner = ModelRunner(model, kv_caches, RunnerConfig(
+        block_size=BLOCK_SIZE, vocab_size=CONFIG["vocab_size"], device=torch.device("cuda"),
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, execution_mode=mode, batch_invariant=batch_invariant))
     config = EngineConfig(num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                           max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=2048, enable_kv_events=False)
     return runner, config

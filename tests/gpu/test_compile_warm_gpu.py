@@ -33,7 +33,7 @@ from deepinfer import LLM, SamplingParams
 model_dir = checkpoints.make_tiny_checkpoint(Path(sys.argv[1]) / "llama", "llama")
 llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
           kv_cache_bytes=64 << 20, progress=False)
-watch = llm.engine.compiles
+watch = llm.engine.core.compiles
 start = watch.start_compiles
 lengths = [3, 9, 16, 17, 30, 33, 60, 64, 70, 100, 130, 200, 300, 450]
 prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
@@ -43,7 +43,7 @@ params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.7, min_p=0.1, seed=4, max_tokens=9, ignore_eos=True, logprobs=2)]
 for round_ in range(2):
     llm.generate(prompts, [params[(i + round_) % 3] for i in range(len(prompts))], use_tqdm=False)
-pieces = llm.engine.runner.full_graphs  # prompt steps ran as full graphs (the default): their kernels too
+pieces = llm.engine.core.runner.full_graphs  # prompt steps ran as full graphs (the default): their kernels too
 print(json.dumps({"start": start, "serving": watch.serving_compiles, "piecewise_runs": pieces.num_runs,
                   "piecewise_graphs": pieces.num_graphs}))
 """

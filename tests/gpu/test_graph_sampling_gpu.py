@@ -28,7 +28,7 @@ def generate(model_dir, graph_sampling: bool, params):
     # An explicit KV budget: an earlier engine of the test may still hold its memory.
     llm = LLM(str(model_dir), max_num_seqs=8, max_model_len=256, graph_sampling=graph_sampling,
               kv_cache_bytes=64 << 20, progress=False)
-    runner, calls = llm.engine.runner, []
+    runner, calls = llm.engine.core.runner, []
     forward = runner.sampler.forward
     runner.sampler.forward = lambda *args: calls.append(1) or forward(*args)
     result = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -50,7 +50,7 @@ def test_greedy_steps_take_the_graphs_argmax_without_the_sampler(model_dir):
     eager_tail, eager_calls, _, llm = generate(model_dir, False, params)
     del llm
     in_graph, calls, replays, llm = generate(model_dir, True, params)
-    assert llm.engine.runner.graphs.logits is not None and replays >= 20
+    assert llm.engine.core.runner.graphs.logits is not None and replays >= 20
     assert_same(in_graph, eager_tail)
     assert all(len(logprobs) == 24 for _, logprobs in in_graph)  # the sampled tokens' logprobs came back
     # Only the steps with prompt rows ran the sampler; every decode step took the graph's tokens.

@@ -135,11 +135,11 @@ def test_greedy_tokens_match_transformers_up_to_a_near_tie(checkpoint, dtype, re
     from deepinfer import SamplingParams
 
     llm = engine(checkpoint, dtype)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.core.runner.graphs is not None
     batch = prompts(8, seed=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.runner.graphs.num_replays > 0, "decode steps should have replayed CUDA graphs"
+    assert llm.engine.core.runner.graphs.num_replays > 0, "decode steps should have replayed CUDA graphs"
     compared = 0
     for prompt, out in zip(batch, outs, strict=True):
         with torch.inference_mode():
@@ -168,7 +168,7 @@ def test_cuda_graph_decode_equals_eager(checkpoint, dtype):
     graphs = engine(checkpoint, dtype, max_num_seqs=16)
     with_graphs = graphs.generate(batch, params, use_tqdm=False)
     eager = engine(checkpoint, dtype, max_num_seqs=16, enforce_eager=True)
-    assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs.num_replays >= NEW_TOKENS - 2
+    assert eager.engine.core.runner.graphs is None and graphs.engine.core.runner.graphs.num_replays >= NEW_TOKENS - 2
     without = eager.generate(batch, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in with_graphs] == [o.outputs[0].token_ids for o in without]
     random = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True, seed=7)

@@ -29,8 +29,11 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 16, 1024, 512
 LENGTHS = (3, 9, 17, 30, 64, 100, 130, 200, 300, 450)
 
 
-#: The prompt steps' graphs: piecewise, full, full with the logits tail (full_graph_sampling).
-MODES = ("piecewise", "full", "full_sampling")
+#: The prompt steps' graphs: piecewise, full, full with the logits tail (graph_sampling), as engine arguments.
+MODE_ARGS = {"piecewise": {"execution_mode": "piecewise", "graph_sampling": True},
+             "full": {"execution_mode": "full", "graph_sampling": False},
+             "full_sampling": {"execution_mode": "full", "graph_sampling": True}}
+MODES = tuple(MODE_ARGS)
 
 
 def llm_outputs(model_dir: Path, piecewise: bool, mode: str = "piecewise"):
@@ -39,12 +42,12 @@ def llm_outputs(model_dir: Path, piecewise: bool, mode: str = "piecewise"):
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256,
-              piecewise_cuda_graphs=piecewise, full_cuda_graphs=mode != "piecewise",
-              full_graph_sampling=mode == "full_sampling", kv_cache_bytes=64 << 20, progress=False)
+              **(MODE_ARGS[mode] if piecewise else {"execution_mode": "decode"}), kv_cache_bytes=64 << 20,
+              progress=False)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 4 for j in range(n)]} for i, n in enumerate(LENGTHS)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     result = llm.generate(prompts, params, use_tqdm=False)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     tokens = []
     for o in result:
         c = o.outputs[0]
@@ -75,6 +78,7 @@ def test_engine_greedy_outputs_piecewise_on_equal_off(tmp_path, arch, mode):
 def make_runner(tmp_path, mode: str):
     """A CUDA runner over dummy bf16 weights with decode graphs and the prompt graphs of `mode` (buckets up to 512
     tokens)."""
+    from deepinfer.engine.execution import RunnerConfig
     from deepinfer.engine.runner import ModelRunner
     from deepinfer.kernels import get_ops
     from deepinfer.loader.dummy import load_dummy_model
@@ -83,9 +87,10 @@ def make_runner(tmp_path, mode: str):
     model = load_dummy_model(tmp_path, torch.bfloat16, "cuda", get_ops("cuda"), seed=5, std=0.05)
     kv_caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 128, dtype=torch.bfloat16, device="cuda")
                  for _ in range(CONFIG["num_hidden_layers"])]
-    return ModelRunner(model, kv_caches, BLOCK_SIZE, CONFIG["vocab_size"], torch.device("cuda"), max_model_len=1024,
-                       max_num_seqs=16, use_cuda_graphs=True, piecewise_cuda_graphs=True, full_cuda_graphs=mode != "piecewise",
-                       full_graph_sampling=mode == "full_sampling", max_num_batched_tokens=MAX_TOKENS)
+    return ModelRunner(model, kv_caches, RunnerConfig(
+        block_size=BLOCK_SIZE, vocab_size=CONFIG["vocab_size"], device=torch.device("cuda"), max_model_len=1024,
+        max_num_seqs=16, max_num_batched_tokens=MAX_TOKENS, execution_mode=MODE_ARGS[mode]["execution_mode"],
+        graph_sampling=MODE_ARGS[mode]["graph_sampling"]))
 
 
 class Blocks:

@@ -88,14 +88,14 @@ async def test_an_evicted_prompt_comes_back_from_the_host_tier_and_the_router_le
     await handler.load()
     await handler.start()
     try:
-        assert handler.runtime.core.host_tier is not None
+        assert handler.runtime.engine.has_host_tier
         tokens, chunk = await generate(bus, model, PROMPT, "r1")
         assert tokens == reference
         assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
         for i, filler in enumerate(FILLERS):  # evict PROMPT's blocks from the 15-block device pool
             await generate(bus, model, filler, f"f{i}")
-        hashes = hash_blocks(PROMPT, BLOCK_SIZE, handler.runtime.core.fingerprint, "")[:5]
-        pool = handler.runtime.core.scheduler.block_pool
+        hashes = hash_blocks(PROMPT, BLOCK_SIZE, handler.runtime.engine.fingerprint, "")[:5]
+        pool = handler.runtime.engine.core.scheduler.block_pool
         assert all(pool.get_cached_block(x) is None for x in hashes)
 
         tokens, chunk = await generate(bus, model, PROMPT, "r2")
@@ -108,7 +108,7 @@ async def test_an_evicted_prompt_comes_back_from_the_host_tier_and_the_router_le
         assert registry.get_sample_value("deepinfer_worker_host_tier_used_bytes") > 0
 
         for _ in range(100):  # the events of the last steps are published in the background
-            if batches and batches[-1].seq == handler.runtime.engine.kv_events_seq:
+            if batches and batches[-1].seq == handler.runtime.engine_loop.kv_events_seq:
                 break
             await asyncio.sleep(0.05)
         host_stored = {bytes(x) for b in batches for e in b.events if e.tier is KvTier.HOST
@@ -125,7 +125,7 @@ async def test_an_evicted_prompt_comes_back_from_the_host_tier_and_the_router_le
         assert found == PrefixMatch(device_blocks=5)  # back on the device, and still in the host tier
         await generate(bus, model, FILLERS[0], "f9")  # the device evicts PROMPT again: host tier only
         for _ in range(100):
-            if batches[-1].seq == handler.runtime.engine.kv_events_seq:
+            if batches[-1].seq == handler.runtime.engine_loop.kv_events_seq:
                 break
             await asyncio.sleep(0.05)
         for batch in batches:

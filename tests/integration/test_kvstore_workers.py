@@ -336,7 +336,7 @@ async def test_with_the_host_tier_the_answer_is_written_behind_from_its_slots_an
         first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-g",
                                    address, kv_host_cache_bytes=1 << 20, kv_store_write_generated=True)
         workers.append(first)
-        assert first.runtime.core.host_tier is not None
+        assert first.runtime.engine.has_host_tier
         tokens, _ = await generate(bus, model, "dec-g", "r7")
         assert tokens == reference
         # 21 prompt tokens and 8 generated, 28 of them computed: 7 full blocks, the answer's 2 included, each

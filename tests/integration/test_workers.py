@@ -281,7 +281,7 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
     assert accepted.status is DecodeStatus.ACCEPTED
     await asyncio.sleep(0.3)
     await sub.unsubscribe()
-    expected = hash_blocks(PROMPT, 4, prefill.runtime.core.fingerprint, "")
+    expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
     stored = {
         (batch.worker_id, h)
         for batch in batches for event in batch.events if event.event_kind is KvEventKind.STORED
@@ -332,7 +332,7 @@ async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(work
     assert from_pages.end_snapshot("prefill-t")
     await asyncio.sleep(0.3)
     await sub.unsubscribe()
-    expected = hash_blocks(PROMPT, 4, prefill.runtime.core.fingerprint, "")
+    expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
     assert len(pages) == 3 and {p.seq for p in pages} == {seen[-1].seq} and {p.epoch for p in pages} == {epoch}
     assert [p.cursor for p in pages] == [0, 2, 4]
     assert sorted(b for p in pages for b in p.block_hashes) == sorted(expected)

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine import Engine, EngineRequest, PulledKv
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids, release_held
 from deepinfer.engine.request import Request
 
 PROMPTS = [
@@ -42,8 +41,8 @@ def run_both(engines, prompts, params):
 
 
 def free_blocks(llm: LLM) -> tuple[int, int]:
-    scheduler = llm.engine.scheduler
-    return scheduler.block_pool.num_free_blocks, llm.engine.kv_plan.num_blocks - 1
+    scheduler = llm.engine.core.scheduler
+    return scheduler.block_pool.num_free_blocks, llm.engine.core.kv_plan.num_blocks - 1
 
 
 def first_tokens(engines, prompt, n=8):
@@ -73,7 +72,7 @@ def test_async_matches_sync(engines, params):
         assert all(len(seq[0]) == params.max_tokens for out in sync for seq in out)
     num_free, num_total = free_blocks(engines[True])
     assert num_free == num_total
-    assert engines[True].engine.scheduler.num_output_placeholders == {}
+    assert engines[True].engine.core.scheduler.num_output_placeholders == {}
 
 
 def test_late_stop_tokens_are_discarded(engines):
@@ -87,7 +86,7 @@ def test_late_stop_tokens_are_discarded(engines):
     assert [len(out[0][0]) for out in sync] == [4, 1, 6, 2, 3]
     llm = engines[True]
     num_free, num_total = free_blocks(llm)
-    assert llm.engine.scheduler.num_running == 0 and llm.engine._in_flight is None
+    assert llm.engine.core.scheduler.num_running == 0 and llm.engine.core._in_flight is None
     # Blocks of finished requests stay only in the prefix cache (evictable): nothing is referenced.
     assert num_free == num_total
 
@@ -114,12 +113,12 @@ def test_preemption_under_tiny_kv_budget(tiny_dir, engines):
     """A KV budget of a few blocks forces preemptions (some while a step is in flight): same tokens."""
     results, preempted = [], []
     for mode in (False, True):
-        core = engines[mode].engine
+        core = engines[mode].engine.core
         per_block = core.model_config.kv_bytes_per_token(core.dtype) * 4
         llm = LLM(str(tiny_dir), block_size=4, progress=False, async_scheduling=mode,
                   kv_cache_bytes=per_block * 26, max_model_len=64)
         counts = []
-        scheduler = llm.engine.scheduler
+        scheduler = llm.engine.core.scheduler
         original = scheduler._preempt
 
         def counting(request, step, original=original, counts=counts, scheduler=scheduler):
@@ -128,7 +127,7 @@ def test_preemption_under_tiny_kv_budget(tiny_dir, engines):
                 request.request_id))))
             original(request, step)
 
-        llm.engine.scheduler._preempt = counting
+        llm.engine.core.scheduler._preempt = counting
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(16), use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outputs])
         preempted.append(counts)
@@ -155,9 +154,9 @@ def test_abort_mid_run(tiny_dir):
     """Aborting while a step is in flight: the others' tokens equal sync; nothing of the aborted one leaks."""
     results = []
     for mode in (False, True):
-        core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=mode))
+        core = Engine(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=mode))
         for i, prompt in enumerate(PROMPTS):
-            core.add_request(f"r{i}", prompt, greedy(10))
+            core.add_request(EngineRequest(f"r{i}", prompt, greedy(10)))
         tokens: dict[str, list[int]] = {}
         num_steps = 0
         while core.has_unfinished_requests():
@@ -165,10 +164,11 @@ def test_abort_mid_run(tiny_dir):
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             num_steps += 1
             if num_steps == 4:
-                core.abort_requests(["r1", "r3"])
-                core.add_request("r1", PROMPTS[3], greedy(5))  # the same id again, while r1's step is in flight
+                core.abort(["r1", "r3"])
+                # the same id again, while r1's step is in flight
+                core.add_request(EngineRequest("r1", PROMPTS[3], greedy(5)))
         results.append(tokens)
-        assert core.scheduler.block_pool.num_free_blocks == core.kv_plan.num_blocks - 1
+        assert core.stats().num_free_blocks == core.num_kv_blocks - 1
     sync, async_ = results
     assert {k: v for k, v in async_.items() if k not in ("r1", "r3")} == {
         k: v for k, v in sync.items() if k not in ("r1", "r3")}
@@ -182,7 +182,7 @@ def test_abort_mid_run(tiny_dir):
 ])
 def test_disaggregated_handoff_with_async(tiny_dir, params):
     def engine(mode):
-        return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=mode))
+        return Engine(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=mode))
 
     def run(core):
         tokens: dict[str, list[int]] = {}
@@ -192,19 +192,20 @@ def test_disaggregated_handoff_with_async(tiny_dir, params):
         return tokens
 
     reference = engine(False)
-    reference.add_request("r", PROMPTS[0], params)
+    reference.add_request(EngineRequest("r", PROMPTS[0], params))
     expected = run(reference)["r"]
     prefill = engine(True)
-    prefill.add_request("r", PROMPTS[0], params.clone(max_tokens=1), hold_blocks=True)
+    prefill.add_request(EngineRequest("r", PROMPTS[0], params.clone(max_tokens=1), hold_blocks=True))
     first = run(prefill)["r"]
     assert first == expected[:1]
-    payloads = export_held(prefill, "r", held_block_ids(prefill, "r"))
+    payloads = prefill.export_held("r", prefill.held_block_ids("r"))
     decode = engine(True)
-    decode.add_request("other", PROMPTS[2], params)  # a running batch the handoff joins mid-flight
+    decode.add_request(EngineRequest("other", PROMPTS[2], params))  # a running batch the handoff joins mid-flight
     decode.step()
-    assert admit_prefilled(decode, "r", PROMPTS[0], first, params, payloads)
+    admission = decode.add_request(EngineRequest("r", PROMPTS[0], params, output_token_ids=first, kv=PulledKv(payloads)))
+    assert admission.kv == "pulled"
     assert first + run(decode)["r"] == expected
-    assert release_held(prefill, "r")
+    assert prefill.release_held("r")
 
 
 @dataclass(frozen=True)
@@ -295,11 +296,12 @@ def test_a_request_finishing_on_its_first_token_still_caches_its_prompt(tiny_dir
     # The prefill worker's requests (max_tokens=1) must leave their prompt blocks in the prefix cache.
     prompt = list(range(5, 26))
     for async_scheduling in (False, True):
-        core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False,
+        core = Engine(EngineArgs(model=str(tiny_dir), block_size=4, progress=False,
                                      async_scheduling=async_scheduling))
         cached = []
         for request_id in ("a", "b"):
-            core.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            core.add_request(EngineRequest(request_id, prompt, params))
             while core.has_unfinished_requests():
                 cached += [o.num_cached_tokens for o in core.step() if o.finish_reason]
         assert cached == [0, 20], async_scheduling

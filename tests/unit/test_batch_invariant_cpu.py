@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
@@ -107,8 +108,8 @@ def test_runner_in_batch_invariant_mode_gives_the_same_tokens_alone_and_in_a_bat
     config = EngineConfig(num_blocks=64, max_model_len=64, block_size=4, max_num_seqs=8,
                           max_num_batched_tokens=16)
     kv_caches = [torch.zeros(2, 64, 4, 2, 8) for _ in range(2)]
-    runner = ModelRunner(model, kv_caches, 4, 96, torch.device("cpu"), max_model_len=64, max_num_seqs=8,
-                         batch_invariant=True)
+    runner = ModelRunner(model, kv_caches, RunnerConfig(block_size=4, vocab_size=96, device=torch.device("cpu"),
+                                                        max_model_len=64, max_num_seqs=8, batch_invariant=True))
     g = torch.Generator().manual_seed(0)
     target = torch.randint(0, 96, (9,), generator=g).tolist()
     others = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (13, 3, 21, 6, 5, 17, 2)]
@@ -122,8 +123,8 @@ def test_runner_in_batch_invariant_mode_gives_the_same_tokens_alone_and_in_a_bat
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_batch_invariant_runner_needs_max_model_len(batch_invariant):
-    make = lambda: ModelRunner(torch.nn.Identity(), [], 4, 8, torch.device("cpu"),  # noqa: E731
-                               batch_invariant=batch_invariant)
+    make = lambda: ModelRunner(torch.nn.Identity(), [], RunnerConfig(  # noqa: E731
+        block_size=4, vocab_size=8, device=torch.device("cpu"), batch_invariant=batch_invariant))
     if batch_invariant:
         with pytest.raises(ValueError, match="max_model_len"):
             make()

@@ -234,7 +234,7 @@ def test_llm_runs_deepseek_with_latent_cache_and_prefix_hits(mtp_models, tmp_pat
     path = make_tiny_deepseek_checkpoint(tmp_path_factory.mktemp("llm"), *CASES["v3-yarn-mtp"][:1],
                                          **CASES["v3-yarn-mtp"][1])
     llm = LLM(str(path), block_size=4, progress=False)
-    c, engine = llm.engine.model_config, llm.engine
+    c, engine = llm.engine.core.model_config, llm.engine.core
     latent = c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
     assert c.kv_bytes_per_token(torch.float32) == latent * c.num_hidden_layers * 4
     assert engine.kv_plan.bytes_per_block == latent * c.num_hidden_layers * 4 * 4

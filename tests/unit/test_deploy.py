@@ -212,9 +212,13 @@ def test_workers_get_the_pod_ip_and_the_store_a_statefulset_with_a_volume():
 def test_the_tensor_parallel_setting_reaches_the_engine(size: int, eager: bool):
     # The chart sets DEEPINFER_<ROLE>_TENSOR_PARALLEL_SIZE from acceleratorsPerPod.
     pytest.importorskip("torch")
+    import torch
+
     from deepinfer.config import DecodeSettings
+    from deepinfer.engine import ExecutionMode
     from deepinfer.worker.settings import engine_args
 
     args = engine_args(DecodeSettings(tensor_parallel_size=size))
-    assert args.tensor_parallel_size == size and args.enforce_eager is eager  # no CUDA graphs across ranks yet
+    mode = args.resolve_execution_mode(torch.device("cuda"), "cuda")
+    assert args.tensor_parallel_size == size and (mode is ExecutionMode.EAGER) is eager  # no graphs across ranks yet
     assert "tensor_parallel_size" in setting_fields(DecodeSettings)

@@ -76,13 +76,13 @@ def test_seeded_request_same_alone_and_in_batch(llm):
 def test_n_sequences_share_prompt_and_differ(tiny_dir):
     llm = LLM(str(tiny_dir), block_size=4, progress=False)
     hits = []
-    add_request = llm.engine.scheduler.add_request
+    add_request = llm.engine.core.scheduler.add_request
 
     def spy(request):
         add_request(request)
         hits.append(request)
 
-    llm.engine.scheduler.add_request = spy
+    llm.engine.core.scheduler.add_request = spy
     out = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
@@ -137,9 +137,9 @@ def test_eos_and_min_tokens(tiny_dir):
 
 def test_preemption_gives_same_tokens(tiny_dir):
     # 14 blocks of 4 tokens cannot hold four 35+16-token sequences at once: requests get preempted.
-    bytes_per_block = LLM(str(tiny_dir), block_size=4, progress=False).engine.kv_plan.bytes_per_block
+    bytes_per_block = LLM(str(tiny_dir), block_size=4, progress=False).engine.core.kv_plan.bytes_per_block
     small = LLM(str(tiny_dir), block_size=4, kv_cache_bytes=14 * bytes_per_block, max_model_len=52, progress=False)
-    assert small.engine.kv_plan.num_blocks == 14
+    assert small.engine.core.kv_plan.num_blocks == 14
     prompts = [PROMPTS[2]] * 4
     params = [greedy(max_tokens=16)] * 4
     out = tokens(small.generate(prompts, params, use_tqdm=False))

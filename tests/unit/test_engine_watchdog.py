@@ -10,40 +10,27 @@ from types import SimpleNamespace
 import httpx
 
 from deepinfer.telemetry import internal_app, new_registry
+from deepinfer.testing.fake_engine import ScriptedEngine
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.runtime import WorkerRuntime
 
 
-class HangingCore:
-    """Just what EngineLoop reads of an EngineCore; `step()` blocks until released, or raises if told."""
+class HangingEngine(ScriptedEngine):
+    """One step that blocks until released, or raises if told."""
 
     def __init__(self, fail: bool = False) -> None:
+        super().__init__(num_steps=1)
         self.release, self.fail = threading.Event(), fail
-        self.scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_held=0, take_kv_events=list, loading={},
-                                         num_added=1, block_pool=SimpleNamespace(num_free_blocks=7))
-        self.kv_plan = SimpleNamespace(num_blocks=8)
-        self.steps = 0
 
-    def bind_thread(self) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return self.steps == 0
-
-    def take_kv_events(self) -> list:
-        return []
-
-    def step(self) -> list:
+    def run_step(self) -> None:
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         self.release.wait(10)
-        self.steps += 1
-        return []
 
 
-def runtime_over(engine: EngineLoop | None, deadline_s: float) -> WorkerRuntime:
+def runtime_over(engine_loop: EngineLoop | None, deadline_s: float) -> WorkerRuntime:
     runtime = WorkerRuntime.__new__(WorkerRuntime)  # only what unhealthy_reason reads
-    runtime.engine, runtime.settings = engine, SimpleNamespace(engine_step_deadline_s=deadline_s)
+    runtime.engine_loop, runtime.settings = engine_loop, SimpleNamespace(engine_step_deadline_s=deadline_s)
     return runtime
 
 
@@ -56,15 +43,15 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 
 async def test_a_step_past_its_deadline_is_unhealthy_until_it_returns():
     assert runtime_over(None, 0.2).unhealthy_reason() == ""  # loading the model is not a fault
-    core = HangingCore()
-    loop = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events: None)
+    engine = HangingEngine()
+    loop = EngineLoop(engine, asyncio.get_running_loop(), lambda outputs, events: None)
     loop.start()
     runtime = runtime_over(loop, 0.2)
     await wait_for(lambda: loop.step_started_s is not None)
     assert runtime.unhealthy_reason() == ""  # a step in progress, within its deadline
     await wait_for(lambda: runtime.unhealthy_reason() != "")
     assert "engine step running for" in runtime.unhealthy_reason()
-    core.release.set()
+    engine.release.set()
     await wait_for(lambda: loop.step_started_s is None)
     assert runtime.unhealthy_reason() == ""
     await loop.stop()
@@ -72,7 +59,7 @@ async def test_a_step_past_its_deadline_is_unhealthy_until_it_returns():
 
 
 async def test_a_failed_engine_thread_is_unhealthy():
-    loop = EngineLoop(HangingCore(fail=True), asyncio.get_running_loop(), lambda outputs, events: None)
+    loop = EngineLoop(HangingEngine(fail=True), asyncio.get_running_loop(), lambda outputs, events: None)
     loop.start()
     runtime = runtime_over(loop, 60.0)
     await wait_for(lambda: not loop.alive)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.full_graphs import FullGraphRunner, capture_full
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.kernels import get_ops
@@ -84,7 +85,8 @@ def test_model_runner_routes_prompt_steps_through_the_full_runner(model, logits)
 
     def make_runner() -> ModelRunner:
         kv_caches = [torch.zeros(model.config.kv_cache_shape(96, BLOCK_SIZE)) for _ in model.model.layers]
-        return ModelRunner(model, kv_caches, BLOCK_SIZE, vocab, CPU, max_model_len=64, max_num_seqs=8)
+        return ModelRunner(model, kv_caches, RunnerConfig(block_size=BLOCK_SIZE, vocab_size=vocab, device=CPU,
+                                                          max_model_len=64, max_num_seqs=8))
 
     eager = generate(make_runner(), prompts, 6)
     runner = make_runner()

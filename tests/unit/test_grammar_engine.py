@@ -8,9 +8,7 @@ import json
 
 import pytest
 
-from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids, release_held
+from deepinfer.engine import Engine, EngineArgs, EngineRequest, PulledKv
 from deepinfer.protocol import FinishReason
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.structured import json_schema_grammar
@@ -28,11 +26,11 @@ SCHEMA = {
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77]
 
 
-def engine(tiny_dir, async_scheduling: bool) -> EngineCore:
-    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=async_scheduling))
+def engine(tiny_dir, async_scheduling: bool) -> Engine:
+    return Engine(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, async_scheduling=async_scheduling))
 
 
-def run(core: EngineCore) -> dict[str, tuple[list[int], FinishReason | None]]:
+def run(core: Engine) -> dict[str, tuple[list[int], FinishReason | None]]:
     results: dict[str, tuple[list[int], FinishReason | None]] = {}
     while core.has_unfinished_requests():
         for out in core.step():
@@ -41,7 +39,7 @@ def run(core: EngineCore) -> dict[str, tuple[list[int], FinishReason | None]]:
     return results
 
 
-def check_output(core: EngineCore, token_ids: list[int], finish: FinishReason | None) -> dict:
+def check_output(core: Engine, token_ids: list[int], finish: FinishReason | None) -> dict:
     assert finish is FinishReason.STOP
     assert core.tokenizer is not None
     value = json.loads(core.tokenizer.decode(token_ids))
@@ -62,8 +60,9 @@ def test_async_scheduling_gives_the_synchronous_valid_output(tiny_dir, params: S
     results = []
     for mode in (False, True):
         core = engine(tiny_dir, mode)
-        core.add_request("r", PROMPT, params)
-        core.add_request("free", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=6))  # a free row beside
+        core.add_request(EngineRequest("r", PROMPT, params))
+        free = SamplingParams(temperature=0.0, max_tokens=6)
+        core.add_request(EngineRequest("free", PROMPT[:5], free))  # a free row beside
         results.append(run(core))
         check_output(core, *results[-1]["r"])
     assert results[0] == results[1]
@@ -72,19 +71,20 @@ def test_async_scheduling_gives_the_synchronous_valid_output(tiny_dir, params: S
 def test_prefill_then_decode_continues_the_grammar(tiny_dir):
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=80, grammar=json_schema_grammar(SCHEMA))
     reference = engine(tiny_dir, False)
-    reference.add_request("r", PROMPT, params)
+    reference.add_request(EngineRequest("r", PROMPT, params))
     expected, _ = run(reference)["r"]
     prefill = engine(tiny_dir, True)
-    prefill.add_request("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True)
+    prefill.add_request(EngineRequest("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True))
     first, _ = run(prefill)["r"]
     assert first == expected[:1]
-    payloads = export_held(prefill, "r", held_block_ids(prefill, "r"))
+    payloads = prefill.export_held("r", prefill.held_block_ids("r"))
     decode = engine(tiny_dir, True)
-    assert admit_prefilled(decode, "r", PROMPT, first, params, payloads)
+    admission = decode.add_request(EngineRequest("r", PROMPT, params, output_token_ids=first, kv=PulledKv(payloads)))
+    assert admission.kv == "pulled"
     rest, finish = run(decode)["r"]
     assert first + rest == expected
     check_output(decode, first + rest, finish)
-    assert release_held(prefill, "r")
+    assert prefill.release_held("r")
 
 
 def test_a_first_token_the_grammar_forbids_is_refused(tiny_dir):
@@ -93,6 +93,7 @@ def test_a_first_token_the_grammar_forbids_is_refused(tiny_dir):
     not_json = core.tokenizer.encode("x", add_special_tokens=False)
     params = SamplingParams(max_tokens=8, grammar=json_schema_grammar(SCHEMA))
     with pytest.raises(ValueError, match="grammar"):
-        core.new_request("r", PROMPT, params, output_token_ids=not_json)
+        core.add_request(EngineRequest("r", PROMPT, params, output_token_ids=not_json))
     with pytest.raises(ValueError):
-        core.new_request("r", PROMPT, params.clone(grammar='{"grammars": [{"json_schema": {"$ref": "#/x"}}]}'))
+        looping = params.clone(grammar='{"grammars": [{"json_schema": {"$ref": "#/x"}}]}')
+        core.add_request(EngineRequest("r", PROMPT, looping))

@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import (
-    LeaseNotHeld,
-    admit_prefilled,
-    engine_stats,
-    export_held,
-    held_block_ids,
-    release_held,
-)
+from deepinfer.engine import Engine, EngineArgs, EngineRequest, LeaseNotHeld, PulledKv
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 
@@ -27,12 +18,12 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
 
 
-def engine(tiny_dir) -> EngineCore:
+def engine(tiny_dir) -> Engine:
     # A byte budget, not a memory fraction: several engines share the device (a GPU on a GPU host).
-    return EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20))
+    return Engine(EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20))
 
 
-def run(core: EngineCore) -> dict[str, list[int]]:
+def run(core: Engine) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         for out in core.step():
@@ -46,39 +37,41 @@ def run(core: EngineCore) -> dict[str, list[int]]:
 ])
 def test_disaggregated_tokens_equal_aggregated(tiny_dir, params):
     reference = engine(tiny_dir)
-    reference.add_request("r", PROMPT, params)
+    reference.add_request(EngineRequest("r", PROMPT, params))
     expected = run(reference)["r"]
 
     prefill = engine(tiny_dir)
-    prefill.add_request("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True)
+    prefill.add_request(EngineRequest("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True))
     first = run(prefill)["r"]
     assert first == expected[:1]
-    block_ids = held_block_ids(prefill, "r")
+    block_ids = prefill.held_block_ids("r")
     assert len(block_ids) == 5
-    payloads = export_held(prefill, "r", block_ids)
+    payloads = prefill.export_held("r", block_ids)
 
     decode = engine(tiny_dir)
-    assert admit_prefilled(decode, "r", PROMPT, first, params, payloads)
+    admission = decode.add_request(EngineRequest("r", PROMPT, params, output_token_ids=first, kv=PulledKv(payloads)))
+    assert admission.kv == "pulled"
     assert first + run(decode)["r"] == expected
 
-    assert release_held(prefill, "r")
-    assert engine_stats(prefill).num_free_blocks == engine_stats(prefill).num_total_blocks
-    assert engine_stats(decode).num_free_blocks == engine_stats(decode).num_total_blocks
+    assert prefill.release_held("r")
+    assert prefill.stats().num_free_blocks == prefill.stats().num_total_blocks
+    assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
 
 
 def test_export_refuses_blocks_not_held(tiny_dir):
     prefill = engine(tiny_dir)
-    prefill.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    prefill.add_request(EngineRequest("r", PROMPT, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True))
     run(prefill)
-    held = held_block_ids(prefill, "r")
+    held = prefill.held_block_ids("r")
     with pytest.raises(LeaseNotHeld):
-        export_held(prefill, "r", [max(held) + 1])
-    release_held(prefill, "r")
+        prefill.export_held("r", [max(held) + 1])
+    prefill.release_held("r")
     with pytest.raises(LeaseNotHeld):
-        export_held(prefill, "r", held)
+        prefill.export_held("r", held)
 
 
 def test_admit_checks_payload_count(tiny_dir):
     decode = engine(tiny_dir)
     with pytest.raises(ValueError, match="kv payloads"):
-        admit_prefilled(decode, "r", PROMPT, [1], SamplingParams(max_tokens=4), [b"x"] * 2)
+        decode.add_request(EngineRequest("r", PROMPT, SamplingParams(max_tokens=4), output_token_ids=[1],
+                                         kv=PulledKv([b"x"] * 2)))

@@ -22,10 +22,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS = 4, 12, 64
 
 
+def engine_args(tiny_dir, block_bytes: int, host_blocks: int = HOST_BLOCKS, **kw) -> EngineArgs:
+    return EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
+                      kv_cache_bytes=DEVICE_BLOCKS * block_bytes, kv_host_cache_bytes=host_blocks * block_bytes, **kw)
+
+
 def engine(tiny_dir, block_bytes: int, host_blocks: int = HOST_BLOCKS, **kw) -> EngineCore:
-    return EngineCore(EngineArgs(
-        model=str(tiny_dir), block_size=BLOCK_SIZE, progress=False, max_model_len=32,
-        kv_cache_bytes=DEVICE_BLOCKS * block_bytes, kv_host_cache_bytes=host_blocks * block_bytes, **kw))
+    return EngineCore(engine_args(tiny_dir, block_bytes, host_blocks, **kw))
 
 
 def run(core: EngineCore, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
@@ -148,8 +151,8 @@ def test_a_small_host_pool_evicts_and_the_tier_is_off_by_default_on_the_cpu(tiny
 
 
 def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, block_bytes, reference):
+    from deepinfer.engine import Engine, EngineRequest, StoredKv
     from deepinfer.engine.kv_load import export_cached, finish_load
-    from deepinfer.worker.store_tier import _start_load_with_host
 
     other = engine(tiny_dir, block_bytes, host_blocks=0)  # what another worker wrote to the store
     other.add_request("p", P, GREEDY)
@@ -157,7 +160,8 @@ def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, bl
     hashes = hash_blocks(P, BLOCK_SIZE, other.fingerprint, "")[:4]
     kept, stored = export_cached(other, hashes)
     assert kept == hashes
-    core = engine(tiny_dir, block_bytes)
+    front = Engine(engine_args(tiny_dir, block_bytes))
+    core = front.core
     core.add_request("half", P[:9], GREEDY.clone(max_tokens=1))  # P's first 2 blocks: device, then host
     run(core)
     for i, filler in enumerate(FILLERS):
@@ -165,7 +169,9 @@ def test_a_store_load_takes_the_host_held_blocks_from_the_host_tier(tiny_dir, bl
         run(core)
     assert core.scheduler.block_pool.get_cached_block(hashes[0]) is None
 
-    plan, local = _start_load_with_host(core, hashes, "p", P, GREEDY, 4)
+    admission = front.add_request(EngineRequest("p", P, GREEDY, kv=StoredKv(4, hashes)))
+    plan, local = admission.load, admission.local_payloads
+    assert admission.kv == "loading"
     assert (plan.first_block, len(plan.block_ids)) == (0, 4)
     assert local[2:] == [None, None]  # the store is asked only for blocks 2 and 3
     for held, computed in zip(local[:2], stored[:2], strict=True):  # the same KV (computed in another batch shape)
@@ -201,11 +207,11 @@ def test_the_worker_metrics_report_host_tier_hit_ages(tiny_dir, block_bytes):
 
     core = engine(tiny_dir, block_bytes)
     registry = CollectorRegistry()
-    metrics = HostTierMetrics(registry, core.host_tier)
+    metrics = HostTierMetrics(registry, core.host_tier.capacity_bytes)
     evict_p(core)
     core.add_request("p", P, GREEDY)
     run(core)
-    metrics.update()
+    metrics.update(core.host_tier.report())
     assert registry.get_sample_value("deepinfer_worker_host_tier_hit_age_seconds_count") == 4  # P's 4 blocks
     assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
     assert registry.get_sample_value("deepinfer_worker_host_tier_offload_seconds_count") > 0

@@ -97,7 +97,7 @@ def test_a_preempted_request_resumes_from_the_host_tier_while_another_runs(
 
     core = engine(tiny_dir, DEVICE_BLOCKS * block_bytes, HOST_BLOCKS * block_bytes, async_scheduling)
     registry = CollectorRegistry()
-    metrics = HostTierMetrics(registry, core.host_tier)
+    metrics = HostTierMetrics(registry, core.host_tier.capacity_bytes)
     steps = record(core)
     tokens, usage = run(core)
 
@@ -117,7 +117,7 @@ def test_a_preempted_request_resumes_from_the_host_tier_while_another_runs(
     # b's 4 blocks past its device block (the last holds its first output token), loaded; its admission (and
     # c's, d's) found nothing in the host tier: the 6 misses are theirs (d: 2 blocks, b: 4).
     assert (stats.hit_blocks, stats.loaded_blocks, stats.failed_loads, stats.miss_blocks) == (4, 4, 0, 6)
-    metrics.update()  # what the worker exports
+    metrics.update(core.host_tier.report())  # what the worker exports
     assert registry.get_sample_value("deepinfer_worker_host_tier_hit_blocks_total") == 4
     assert registry.get_sample_value("deepinfer_worker_host_tier_loaded_blocks_total") == 4
     assert registry.get_sample_value("deepinfer_worker_host_tier_load_seconds_count") == 1

@@ -11,6 +11,7 @@ import torch
 from deepinfer.engine import core as engine_core
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import CUDA_CONTEXT_BYTES, EngineCore
+from deepinfer.engine.execution import ExecutionMode
 from deepinfer.models.config import ModelConfig
 
 GiB = 1 << 30
@@ -22,6 +23,7 @@ def engine(utilization: float) -> EngineCore:
                              activation_bytes_per_token=lambda itemsize: 2048 * 8192 * itemsize // 1024)
     core = EngineCore.__new__(EngineCore)
     core.args = EngineArgs(gpu_memory_utilization=utilization, enforce_eager=True)
+    core.execution_mode = ExecutionMode.EAGER
     core.model_config, core.dtype, core.device, core.max_model_len = config, torch.bfloat16, "cuda:0", 8192
     return core
 

@@ -7,12 +7,9 @@ import pytest
 import torch
 from pydantic import create_model
 
-from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import admit_prefilled, export_held, held_block_ids
+from deepinfer.engine import Engine, EngineArgs, EngineRequest, PeerDeviceKv, PulledKv
 from deepinfer.engine.kv_device_transfer import (
     PeerCaches,
-    admit_from_device,
     copy_blocks,
     describe_reduced,
     host_id,
@@ -147,7 +144,7 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
 
 
-def run(core: EngineCore) -> list[int]:
+def run(core: Engine) -> list[int]:
     tokens: list[int] = []
     while core.has_unfinished_requests():
         for out in core.step():
@@ -159,20 +156,27 @@ def test_admit_from_owner_caches_equals_the_data_plane_path(tiny_dir):
     # A byte budget, not a memory fraction: three engines share the device (CPU here, a GPU on a GPU host).
     args = EngineArgs(model=str(tiny_dir), block_size=4, progress=False, kv_cache_bytes=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prefill = EngineCore(args)
-    prefill.add_request("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True)
+    prefill = Engine(args)
+    prefill.add_request(EngineRequest("r", PROMPT, params.clone(max_tokens=1), hold_blocks=True))
     first = run(prefill)
-    block_ids = held_block_ids(prefill, "r")
-    by_bytes, by_copy = EngineCore(args), EngineCore(args)
-    by_bytes.add_request("warm", PROMPT[:9], params.clone(max_tokens=1))  # a prefix hit: 2 blocks reused
+    block_ids = prefill.held_block_ids("r")
+    by_bytes, by_copy = Engine(args), Engine(args)
+    # a prefix hit: 2 blocks reused
+    by_bytes.add_request(EngineRequest("warm", PROMPT[:9], params.clone(max_tokens=1)))
     run(by_bytes)
-    assert admit_prefilled(by_bytes, "r", PROMPT, first, params, export_held(prefill, "r", block_ids))
-    by_copy.add_request("warm", PROMPT[:9], params.clone(max_tokens=1))
+    admission = by_bytes.add_request(EngineRequest("r", PROMPT, params, output_token_ids=first, kv=PulledKv(prefill.export_held("r", block_ids))))
+    assert admission.kv == "pulled"
+    by_copy.add_request(EngineRequest("warm", PROMPT[:9], params.clone(max_tokens=1)))
     run(by_copy)
-    admission = admit_from_device(by_copy, "r", PROMPT, first, params, prefill.runner.kv_caches, block_ids)
-    assert admission.admitted
+    # The owner's export, mapped as a same-host peer's (CPU caches: the mapping step is the GPU test's).
+    by_copy._peers._mapped["owner"] = prefill.core.runner.kv_caches
+    export = KvDeviceExport(host_id=host_id(), export_id="owner", layers=[])
+    admission = by_copy.add_request(EngineRequest("r", PROMPT, params, output_token_ids=first,
+                                                  kv=PeerDeviceKv(export, block_ids)))
+    assert admission.kv == "device"
     admission.wait_copied()
-    dst_ids = by_copy.scheduler.kv_manager.get_block_ids(by_copy.scheduler.requests["r"])
-    for src, dst in zip(prefill.runner.kv_caches, by_copy.runner.kv_caches, strict=True):
+    scheduler = by_copy.core.scheduler
+    dst_ids = scheduler.kv_manager.get_block_ids(scheduler.requests["r"])
+    for src, dst in zip(prefill.core.runner.kv_caches, by_copy.core.runner.kv_caches, strict=True):
         assert torch.equal(dst[:, dst_ids[2:5]], src[:, block_ids[2:5]])
     assert run(by_copy) == run(by_bytes)

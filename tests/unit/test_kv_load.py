@@ -13,6 +13,7 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.kv_load import export_cached, fail_load, finish_load, start_load
+from deepinfer.engine.requests import EngineRequest
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 
@@ -50,7 +51,7 @@ def test_a_loaded_prefix_gives_the_recomputed_tokens_while_others_run(tiny_dir, 
     reference, hashes, payloads = stored
     core = engine(tiny_dir, async_scheduling=async_scheduling)
     core.add_request("other", OTHER, GREEDY)
-    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("r", PROMPT, GREEDY), num_stored_blocks=4)
     assert (plan.first_block, len(plan.block_ids)) == (0, 4)
     tokens: dict[str, list[int]] = {}
     for _ in range(3):  # the load is in flight: "other" steps, "r" waits
@@ -69,7 +70,7 @@ def test_cached_tokens_report_the_store_tier(tiny_dir, stored):
     core = engine(tiny_dir)
     core.add_request("warm", PROMPT[:5], GREEDY.clone(max_tokens=1))  # the first block is on the device
     run(core)
-    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("r", PROMPT, GREEDY), num_stored_blocks=4)
     assert (plan.first_block, len(plan.block_ids)) == (1, 3)
     assert finish_load(core, plan, payloads[1:])
     first = core.step()[0]
@@ -80,15 +81,15 @@ def test_cached_tokens_report_the_store_tier(tiny_dir, stored):
 def test_payloads_that_do_not_fit_or_a_failed_load_recompute(tiny_dir, stored):
     reference, hashes, payloads = stored
     core = engine(tiny_dir)
-    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("r", PROMPT, GREEDY), num_stored_blocks=4)
     assert not finish_load(core, plan, [p[:-4] for p in payloads])  # truncated: refused, never imported
     assert run(core)["r"] == reference
-    plan = start_load(core, "s", PROMPT, GREEDY.clone(max_tokens=2), num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("s", PROMPT, GREEDY.clone(max_tokens=2)), num_stored_blocks=4)
     assert plan is None  # the device holds the prefix now: queued to compute, nothing to load
     assert run(core)["s"] == reference[:2]
 
     fresh = engine(tiny_dir)
-    plan = start_load(fresh, "t", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(fresh, EngineRequest("t", PROMPT, GREEDY), num_stored_blocks=4)
     fail_load(fresh, "t")
     first = fresh.step()[0]
     assert (first.num_cached_tokens, first.num_store_cached_tokens) == (0, 0)
@@ -116,7 +117,7 @@ def test_a_prefix_imported_chunk_by_chunk_gives_the_recomputed_tokens(tiny_dir, 
     reference, hashes, payloads = stored
     core = engine(tiny_dir)
     core.add_request("other", OTHER, GREEDY)
-    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("r", PROMPT, GREEDY), num_stored_blocks=4)
     pool, chunks = _staged_chunks(core, payloads, chunk_blocks=3)  # chunks of 3 and 1 blocks
     tokens: dict[str, list[int]] = {}
     for first, rows in chunks:  # steps between the chunks: the loading request is not scheduled, its blocks unseen
@@ -138,7 +139,7 @@ def test_an_aborted_load_writes_no_later_chunk(tiny_dir, stored):
 
     reference, hashes, payloads = stored
     core = engine(tiny_dir)
-    plan = start_load(core, "r", PROMPT, GREEDY, num_stored_blocks=4)
+    plan = start_load(core, EngineRequest("r", PROMPT, GREEDY), num_stored_blocks=4)
     pool, chunks = _staged_chunks(core, payloads, chunk_blocks=2)
     assert import_chunk(core, plan, *chunks[0], pool)[0]
     core.abort_requests(["r"])  # its blocks are free again: another request may own them now

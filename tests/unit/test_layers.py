@@ -254,3 +254,29 @@ def test_a_nested_unit_is_apart_from_its_parent():
     # The parent importing its storage engine would be an upward edge.
     graph = {"deepinfer.kvcache": {"deepinfer.kvcache.store"}}
     assert upward_edges(graph, LAYERS) == [("deepinfer.kvcache", "deepinfer.kvcache.store")]
+
+
+# -- the engine's front door ----------------------------------------------------------------------------------------
+#: Units that reach the engine only through `deepinfer.engine`'s public names (its `__init__`), never a submodule.
+ENGINE_CLIENTS = ("services", "deepinfer.worker")
+
+
+def engine_submodule_imports(edges: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(importer, engine submodule) pairs where an engine client imports past the front door."""
+    return sorted(
+        (importer, imported) for importer, imported in edges
+        if imported.startswith("deepinfer.engine.")
+        and any(importer == client or importer.startswith(client + ".") for client in ENGINE_CLIENTS)
+    )
+
+
+def test_services_and_the_worker_use_the_engine_only_through_its_front_door():
+    found = engine_submodule_imports(EDGES)
+    assert found == [], "import these names from deepinfer.engine:\n" + "\n".join(f"{a} -> {b}" for a, b in found)
+
+
+def test_an_engine_submodule_import_by_a_worker_or_a_service_is_reported():
+    edges = {("deepinfer.worker.runtime", "deepinfer.engine.core"), ("services.decode.handler", "deepinfer.engine"),
+             ("services.prefill.handler", "deepinfer.engine.handoff"), ("deepinfer.engine.llm", "deepinfer.engine.core")}
+    assert engine_submodule_imports(edges) == [("deepinfer.worker.runtime", "deepinfer.engine.core"),
+                                               ("services.prefill.handler", "deepinfer.engine.handoff")]

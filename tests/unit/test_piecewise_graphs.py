@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.distributed.parallel_state import TensorParallelGroup
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.piecewise_graphs import (
     PiecewiseGraphRunner,
     capture_piecewise,
@@ -186,7 +187,8 @@ def test_model_runner_routes_prompt_steps_through_the_pieces(model):
 
     def make_runner() -> ModelRunner:
         kv_caches = [torch.zeros(model.config.kv_cache_shape(96, BLOCK_SIZE)) for _ in model.model.layers]
-        return ModelRunner(model, kv_caches, BLOCK_SIZE, vocab, torch.device("cpu"), max_model_len=64, max_num_seqs=8)
+        return ModelRunner(model, kv_caches, RunnerConfig(block_size=BLOCK_SIZE, vocab_size=vocab,
+                                                          device=torch.device("cpu"), max_model_len=64, max_num_seqs=8))
 
     eager = generate(make_runner(), prompts, 6)
     runner = make_runner()
@@ -206,7 +208,7 @@ def test_async_placeholders_are_filled_before_the_pieces_read_the_input_ids(tiny
     want = LLM(str(tiny_dir), block_size=BLOCK_SIZE, max_num_batched_tokens=24, progress=False,
                async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_dir), block_size=BLOCK_SIZE, max_num_batched_tokens=24, progress=False, async_scheduling=True)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     runner.piecewise = PiecewiseGraphRunner(runner.model, runner.kv_caches, 24, torch.device("cpu"), use_graphs=False)
     runner.piecewise.capture()
     filled, fill = [], runner._fill_placeholders

@@ -140,10 +140,12 @@ def test_graph_inputs_equal_the_padded_batch():
 
 
 def test_runner_frees_rows_of_finished_and_preempted_requests():
+    from deepinfer.engine.execution import RunnerConfig
     from deepinfer.engine.runner import ModelRunner
 
-    runner = ModelRunner(torch.nn.Identity(), [], BLOCK_SIZE, 8, torch.device("cpu"), max_model_len=16,
-                         max_num_seqs=2)
+    runner = ModelRunner(torch.nn.Identity(), [], RunnerConfig(block_size=BLOCK_SIZE, vocab_size=8,
+                                                               device=torch.device("cpu"), max_model_len=16,
+                                                               max_num_seqs=2))
     runner.prepare_batch(SchedulerOutput([scheduled("a", [1], 0, [1]), scheduled("b", [1], 0, [2])]))
     assert runner.block_table.num_free_rows == 0
     out = SchedulerOutput([scheduled("c", [1], 0, [3])], preempted_request_ids=["a"], finished_request_ids=["b"])
@@ -177,7 +179,7 @@ def test_dummy_weights_engine_without_tokenizer_generates_token_ids(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
               progress=False)
-    assert llm.tokenizer is None and llm.engine.eos_token_ids == {5}
+    assert llm.tokenizer is None and llm.engine.core.eos_token_ids == {5}
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, {"prompt_token_ids": [9, 8]}]
     first = llm.generate(prompts, params, use_tqdm=False)
@@ -186,7 +188,7 @@ def test_dummy_weights_engine_without_tokenizer_generates_token_ids(tmp_path):
     assert [len(o.outputs[0].token_ids) for o in first] == [6, 6]
     assert [o.outputs[0].text for o in first] == ["", ""]
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]  # seeded weights
-    weights = torch.cat([p.flatten() for p in llm.engine.runner.model.parameters()])
+    weights = torch.cat([p.flatten() for p in llm.engine.core.runner.model.parameters()])
     assert weights.std() > 0.01 and torch.isfinite(weights).all()
 
 
@@ -199,7 +201,7 @@ def tiny_engine(tmp_path, **engine_args):
               "max_position_embeddings": 128, "eos_token_id": 5}
     (tmp_path / "config.json").write_text(json.dumps(config))
     return LLM(str(tmp_path), load_format="dummy", device="cpu", block_size=4, kv_cache_bytes=1 << 20,
-               progress=False, **engine_args).engine
+               progress=False, **engine_args).engine.core
 
 
 @pytest.mark.parametrize("split", [True, False])

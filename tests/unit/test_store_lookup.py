@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 from deepinfer.config import WorkerSettings
+from deepinfer.engine import EngineRequest
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, new_registry
+from deepinfer.testing.fake_engine import AdmissionRecorder
 from deepinfer.worker.store_lookup import StoreLookups
 from deepinfer.worker.store_tier import StoreTier
 
@@ -128,28 +129,15 @@ def test_close_answers_waiting_requests_with_misses():
     assert asyncio.run(closed_mid_lookup()) == ([0, 0], 0)
 
 
-class Engine:
-    """The engine loop as StoreTier's admission uses it: `call(fn)` runs `fn(core)`; add_request recorded."""
-
-    def __init__(self) -> None:
-        self.added: list[str] = []
-        self.core = SimpleNamespace(
-            args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT, host_tier=None,
-            add_request=lambda request_id, *args, **kwargs: self.added.append(request_id),
-            scheduler=SimpleNamespace(block_pool=SimpleNamespace(get_cached_block=lambda h: None)))
-
-    async def call(self, fn):
-        return fn(self.core)
-
-
 def test_a_burst_of_admissions_with_a_failing_store_computes_every_prompt():
-    engine, store = Engine(), Store(error=TimeoutError())
+    engine, store = AdmissionRecorder(BLOCK, FINGERPRINT), Store(error=TimeoutError())
     tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=0), new_registry(process_metrics=False), engine,
-                     "layout", store)
+                     engine, store)
     prompts = {f"r{i}": [i * 50 + k for k in range(3 * BLOCK + 1)] for i in range(8)}
 
     async def burst():
-        await asyncio.gather(*(tier.add_request(r, p, SamplingParams(max_tokens=4)) for r, p in prompts.items()))
+        await asyncio.gather(*(tier.add_request(EngineRequest(r, p, SamplingParams(max_tokens=4)))
+                               for r, p in prompts.items()))
 
     asyncio.run(burst())
     assert sorted(engine.added) == sorted(prompts)  # all queued to compute, none refused
@@ -159,10 +147,10 @@ def test_a_burst_of_admissions_with_a_failing_store_computes_every_prompt():
 def test_a_rest_shorter_than_the_lookup_minimum_is_queued_without_asking_the_store():
     prompt = list(range(3 * BLOCK + 1))  # 3 full blocks, none held here
     for minimum, asked in ((3 * BLOCK + 1, False), (3 * BLOCK, True)):
-        engine, store = Engine(), Store()
+        engine, store = AdmissionRecorder(BLOCK, FINGERPRINT), Store()
         registry = new_registry(process_metrics=False)
-        tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=minimum), registry, engine, "layout", store)
-        asyncio.run(tier.add_request("r", prompt, SamplingParams(max_tokens=4)))
+        tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=minimum), registry, engine, engine, store)
+        asyncio.run(tier.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=4))))
         assert engine.added == ["r"]
         assert (len(store.asked), count(registry, "worker_store_lookups", result="skipped")) == (
             (1, 0) if asked else (0, 1))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 from deepinfer.config import WorkerSettings
+from deepinfer.engine import EngineRequest
 from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import new_registry
+from deepinfer.testing.fake_engine import AdmissionRecorder
 from deepinfer.worker.store_tier import StoreTier
 
 BLOCK, FINGERPRINT = 4, b"tiny-model"
@@ -24,19 +25,9 @@ class NoShardLookups:
         return [False] * len(hashes)
 
 
-class AddOnly:
-    """The engine loop as StoreTier's admission uses it: `call(fn)` runs `fn(core)`."""
-
-    core = SimpleNamespace(args=SimpleNamespace(block_size=BLOCK), fingerprint=FINGERPRINT, host_tier=None,
-                           add_request=lambda *args, **kwargs: None,
-                           scheduler=SimpleNamespace(block_pool=SimpleNamespace(get_cached_block=lambda h: None)))
-
-    async def call(self, fn):
-        return fn(self.core)
-
-
-def tier(**settings) -> StoreTier:
-    return StoreTier(WorkerSettings(**settings), new_registry(process_metrics=False), AddOnly(), "layout",
+def tier(has_host_tier: bool = False, **settings) -> StoreTier:
+    engine = AdmissionRecorder(BLOCK, FINGERPRINT, has_host_tier)
+    return StoreTier(WorkerSettings(**settings), new_registry(process_metrics=False), engine, engine,
                      NoShardLookups())
 
 
@@ -45,7 +36,7 @@ def test_only_prompt_blocks_are_written_behind_by_default():
     hashes = hash_blocks(prompt + generated, BLOCK, FINGERPRINT, "")
     for settings, expected in (({}, hashes[:2]), ({"kv_store_write_generated": True}, hashes)):
         store = tier(**settings)
-        asyncio.run(store.add_request("r", prompt, SamplingParams(max_tokens=8)))
+        asyncio.run(store.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=8))))
         store.on_stored(hashes)  # the prompt's two full blocks, then two of generated tokens
         assert list(store._queue) == expected
 
@@ -58,8 +49,6 @@ def test_with_the_host_tier_blocks_are_written_once_its_slots_hold_them():
     store = tier(kv_store_write_generated=True)
     store.on_kv_events(events)
     assert list(store._queue) == hashes[:2]  # no host tier: the device's cache events
-    store = tier(kv_store_write_generated=True)
-    store.engine = AddOnly()
-    store.engine.core = SimpleNamespace(**{**vars(AddOnly.core), "host_tier": object()})
+    store = tier(has_host_tier=True, kv_store_write_generated=True)
     store.on_kv_events(events)
     assert list(store._queue) == hashes[2:]  # host tier on: its slots are what write-behind reads

@@ -35,7 +35,7 @@ def test_query_lens_cover_every_prefill_tile_within_the_context():
 
 def test_warm_up_writes_no_kv_and_leaves_no_row(llm):
     before = greedy(llm)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     caches, rows = [c.clone() for c in runner.kv_caches], dict(runner.block_table.rows)
     runner.warm_up(warm_up_query_lens(llm.engine.args.max_num_batched_tokens, llm.engine.max_model_len))
     assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))

@@ -8,12 +8,14 @@ import contextvars
 import os
 import threading
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
-from deepinfer.engine.handoff import engine_stats
+from deepinfer.engine import Abort, EngineCommand
 from deepinfer.tasks import BackgroundTasks
+from deepinfer.testing.fake_engine import ScriptedEngine
 from deepinfer.worker.eager import run_eagerly
 from deepinfer.worker.engine_loop import EngineLoop, StepTimes, StepWakeup
 
@@ -107,32 +109,6 @@ async def test_a_drain_past_its_deadline_cancels_the_waiting_coroutine():
 # -- EngineLoop ---------------------------------------------------------------------------------------------------
 
 
-class CountingCore:
-    """Just what EngineLoop reads of an EngineCore: `num_steps` steps, each returning one output; its load numbers
-    are whatever the test sets."""
-
-    def __init__(self, num_steps: int) -> None:
-        self.num_steps, self.steps = num_steps, 0
-        self.scheduler = SimpleNamespace(num_running=1, num_waiting=0, num_held=0, loading={}, num_added=1,
-                                         block_pool=SimpleNamespace(num_free_blocks=7), take_kv_events=self.events)
-        self.kv_plan = SimpleNamespace(num_blocks=8)
-
-    def bind_thread(self) -> None:
-        pass
-
-    def events(self) -> list:
-        return ["stored"] if self.steps % 2 == 0 else []
-
-    take_kv_events = events  # EngineCore.take_kv_events: the device pool's and the host tier's
-
-    def has_unfinished_requests(self) -> bool:
-        return self.steps < self.num_steps
-
-    def step(self) -> list:
-        self.steps += 1
-        return [f"out-{self.steps}"]
-
-
 async def wait_for(predicate, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -143,11 +119,11 @@ async def wait_for(predicate, timeout_s: float = 5.0) -> None:
 async def test_steps_taken_while_the_loop_is_busy_arrive_in_order_behind_one_wakeup():
     loop = asyncio.get_running_loop()
     received = []
-    core = CountingCore(num_steps=20)
-    engine = EngineLoop(core, loop, lambda outputs, events, seq: received.append((outputs[0], seq)))
+    scripted = ScriptedEngine(num_steps=20)
+    engine = EngineLoop(scripted, loop, lambda outputs, events, seq: received.append((outputs[0], seq)))
     engine.start()
     deadline = time.monotonic() + 5
-    while core.steps < 20 and time.monotonic() < deadline:
+    while scripted.steps < 20 and time.monotonic() < deadline:
         time.sleep(0.01)  # the event loop is busy: the engine thread takes all 20 steps meanwhile
     await wait_for(lambda: len(received) == 20)
     assert [r[0] for r in received] == [f"out-{k}" for k in range(1, 21)]
@@ -161,18 +137,17 @@ async def test_each_steps_time_is_observed_by_its_kind():
     """EngineLoop.on_step_time gets every step's kind and wall time; StepTimes counts them by kind (not empty)."""
     from prometheus_client import CollectorRegistry
 
-    class KindedCore(CountingCore):
-        def step(self) -> list:
+    class KindedEngine(ScriptedEngine):
+        def run_step(self) -> None:
             self.last_step_kind = ("mixed", "decode", "decode", "empty", "prefill")[self.steps % 5]
             if self.last_step_kind == "mixed":
                 time.sleep(0.003)
-            return super().step()
 
-    registry, core = CollectorRegistry(), KindedCore(num_steps=20)
-    engine = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events, seq: None)
+    registry, scripted = CollectorRegistry(), KindedEngine(num_steps=20)
+    engine = EngineLoop(scripted, asyncio.get_running_loop(), lambda outputs, events, seq: None)
     engine.on_step_time = StepTimes(registry).observe
     engine.start()
-    await wait_for(lambda: core.steps == 20)
+    await wait_for(lambda: scripted.steps == 20)
     await engine.stop()
 
     def sample(suffix: str, kind: str) -> float | None:
@@ -192,7 +167,7 @@ async def test_a_failing_output_handler_does_not_lose_the_next_steps(caplog):
             raise RuntimeError("handler bug")
         received.append(outputs[0])
 
-    engine = EngineLoop(CountingCore(num_steps=3), asyncio.get_running_loop(), on_outputs)
+    engine = EngineLoop(ScriptedEngine(num_steps=3), asyncio.get_running_loop(), on_outputs)
     engine.start()
     await wait_for(lambda: len(received) == 2)
     assert received == ["out-2", "out-3"]
@@ -202,39 +177,43 @@ async def test_a_failing_output_handler_does_not_lose_the_next_steps(caplog):
 
 @pytest.mark.parametrize("changed", [False, True])
 async def test_the_load_is_replaced_only_when_a_number_changes(changed):
-    core = CountingCore(num_steps=0)
-    engine = EngineLoop(core, asyncio.get_running_loop(), lambda outputs, events, seq: None)
+    scripted = ScriptedEngine(num_steps=0)
+    engine = EngineLoop(scripted, asyncio.get_running_loop(), lambda outputs, events, seq: None)
     before = engine.stats
-    assert engine.stats == engine_stats(core)
+    assert engine.stats == scripted.stats()
     if changed:
-        core.scheduler.num_waiting = 3
+        scripted.load = scripted.load._replace(num_waiting=3)
     engine.start()
-    await engine.call(lambda c: None)  # a command: the load is taken again after it
+    await engine.call(Abort([]))  # a command: the load is taken again after it
     assert (engine.stats is before) is not changed
-    assert engine.stats == engine_stats(core)
+    assert engine.stats == scripted.stats()
     assert engine.stats.num_waiting == (3 if changed else 0)
     await engine.stop()
 
 
 async def test_commands_queued_together_are_answered_behind_one_wakeup_in_order():
     loop = asyncio.get_running_loop()
-    core, wakeups, after = CountingCore(num_steps=0), [], []
-    engine = EngineLoop(core, loop, lambda outputs, events, seq: None)
+    scripted, wakeups, after = ScriptedEngine(num_steps=0), [], []
+    engine = EngineLoop(scripted, loop, lambda outputs, events, seq: None)
     engine._loop = SimpleNamespace(create_future=loop.create_future, call_soon_threadsafe=lambda fn, *args: (
         wakeups.append(fn), loop.call_soon_threadsafe(fn, *args)))
     engine.after_command = lambda: after.append(engine.stats.num_waiting)
     ran = []
 
-    def command(k: int):
-        def run(c):
-            ran.append(k)
-            c.scheduler.num_waiting = k
-            if k == 3:
-                raise ValueError("bad request 3")
-            return k * 10
-        return run
+    @dataclass(frozen=True)
+    class Admit(EngineCommand[int]):
+        """A command that records its order and sets the waiting count (the load a real admission changes)."""
 
-    calls = [asyncio.ensure_future(engine.call(command(k))) for k in range(8)]
+        k: int
+
+        def apply(self, engine) -> int:
+            ran.append(self.k)
+            engine.load = engine.load._replace(num_waiting=self.k)
+            if self.k == 3:
+                raise ValueError("bad request 3")
+            return self.k * 10
+
+    calls = [asyncio.ensure_future(engine.call(Admit(k))) for k in range(8)]
     await asyncio.sleep(0)  # all 8 queued before the engine thread starts: it takes them in one drain
     engine.start()
     results = await asyncio.gather(*calls, return_exceptions=True)

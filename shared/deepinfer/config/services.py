@@ -259,25 +259,20 @@ class WorkerSettings(ServiceSettings):
     batch_invariant: bool = Field(
         False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
     )
-    piecewise_cuda_graphs: bool = Field(
-        True, description="Run prefill and mixed steps of Llama-family models as piecewise CUDA graphs (all but "
-        "attention captured per token bucket; docs/gpu.md); only with CUDA graphs on (one CUDA device).",
-    )
-    full_cuda_graphs: bool = Field(
-        True, description="Run those prefill and mixed steps as one CUDA graph per token bucket with attention "
-        "inside (static attention metadata; docs/gpu.md) instead of the piecewise graphs; needs piecewise_cuda_graphs.",
+    execution_mode: Literal["eager", "decode", "piecewise", "full"] = Field(
+        "full", description="Which steps replay CUDA graphs (docs/gpu.md): eager = none; decode = decode-only "
+        "steps; piecewise = also prefill and mixed steps of Llama-family models, all but attention captured per "
+        "token bucket; full = those steps as one graph per token bucket with attention inside. Eager on the CPU "
+        "and with tensor parallelism, decode at most with batch_invariant.",
     )
     mixed_step_decode_kernel: bool = Field(
         True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
         "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",
     )
     graph_sampling: bool = Field(
-        True, description="The decode CUDA graphs also compute the logits and each row's greedy token: an "
-        "all-greedy decode step without penalties, bias or top logprobs launches no sampler (docs/gpu.md).",
-    )
-    full_graph_sampling: bool = Field(
-        False, description="The full graphs of prompt steps (full_cuda_graphs) also compute their sampled rows' "
-        "logits and greedy tokens, as graph_sampling does for decode steps (off until verified on a GPU; docs/gpu.md).",
+        True, description="Every CUDA graph that ends a step (decode graphs, full graphs of prompt steps) also "
+        "computes the logits and each row's greedy token: an all-greedy step without penalties, bias or top "
+        "logprobs launches no sampler (docs/gpu.md).",
     )
     admission_window_s: float = Field(
         0.0, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.engine.execution import ExecutionMode
 
 _DTYPES = {
     "float32": torch.float32,
@@ -62,24 +63,20 @@ class EngineArgs:
     load_format: str = "auto"
     #: Seed of the "dummy" weights (same seed, same weights on the same device).
     dummy_seed: int = 0
-    #: True = never capture CUDA graphs (decode runs eagerly, as on the CPU).
+    #: Which steps replay CUDA graphs (deepinfer.engine.execution): "eager", "decode" (decode-only steps),
+    #: "piecewise" (and steps with prompt rows as piecewise graphs: all but attention, per token bucket) or
+    #: "full" (steps with prompt rows as one graph per token bucket, attention inside). Lowered where it cannot
+    #: run: eager on the CPU and with tensor parallelism, decode graphs at most in batch-invariant mode.
+    execution_mode: str = ExecutionMode.FULL.value
+    #: vLLM's name for execution_mode="eager" (`LLM(model, enforce_eager=True)`).
     enforce_eager: bool = False
-    #: True = steps with prompt rows (prefill, mixed prefill+decode) of a Llama-family model run piecewise CUDA
-    #: graphs: everything but attention captured per token bucket (deepinfer.engine.piecewise_graphs). Only
-    #: with CUDA graphs on (one CUDA device, not enforce_eager, not batch_invariant).
-    piecewise_cuda_graphs: bool = True
-    #: True = those steps run one CUDA graph per token bucket with their attention inside (static metadata,
-    #: deepinfer.engine.full_graphs) instead of the piecewise graphs; needs piecewise_cuda_graphs.
-    full_cuda_graphs: bool = True
     #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
     #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
     mixed_step_decode_kernel: bool = True
-    #: True = the decode CUDA graphs also compute the logits and each row's greedy token with its logprob: an
-    #: all-greedy decode step without penalties, bias or top logprobs launches no sampler (deepinfer.engine.cuda_graphs).
+    #: True = every CUDA graph that ends a step (decode graphs; full graphs of prompt steps) also computes the
+    #: logits and each row's greedy token with its logprob: an all-greedy step without penalties, bias or top
+    #: logprobs launches no sampler (deepinfer.engine.cuda_graphs).
     graph_sampling: bool = True
-    #: True = the full graphs of prompt steps (full_cuda_graphs) end the same way: their sampled rows' logits and
-    #: greedy tokens (deepinfer.engine.full_graphs). Off by default until it has run on a GPU (docs/gpu.md).
-    full_graph_sampling: bool = False
     #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
     #: (deepinfer.engine.admission_window; 0 = admit at the next step).
     admission_window_s: float = 0.0
@@ -111,6 +108,9 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.execution_mode not in tuple(ExecutionMode):
+            modes = ", ".join(m.value for m in ExecutionMode)
+            raise ValueError(f"execution_mode must be one of {modes}, got {self.execution_mode!r}")
         if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
 
@@ -125,6 +125,14 @@ class EngineArgs:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device.type == "cuda" and self.tensor_parallel_size == 1
+
+    def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
+        """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring
+        of deepinfer.engine.execution)."""
+        if self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1:
+            return ExecutionMode.EAGER
+        mode = ExecutionMode(self.execution_mode)
+        return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of weights and KV cache."""

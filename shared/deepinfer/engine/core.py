@@ -15,6 +15,7 @@ from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
+from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import HostTier
 from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.memory import (
@@ -81,6 +82,8 @@ class EngineCore:
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
         self.max_model_len = self._max_model_len()
+        #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
+        self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
         self.kv_plan = self._plan_kv_cache(model)
         if self.tokenizer is not None:
             self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -128,30 +131,24 @@ class EngineCore:
             torch.cuda.set_device(self.device)
 
     def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
-        """The runner over freshly allocated KV caches; on one CUDA device with its CUDA graphs captured and its
-        eager path warmed up (no Triton compile left for a request's step to wait on)."""
+        """The runner over freshly allocated KV caches, with its execution mode's CUDA graphs captured and, on one
+        CUDA device, its eager path warmed up (no Triton compile left for a request's step to wait on)."""
         args = self.args
-        single_cuda = self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1
-        runner = ModelRunner(
-            model,
-            self._allocate_kv_caches(),
+        runner = ModelRunner(model, self._allocate_kv_caches(), RunnerConfig(
             block_size=args.block_size,
             vocab_size=self.model_config.vocab_size,
             device=self.device,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=tuple(self.eos_token_ids),
             max_model_len=self.max_model_len,
             max_num_seqs=args.max_num_seqs,
-            use_cuda_graphs=single_cuda and not args.enforce_eager,
-            piecewise_cuda_graphs=args.piecewise_cuda_graphs,
-            full_cuda_graphs=args.full_cuda_graphs,
-            mixed_step_decode_kernel=args.mixed_step_decode_kernel,
-            graph_sampling=args.graph_sampling,
-            full_graph_sampling=args.full_graph_sampling,
-            eager_step_switch_interval_s=args.eager_step_switch_interval_s,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            execution_mode=self.execution_mode,
+            graph_sampling=args.graph_sampling,
             batch_invariant=args.batch_invariant,
-        )
-        if single_cuda:
+            mixed_step_decode_kernel=args.mixed_step_decode_kernel,
+            eager_step_switch_interval_s=args.eager_step_switch_interval_s,
+        ))
+        if self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1:
             runner.warm_up(warm_up_query_lens(args.max_num_batched_tokens, self.max_model_len))
         return runner
 
@@ -338,7 +335,8 @@ class EngineCore:
         # Peak activations of one step (MLP or MoE, MLA's expanded K/V); logits are float32 per sampled row.
         activations = tokens * cfg.activation_bytes_per_token(elem)
         logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
-        if not self.args.enforce_eager:
+        mode = self.execution_mode
+        if mode.decode_graphs:
             # The CUDA graphs' private pool: one decode step of max_num_seqs rows, split-K partials included.
             num_seqs, num_partitions = self.args.max_num_seqs, -(-self.max_model_len // 512)
             head_dim = cfg.head_dim if cfg.mla is None else cfg.mla.kv_lora_rank
@@ -348,7 +346,7 @@ class EngineCore:
                 # The graphs' logits: the static float32 buffer, and in the pool the LM head's output, its float32
                 # copy and the raw logprobs of max_num_seqs rows.
                 logits += num_seqs * cfg.vocab_size * (elem + 12)
-            if self.args.piecewise_cuda_graphs and not self.args.batch_invariant:
+            if mode.prompt_graphs:
                 # The piecewise graphs' static buffers and the pieces' intermediates, beside the eager step's.
                 activations += min(tokens, MAX_BUCKET_TOKENS) * cfg.activation_bytes_per_token(elem)
         # Live tensors are ours; memory the caching allocator holds but no tensor uses (an earlier engine of this

@@ -1,9 +1,9 @@
 """Disaggregated prefill → decode on top of an EngineCore: prefill leases and admission of pulled KV.
 
 Prefill side: a request added with `hold_blocks=True` keeps its KV blocks referenced after it finishes (its
-lease); `export_held` reads them for the data plane and `release_held` ends the lease. Decode side:
+lease); `export_held` reads them for the data plane and the scheduler's `release_held` ends the lease. Decode side:
 `admit_prefilled` allocates blocks for a prompt computed elsewhere, writes the pulled KV into them and joins
-the running batch, so the next step decodes the prefill worker's first token.
+the running batch, so the next step decodes the prefill worker's first token. `Engine` is their front door.
 
 All of these touch scheduler state and KV tensors: call them on the engine thread, between steps.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import export_blocks, import_blocks
 from deepinfer.engine.outputs import EngineStats
-from deepinfer.sampling.params import SamplingParams
+from deepinfer.engine.requests import EngineRequest
 
 
 class LeaseNotHeld(KeyError):
@@ -32,25 +32,7 @@ def export_held(core: EngineCore, request_id: str, block_ids: Sequence[int]) -> 
     return export_blocks(core.runner.kv_caches, list(block_ids))
 
 
-def held_block_ids(core: EngineCore, request_id: str) -> list[int] | None:
-    """Block ids held for a finished request, in token order."""
-    return core.scheduler.held_block_ids(request_id)
-
-
-def release_held(core: EngineCore, request_id: str) -> bool:
-    """End a lease; False if nothing was held."""
-    return core.scheduler.release_held(request_id)
-
-
-def admit_prefilled(
-    core: EngineCore,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    payloads: Sequence[bytes],
-    cache_salt: str = "",
-) -> bool:
+def admit_prefilled(core: EngineCore, request: EngineRequest, payloads: Sequence[bytes]) -> bool:
     """Join the running batch with the prompt's KV pulled from a prefill worker; False when no blocks are free.
 
     `payloads` hold the KV of every block covering the prompt, in token order; blocks this worker already
@@ -60,41 +42,33 @@ def admit_prefilled(
     def fill(block_ids: list[int]) -> None:
         import_blocks(core.runner.kv_caches, block_ids, payloads[len(payloads) - len(block_ids) :])
 
-    return admit_filled(
-        core, request_id, prompt_token_ids, output_token_ids, sampling_params, len(payloads), fill, cache_salt
-    )
+    return admit_filled(core, request, len(payloads), fill)
 
 
-def admit_filled(
-    core: EngineCore,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    num_kv_blocks: int,
-    fill: Callable[[list[int]], None],
-    cache_salt: str = "",
-) -> bool:
+def admit_filled(core: EngineCore, request: EngineRequest, num_kv_blocks: int,
+                 fill: Callable[[list[int]], None]) -> bool:
     """Admit a prompt computed elsewhere: allocate its blocks (reusing local prefix hits), `fill` the others
     with its KV, join the running batch. False when no blocks are free; a failed fill aborts it and re-raises.
 
     `num_kv_blocks`: blocks the KV source covers (every block of the prompt, the last may be partial);
     `fill(block_ids)` writes the source's last len(block_ids) blocks into those local blocks.
     """
+    prompt_token_ids = request.prompt_token_ids
     num_blocks = -(-len(prompt_token_ids) // core.args.block_size)
     if num_kv_blocks != num_blocks:
         raise ValueError(f"kv payloads: {num_kv_blocks} blocks for a prompt needing {num_blocks}")
-    request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids)
-    to_fill = core.scheduler.add_prefilled_request(request, len(prompt_token_ids))
+    engine_request = core.new_request(request.request_id, prompt_token_ids, request.sampling_params,
+                                      request.cache_salt, request.output_token_ids)
+    to_fill = core.scheduler.add_prefilled_request(engine_request, len(prompt_token_ids))
     if to_fill is None:
         return False
     if to_fill:
         try:
             fill(to_fill)
         except Exception:
-            core.abort_requests([request_id])
+            core.abort_requests([request.request_id])
             raise
-    core.scheduler.commit_prefilled(request_id)
+    core.scheduler.commit_prefilled(request.request_id)
     return True
 
 

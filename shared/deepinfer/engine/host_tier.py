@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -68,6 +69,26 @@ class HostTierStats:
     load_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     #: Seconds from issuing an offload to seeing its copy complete, until the metrics take them.
     offload_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+
+class HostTierReport(NamedTuple):
+    """The host tier's running totals, occupancy, and the latency samples since the last report."""
+
+    hit_blocks: int
+    miss_blocks: int
+    offloaded_blocks: int
+    offloaded_bytes: int
+    loaded_blocks: int
+    loaded_bytes: int
+    failed_loads: int
+    evictions: int
+    skipped_offloads: int
+    used_bytes: int
+    capacity_bytes: int
+    load_seconds: list[float]
+    offload_seconds: list[float]
+    #: Seconds since each loaded block's previous use.
+    hit_ages: list[float]
 
 
 @dataclass
@@ -125,6 +146,15 @@ class HostTier:
     def used_bytes(self) -> int:
         """Bytes of slots holding a block or being written."""
         return self.pool.num_used * self.block_nbytes
+
+    def report(self) -> HostTierReport:
+        """Totals and occupancy now, and the samples taken since the last report (drained: any thread may call,
+        the engine thread only appends)."""
+        stats, pool = self.stats, self.pool
+        return HostTierReport(
+            stats.hit_blocks, stats.miss_blocks, stats.offloaded_blocks, stats.offloaded_bytes, stats.loaded_blocks,
+            stats.loaded_bytes, stats.failed_loads, pool.num_evictions, pool.num_skipped, self.used_bytes,
+            self.capacity_bytes, _drain(stats.load_seconds), _drain(stats.offload_seconds), _drain(pool.hit_ages))
 
     @property
     def busy(self) -> bool:
@@ -342,3 +372,11 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, slot, 1))
     return runs
+
+
+def _drain(samples: deque[float]) -> list[float]:
+    """Take every sample in arrival order (popleft: safe beside the engine thread's appends)."""
+    taken = []
+    while samples:
+        taken.append(samples.popleft())
+    return taken

@@ -3,7 +3,8 @@
 The prefill worker (owner) exports, once at start, a CUDA IPC description of each layer's KV cache
 (`export_caches` → `KvDeviceExport`, msgpack fields only, never pickle) and puts it on every `KvHandle`. A
 decode worker on the same host (same `host_id()`, the owner's GPU visible here) maps the owner's cache once
-(`PeerCaches.get`) and copies the leased block ids into its own blocks (`admit_from_device`): per chunk of
+(`PeerCaches.get`) and copies the leased block ids into its own blocks (`copy_into`, from `Engine.add_request`
+with a `PeerDeviceKv`): per chunk of
 layers, `index_select`s into one staging tensor on the owner's GPU, one peer copy, `index_copy_`s on ours
 (`copy_blocks`). Otherwise (another host, the GPU not visible, IPC refused) the decode worker pulls over the
 data plane.
@@ -21,16 +22,13 @@ import math
 import socket
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import admit_filled
 from deepinfer.protocol.kv import CudaIpcTensor, KvDeviceExport, KvHandle
-from deepinfer.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -237,46 +235,15 @@ class PeerCaches:
         self._mapped.clear()
 
 
-def admit_from_device(
-    core: EngineCore,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    src_caches: Sequence[torch.Tensor],
-    src_block_ids: Sequence[int],
-    cache_salt: str = "",
-) -> DeviceAdmission:
-    """`handoff.admit_prefilled` with the KV copied from mapped owner caches (`admitted` False: no free blocks).
-
-    Runs on the engine thread and does not wait for the copy: it is queued on the engine's stream, so the
-    steps after it see the KV; the owner's blocks may be reused only once `copied` has completed (None: nothing
-    left to wait for).
-    """
-    dst_caches = core.runner.kv_caches
-    copied: list[torch.cuda.Event] = []
-
-    def fill(block_ids: list[int]) -> None:
-        copy_blocks(src_caches, src_block_ids[len(src_block_ids) - len(block_ids) :], dst_caches, block_ids)
-        if dst_caches[0].device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(dst_caches[0].device))
-            copied.append(event)
-
-    admitted = admit_filled(
-        core, request_id, prompt_token_ids, output_token_ids, sampling_params, len(src_block_ids), fill, cache_salt
-    )
-    return DeviceAdmission(admitted, copied[0] if copied else None)
-
-
-@dataclass(frozen=True)
-class DeviceAdmission:
-    """What `admit_from_device` did: whether the request joined, and the event its copy completes at."""
-
-    admitted: bool
-    copied: torch.cuda.Event | None = None
-
-    def wait_copied(self) -> None:
-        """Block until the owner's blocks have been read (call off the engine thread; releases the GIL)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+def copy_into(dst_caches: Sequence[torch.Tensor], src_caches: Sequence[torch.Tensor], src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int]) -> list[torch.cuda.Event]:
+    """Copy the source's last len(dst_block_ids) blocks of `src_block_ids` into `dst_block_ids` (an admission's
+    `fill`: local prefix hits were skipped at its start). Queued on the engine's stream without waiting: the
+    steps after it see the KV; the owner's blocks may be reused only once the returned event has completed
+    (no event for CPU caches)."""
+    copy_blocks(src_caches, src_block_ids[len(src_block_ids) - len(dst_block_ids) :], dst_caches, dst_block_ids)
+    if dst_caches[0].device.type != "cuda":
+        return []
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dst_caches[0].device))
+    return [event]

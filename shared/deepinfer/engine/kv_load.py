@@ -23,44 +23,38 @@ import torch
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.host_tier import HostTier
-from deepinfer.engine.kv_transfer import StagingPool, export_blocks, import_blocks, import_rows
+from deepinfer.engine.kv_transfer import StagingPool, block_nbytes, export_blocks, import_blocks, import_rows
+from deepinfer.engine.requests import EngineRequest, LoadPlan
 from deepinfer.kernels.torch_block_copy import layer_table
-from deepinfer.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoadPlan:
-    """Which blocks a loading request waits for: its block_hashes[first_block : first_block + len(block_ids)]."""
-
-    request_id: str
-    first_block: int
-    block_ids: list[int]
+#: Bytes of one staging chunk of a load (a get and an import each), and chunks in the pool (two loads in flight,
+#: each receiving one chunk while the engine thread imports its previous one).
+LOAD_CHUNK_BYTES = 32 << 20
+LOAD_CHUNKS = 4
 
 
-def start_load(
-    core: EngineCore,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    sampling_params: SamplingParams,
-    num_stored_blocks: int,
-    cache_salt: str = "",
-    output_token_ids: Sequence[int] = (),
-    hold_blocks: bool = False,
-) -> LoadPlan | None:
+def start_load(core: EngineCore, request: EngineRequest, num_stored_blocks: int) -> LoadPlan | None:
     """Admit a request whose first `num_stored_blocks` full blocks are in the store, waiting for their KV; None
     when the device already has them or there is no room: then it was queued the ordinary way (computed, or
     loaded from the host tier where that holds its prefix).
     ValueError, like add_request, for an invalid request."""
-    request = core.new_request(request_id, prompt_token_ids, sampling_params, cache_salt, output_token_ids,
-                               hold_blocks)
-    plan = core.scheduler.add_loading_request(request, num_stored_blocks)
+    engine_request = core.new_request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                      request.cache_salt, request.output_token_ids, request.hold_blocks)
+    plan = core.scheduler.add_loading_request(engine_request, num_stored_blocks)
     if plan is None:
-        if core.host_tier is None or not core.host_tier.start_load(core.scheduler, request):
-            core.scheduler.add_request(request)
+        if core.host_tier is None or not core.host_tier.start_load(core.scheduler, engine_request):
+            core.scheduler.add_request(engine_request)
         return None
-    return LoadPlan(request_id, plan[0], plan[1])
+    return LoadPlan(request.request_id, plan[0], plan[1])
+
+
+def new_staging_pool(kv_caches: Sequence[torch.Tensor]) -> StagingPool:
+    """LOAD_CHUNKS chunks of LOAD_CHUNK_BYTES of these caches' blocks, pinned when the caches are on CUDA."""
+    nbytes = block_nbytes(kv_caches)
+    return StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS, pin=kv_caches[0].device.type == "cuda")
 
 
 def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes], num_host_blocks: int = 0) -> bool:

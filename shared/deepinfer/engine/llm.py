@@ -11,8 +11,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.core import EngineCore
+from deepinfer.engine.engine import Engine
 from deepinfer.engine.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
+from deepinfer.engine.requests import EngineRequest
 from deepinfer.protocol import FinishReason
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
@@ -44,7 +45,7 @@ class LLM:
     """An engine in this process: load a model once, then generate for batches of prompts."""
 
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
-        self.engine = EngineCore(EngineArgs(model=model, **engine_args))
+        self.engine = Engine(EngineArgs(model=model, **engine_args))
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
         self._request_counter = itertools.count()
@@ -130,7 +131,7 @@ class LLM:
     ) -> list[RequestOutput]:
         # Validate everything first, so a bad prompt rejects the call without leaving half of it queued.
         for token_ids, params in zip(token_lists, params_list, strict=True):
-            self.engine.check_prompt(token_ids, params)
+            self.engine.check_request(EngineRequest("", token_ids, params))
         outputs: list[RequestOutput] = []
         sequences: dict[str, tuple[RequestOutput, _Sequence]] = {}
         for text, token_ids, params in zip(texts, token_lists, params_list, strict=True):
@@ -158,7 +159,7 @@ class LLM:
 
     def _submit(self, entry: tuple[RequestOutput, _Sequence]) -> None:
         output, seq = entry
-        self.engine.add_request(seq.request_id, output.prompt_token_ids, seq.params)
+        self.engine.add_request(EngineRequest(seq.request_id, output.prompt_token_ids, seq.params))
         seq.submitted = True
 
     def _drive(self, sequences: dict[str, tuple[RequestOutput, _Sequence]], outputs, use_tqdm: bool) -> None:
@@ -198,7 +199,7 @@ class LLM:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stopped:
             if finish_reason is None:
-                self.engine.abort_requests([seq.request_id])
+                self.engine.abort([seq.request_id])
             finish_reason, stop_reason = FinishReason.STOP, seq.stop_checker.matched_stop
         if finish_reason is None:
             return False

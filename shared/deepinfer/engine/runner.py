@@ -9,10 +9,10 @@ runs one forward over it and samples the rows that reached the end of their know
     logits rows   |                a5 (if sample)  b_last             |             c18 (if sample)          |
 
 Block tables persist across steps in a host `BlockTable` (one row per running request, updated from the
-scheduler's new block ids, freed from its finished and preempted ids). Decode-only steps replay a CUDA graph
-on CUDA (`cuda_graphs`); steps with prompt rows of a Llama-family model one graph per token bucket with attention
-inside (`full_graphs`), or piecewise graphs (all but attention, `piecewise_graphs`); every other step, and every
-step on the CPU or with enforce_eager, runs eagerly.
+scheduler's new block ids, freed from its finished and preempted ids). Which steps replay CUDA graphs is the
+execution mode (`execution`): decode-only steps a decode graph (`cuda_graphs`); steps with prompt rows of a
+Llama-family model one graph per token bucket with attention inside (`full_graphs`), or piecewise graphs (all but
+attention, `piecewise_graphs`); every other step, and every step on the CPU or in eager mode, runs eagerly.
 
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
 always splits into max_model_len / 512 partitions, prefill attention always uses its largest query tile,
@@ -25,12 +25,12 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from deepinfer.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding, sampled_tokens
+from deepinfer.engine.execution import ExecutionMode, RunnerConfig
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.request import Request, RequestStatus
@@ -61,87 +61,73 @@ def warm_up_query_lens(max_num_batched_tokens: int, max_model_len: int) -> list[
 class ModelRunner:
     """Runs forward + sample for the scheduler's batch; the only engine part that touches tensors.
 
-    CUDA graphs (module docstring) need `max_model_len` and `use_cuda_graphs` on a CUDA device; for steps with
-    prompt rows (up to `max_num_batched_tokens` tokens) also `piecewise_cuda_graphs`, and `full_cuda_graphs` for
-    the full ones (`full_graph_sampling`: with the decode graphs' logits tail). `batch_invariant`: see the module
-    docstring (needs max_model_len; eager but for decode graphs).
+    Built from one `RunnerConfig`: its execution mode (deepinfer.engine.execution) says which steps replay CUDA
+    graphs, and `forward` dispatches each step to one of them (decode graphs, full or piecewise prompt graphs, eager).
+    `mode` is the mode that was built: on the CPU always eager, and a model without graph-mode attention runs its
+    prompt steps eagerly. Batch-invariant mode: see the module docstring (eager but for decode graphs).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        kv_caches: list[torch.Tensor],
-        block_size: int,
-        vocab_size: int,
-        device: torch.device,
-        eos_token_ids: Sequence[int] = (),
-        *,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        use_cuda_graphs: bool = False,
-        piecewise_cuda_graphs: bool = False,
-        full_cuda_graphs: bool = False,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        batch_invariant: bool = False,
-        mixed_step_decode_kernel: bool = True,
-        eager_step_switch_interval_s: float | None = None,
-        graph_sampling: bool = True,
-        full_graph_sampling: bool = False,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], config: RunnerConfig) -> None:
         self.model = model
         self.kv_caches = kv_caches  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.block_size = block_size
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.eos_token_ids = sorted(eos_token_ids)  # banned while a request is below its min_tokens
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
+        self.config = config
+        self.block_size = config.block_size
+        self.vocab_size = config.vocab_size
+        self.device = device = torch.device(config.device)
+        self.eos_token_ids = sorted(config.eos_token_ids)  # banned while a request is below its min_tokens
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = max_num_seqs = config.max_num_seqs
         self.sampler = Sampler()
         #: Per-step sampling metadata from per-request constants and reusable staging memory.
-        self.sampling_metadata = SamplingMetadataBuilder(self.device)
-        self.stager = InputStager(self.device)
+        self.sampling_metadata = SamplingMetadataBuilder(device)
+        self.stager = InputStager(device)
         #: Async scheduling: the last sampled id of each block-table row, read by the next step's placeholders.
-        self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, self.device)
+        self.sampled_tokens = SampledTokenBuffer(max_num_seqs + 1, device)
         #: Reused pinned memory the sampled tensors come back to the host through (CUDA; None: read in place).
-        self.sample_landing = SampleLanding(pinned=True) if self.device.type == "cuda" else None
-        #: This step's sampled rows on the device, when they travelled with its placeholder fill.
-        self._staged_sampled_rows: torch.Tensor | None = None
-        #: This step's decode or full graph outputs, when the graph computed the sampled rows' logits.
-        self._graph_step: GraphStep | None = None
+        self.sample_landing = SampleLanding(pinned=True) if device.type == "cuda" else None
         # Columns grow on demand when max_model_len is unknown.
-        self.block_table = BlockTable(max_num_seqs, -(-(max_model_len or 1024) // block_size))
-        self.batch_invariant = batch_invariant
+        self.block_table = BlockTable(max_num_seqs, -(-(config.max_model_len or 1024) // config.block_size))
+        self.batch_invariant = config.batch_invariant
         #: Split a mixed step's attention (single-row sequences to the decode kernel); off in batch-invariant mode.
-        self.mixed_step_decode_kernel = mixed_step_decode_kernel and not batch_invariant
+        self.mixed_step_decode_kernel = config.mixed_step_decode_kernel and not config.batch_invariant
         #: Python's switch interval while a step with prompt rows launches its layers (None: unchanged). Each
         #: Triton launch releases the GIL; a busy event loop in the same process then holds it until the
         #: interval forces it back, once per launch (several a layer).
-        self.eager_step_switch_interval_s = eager_step_switch_interval_s
-        if batch_invariant and max_model_len is None:
-            raise ValueError("batch_invariant needs max_model_len (the fixed split of decode attention)")
-        accelerator = "cuda" if self.device.type == "cuda" else "cpu"
-        self._linear_impl = batch_invariant_linear(accelerator) if batch_invariant else None
+        self.eager_step_switch_interval_s = config.eager_step_switch_interval_s
+        accelerator = "cuda" if device.type == "cuda" else "cpu"
+        self._linear_impl = batch_invariant_linear(accelerator) if config.batch_invariant else None
+        #: The graphs of decode-only steps, and the full or else piecewise graphs of steps with prompt rows (None:
+        #: those steps run eagerly). Set by the build from the mode (tests may set them to uncaptured runners).
         self.graphs: CudaGraphRunner | None = None
-        if use_cuda_graphs and self.device.type == "cuda":
-            if max_model_len is None:
-                raise ValueError("CUDA graphs need max_model_len (the width of the captured block tables)")
-            from deepinfer.engine.cuda_graphs import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(
-                model, kv_caches, block_size, max_num_seqs, max_model_len, self.device,
-                batch_invariant=batch_invariant, capture_context=self._linear_mode(),
-                logits=model.compute_logits if graph_sampling and not batch_invariant else None,
-            )
-            self.graphs.capture()
-        #: Full or else piecewise graphs for steps with prompt rows (both None: those run eagerly).
         self.full_graphs: FullGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
-        if self.graphs is not None and piecewise_cuda_graphs and not batch_invariant:
+        mode = config.execution_mode if device.type == "cuda" else ExecutionMode.EAGER
+        if config.batch_invariant:
+            mode = mode.at_most(ExecutionMode.DECODE)
+        if mode.decode_graphs:
+            self._capture_graphs(mode)
+        #: The execution mode that was built (the one asked for, lowered to what this device and model run).
+        self.mode = _built_mode(self.graphs, self.full_graphs, self.piecewise)
+
+    def _capture_graphs(self, mode: ExecutionMode) -> None:
+        """Capture the mode's graphs: decode graphs, then (piecewise, full) those of steps with prompt rows in
+        their pool, the full ones with the decode graphs' logits tail when `graph_sampling` is on."""
+        from deepinfer.engine.cuda_graphs import CudaGraphRunner
+
+        config, model = self.config, self.model
+        sampling = config.graph_sampling and not config.batch_invariant
+        self.graphs = CudaGraphRunner(
+            model, self.kv_caches, config.block_size, config.max_num_seqs, config.max_model_len, self.device,
+            batch_invariant=config.batch_invariant, capture_context=self._linear_mode(),
+            logits=model.compute_logits if sampling else None,
+        )
+        self.graphs.capture()
+        if mode.prompt_graphs:
             from deepinfer.engine.full_graphs import capture_prompt_graphs
 
             self.full_graphs, self.piecewise = capture_prompt_graphs(
-                model, kv_caches, self.graphs, max_num_batched_tokens, block_size, full=full_cuda_graphs,
-                sampling=full_graph_sampling)
+                model, self.kv_caches, self.graphs, config.max_num_batched_tokens, config.block_size,
+                full=mode is ExecutionMode.FULL, sampling=sampling)
 
     @torch.inference_mode()
     def warm_up(self, query_lens: Sequence[int]) -> None:
@@ -191,7 +177,7 @@ class ModelRunner:
         `requests` when the table runs out of rows).
         """
         launched = self._forward_and_sample(output, requests)
-        return {} if launched is None else self._to_host(launched[0], launched[1])
+        return {} if launched is None else self._to_host(launched.output, launched.requests)
 
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> PendingSample:
@@ -200,42 +186,42 @@ class ModelRunner:
         launched = self._forward_and_sample(output, requests)
         if launched is None:
             return PendingSample(None, [])
-        out, chosen, sampled, needs_sync = launched
-        rows = self._staged_sampled_rows  # uploaded with the placeholder fill
+        rows = launched.staged_sampled_rows  # uploaded with the step's inputs
         if rows is None:
             table_rows = self.block_table.rows
-            rows = [table_rows[s.request_id] for s in sampled]
-        self.sampled_tokens.record(rows, out.token_ids, self.block_table.table.shape[0])
-        return PendingSample(out, chosen, needs_sync, self.sample_landing)
+            rows = [table_rows[s.request_id] for s in launched.scheduled]
+        self.sampled_tokens.record(rows, launched.output.token_ids, self.block_table.table.shape[0])
+        return PendingSample(launched.output, launched.requests, launched.needs_sync, self.sample_landing)
 
     def _forward_and_sample(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
-    ) -> tuple[SamplerOutput, list[Request], list[ScheduledRequest], bool] | None:
-        """(sampler output, sampled requests, their ScheduledRequests, host sync needed); None when none samples."""
-        self._staged_sampled_rows = self._graph_step = None
+    ) -> _Sampled | None:
+        """Forward the step and sample its sampled rows; None when no row samples."""
         if self.batch_invariant:
-            hidden, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
+            forward, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
+            num_seqs = -1  # two forwards: the sampled rows' positions are counted per row
         else:
             batch = self.prepare_batch(output, requests)
             if not batch.num_seqs:
                 return None
-            hidden, sampled = self.forward(batch), batch.sampled
+            forward, sampled, num_seqs = self.forward(batch), batch.sampled, batch.num_seqs
         if not sampled:
             return None
         chosen = [requests[s.request_id] for s in sampled]
         params = [r.sampling_params for r in chosen]
-        graph_step, num_sampled = self._graph_step, len(sampled)
+        graph_step, num_sampled = forward.graph_step, len(sampled)
         if graph_step is None:
             with self._linear_mode():
-                logits = self.model.compute_logits(hidden)
-        else:  # a decode graph computed the logits of every row (all sample), and their greedy tokens
+                logits = self.model.compute_logits(forward.hidden)
+        else:  # a graph computed the logits of every sampled row, and their greedy tokens
             logits = graph_step.logits[:num_sampled]
             if self._plain_greedy(chosen, params, logits.shape[-1]):
                 token_ids, logprobs = graph_step.greedy_token_ids[:num_sampled], graph_step.greedy_logprobs[:num_sampled]
                 if self.sample_landing is None:  # read where they are, later: the next replay rewrites them
                     token_ids, logprobs = token_ids.clone(), logprobs.clone()
-                return SamplerOutput(token_ids, logprobs, None, None), chosen, sampled, False
-        if not self.batch_invariant and num_sampled == batch.num_seqs:
+                return _Sampled(SamplerOutput(token_ids, logprobs, None, None), chosen, sampled, False,
+                                forward.staged_sampled_rows)
+        if num_sampled == num_seqs:
             positions = batch.seq_lens  # every sequence samples, at its last position
         else:
             positions = [s.num_computed_tokens + s.num_new_tokens for s in sampled]
@@ -251,7 +237,7 @@ class ModelRunner:
         )
         # Penalties and grammars read the previous token on the host: async scheduling updates before the next step.
         needs_sync = meta.need_penalties or meta.allowed is not None
-        return self.sampler(logits, meta), chosen, sampled, needs_sync
+        return _Sampled(self.sampler(logits, meta), chosen, sampled, needs_sync, forward.staged_sampled_rows)
 
     def _plain_greedy(self, chosen: Sequence[Request], params: Sequence[SamplingParams], vocab_size: int) -> bool:
         """True when the sampler would take every row's argmax of the raw logits (no grammar, penalties, bias
@@ -279,64 +265,72 @@ class ModelRunner:
             self.block_table.free_stale(lambda rid: getattr(requests.get(rid), "status", None) is running)
         return output
 
-    def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> torch.Tensor:
-        """Final hidden states of the sampled rows [S, hidden]: a decode graph replay when one fits; for a step
-        with prompt rows the full or piecewise graphs when they fit; else eager (decode steps too when the decode
-        graphs are set aside, as benches do). A graph that computed the logits leaves them in `_graph_step`."""
+    # -- the forward: one dispatcher over the mode's graphs ------------------------------------------------------
+    def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> ForwardResult:
+        """The step's sampled rows: a decode graph replay when one fits the batch; for a step with prompt rows the
+        full or else the piecewise graphs when they fit; else eager (decode steps too when the decode graphs are
+        set aside, as benches do, or for a batch-invariant prompt forward)."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
-            step = self.graphs.run(batch, self.block_table, self._graph_fill(batch))
-            if len(batch.sampled) == batch.num_seqs:
-                self._graph_step = step if step.logits is not None else None
-                return step.hidden[: batch.num_seqs]
-            return step.hidden[torch.tensor(batch.logits_indices, device=self.device)]
+            return self._replay_decode(batch)
         inputs = self.stager.stage(batch, self.block_table)
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
-        if batch.placeholder_indices:
-            self._fill_placeholders(batch, inputs.input_ids)
-        full = self.full_graphs
-        if full is not None and not batch.is_decode_only and full.can_run(batch.num_tokens):
-            step = full.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
-            self._graph_step = step if step.logits is not None else None
-            return step.hidden
-        interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s  # the eager launches' GIL
-        if self.piecewise is not None and not batch.is_decode_only and self.piecewise.can_run(batch.num_tokens):
-            with switch_interval(interval_s):
-                hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
-            return hidden[inputs.logits_indices]
+        staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
+        if not batch.is_decode_only:
+            if self.full_graphs is not None and self.full_graphs.can_run(batch.num_tokens):
+                step = self.full_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
+                return ForwardResult(step.hidden, step if step.logits is not None else None, staged_rows)
+            if self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
+                with switch_interval(self.eager_step_switch_interval_s):
+                    hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+                return ForwardResult(hidden[inputs.logits_indices], None, staged_rows)
+        return ForwardResult(self._forward_eager(batch, inputs, invariant_prefill), None, staged_rows)
+
+    def _replay_decode(self, batch: HostBatch) -> ForwardResult:
+        """A decode graph's replay: the sampled rows' hidden states, and its logits tail when every row samples."""
+        staged: list[torch.Tensor] = []
+        step = self.graphs.run(batch, self.block_table, self._graph_fill(batch, staged))
+        staged_rows = staged[0] if staged else None
+        if len(batch.sampled) == batch.num_seqs:
+            return ForwardResult(step.hidden[: batch.num_seqs], step if step.logits is not None else None, staged_rows)
+        return ForwardResult(step.hidden[torch.tensor(batch.logits_indices, device=self.device)], None, staged_rows)
+
+    def _forward_eager(self, batch: HostBatch, inputs: ModelInputs, invariant_prefill: bool) -> torch.Tensor:
+        """The model's layers launched one by one: the sampled rows' hidden states."""
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
             else:
                 assert batch.is_decode_only, "batch-invariant decode forward got a prefill row"
                 inputs.meta.max_seq_len = self.max_model_len
+        interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s  # the eager launches' GIL
         with self._linear_mode(), switch_interval(interval_s):
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden[inputs.logits_indices]
 
-    def _fill_placeholders(self, batch: HostBatch, input_ids: torch.Tensor) -> None:
+    def _fill_placeholders(self, batch: HostBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Write the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device.
-        The batch's sampled rows go in the same copy (`_staged_sampled_rows`, for execute_async's record), unless
-        the step is split in two forwards (batch-invariant mode)."""
+        The batch's sampled rows go in the same copy (returned, for execute_async's record), unless the step is
+        split in two forwards (batch-invariant mode: None)."""
         sampled_rows = () if self.batch_invariant else batch.sampled_rows
         staged = self.sampled_tokens.fill(input_ids, batch.placeholder_indices, batch.placeholder_rows, sampled_rows)
-        if sampled_rows:
-            self._staged_sampled_rows = staged
+        return staged if sampled_rows else None
 
-    def _graph_fill(self, batch: HostBatch) -> Callable[[torch.Tensor, StagedIndices], None]:
-        """_fill_placeholders for a graph replay: the index lists came with the graph's inputs (one copy)."""
+    def _graph_fill(self, batch: HostBatch, staged: list[torch.Tensor]) -> Callable[[torch.Tensor, StagedIndices], None]:
+        """_fill_placeholders for a graph replay: the index lists came with the graph's inputs (one copy); the
+        sampled rows' device indices are appended to `staged` (not in batch-invariant mode)."""
 
         def fill(input_ids: torch.Tensor, indices: StagedIndices) -> None:
             if batch.placeholder_indices:
                 self.sampled_tokens.fill_staged(input_ids, indices.placeholder_indices, indices.placeholder_rows)
             if not self.batch_invariant:
-                self._staged_sampled_rows = indices.sampled_rows
+                staged.append(indices.sampled_rows)
 
         return fill
 
     def _forward_invariant(
         self, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]
-    ) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    ) -> tuple[ForwardResult, list[ScheduledRequest]]:
         """Decode rows (one output token fed) and all other rows as two forwards: (hidden, sampled) in order."""
         decodes, others = [], []
         for s in scheduled:
@@ -346,12 +340,13 @@ class ModelRunner:
         for part, invariant_prefill in ((decodes, False), (others, True)):
             if part:
                 batch = build_host_batch(part, self.block_table, self.block_size)
-                hidden = self.forward(batch, invariant_prefill=invariant_prefill)
+                hidden = self.forward(batch, invariant_prefill=invariant_prefill).hidden
                 if batch.sampled:
                     parts.append((hidden, batch.sampled))
         if not parts:
-            return torch.empty(0), []
-        return torch.cat([h for h, _ in parts]), [s for _, sampled in parts for s in sampled]
+            return ForwardResult(torch.empty(0), None, None), []
+        hidden = torch.cat([h for h, _ in parts])
+        return ForwardResult(hidden, None, None), [s for _, sampled in parts for s in sampled]
 
     @torch.inference_mode()
     def prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> ModelInputs:
@@ -365,6 +360,37 @@ class ModelRunner:
         # One device->host copy per tensor per step for all rows.
         tensors = (out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
         return sampled_tokens(chosen, *(None if t is None else t.tolist() for t in tensors))
+
+
+class ForwardResult(NamedTuple):
+    """What `ModelRunner.forward` leaves on the device for the step's sampled rows."""
+
+    hidden: torch.Tensor  # [S, hidden] final hidden states of the sampled rows, in batch order
+    #: The graph that ran computed the rows' logits and greedy tokens (its static buffers: read before the next
+    #: replay); None: the logits are computed from `hidden`.
+    graph_step: GraphStep | None
+    #: Async scheduling: the sampled rows' block-table rows, uploaded with the step's inputs (None: not uploaded).
+    staged_sampled_rows: torch.Tensor | None
+
+
+class _Sampled(NamedTuple):
+    """A step's sampling, launched: the sampler's output and which requests it is for."""
+
+    output: SamplerOutput
+    requests: list[Request]
+    scheduled: list[ScheduledRequest]
+    #: The next step needs these tokens on the host first (penalties, grammars).
+    needs_sync: bool
+    staged_sampled_rows: torch.Tensor | None
+
+
+def _built_mode(graphs: object, full_graphs: object, piecewise: object) -> ExecutionMode:
+    """The execution mode a runner's captured graphs amount to."""
+    if graphs is None:
+        return ExecutionMode.EAGER
+    if full_graphs is not None:
+        return ExecutionMode.FULL
+    return ExecutionMode.PIECEWISE if piecewise is not None else ExecutionMode.DECODE
 
 
 class _TokenLists(Sequence[list[int]]):

@@ -27,9 +27,7 @@ def start_tensor_parallel(
     tp_size = args.tensor_parallel_size
     if getattr(args, "batch_invariant", False):
         raise ValueError("batch_invariant is not supported with tensor_parallel_size > 1 yet")
-    if device.type == "cuda":
-        if not args.enforce_eager:
-            raise ValueError("tensor_parallel_size > 1 needs enforce_eager=True (no CUDA graphs across ranks yet)")
+    if device.type == "cuda":  # eager (EngineArgs.resolve_execution_mode): no CUDA graphs across ranks yet
         first = device.index or 0
         if torch.cuda.device_count() < first + tp_size:
             raise ValueError(

@@ -2,10 +2,11 @@
 
     event loop                                   engine thread
     ----------                                   -------------
-    await loop.call(fn)  ── command queue ──►    between steps: fn(core) → future result
-    on_outputs(outputs, kv_events, seq) ◄─ one wakeup ─ step(): schedule → execute → update
+    await loop.call(command) ── command queue ──► between steps: command.apply(engine) → future result
+    on_outputs(outputs, kv_events, seq) ◄─ one wakeup ─ engine.step(): schedule → execute → update
 
-Commands run between steps, in order, so scheduler state and KV tensors are only ever touched by this thread.
+Commands (`deepinfer.engine`'s `EngineCommand`s, and `CutKvSnapshot` of this module) run between steps, in order,
+so scheduler state and KV tensors are only ever touched by this thread.
 KV events are numbered here too (`seq` +1 per non-empty batch), so a snapshot cut by `cut_kv_snapshot` on this
 thread names exactly the events it includes.
 
@@ -27,14 +28,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from deepinfer.engine.block_pool import KvCacheEvent
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.handoff import engine_stats
-from deepinfer.engine.outputs import EngineOutput, EngineStats
+from deepinfer.engine import Engine, EngineCommand, EngineOutput, EngineStats, KvCacheEvent
 from deepinfer.telemetry.hops import HOP_BUCKETS_S
 from deepinfer.telemetry.metrics import histogram
 
@@ -46,21 +45,28 @@ T = TypeVar("T")
 IDLE_WAIT_S = 0.1
 
 
+@dataclass(frozen=True, slots=True)
+class CutKvSnapshot:
+    """(seq, every cached block hash, every host-tier block hash), consistent with the KV event stream: the events
+    not taken yet are dispatched first, so the snapshot includes exactly the batches up to seq."""
+
+
+Command = EngineCommand[Any] | CutKvSnapshot
+
+
 class EngineLoop:
-    """Runs `EngineCore.step()` continuously on a thread; commands and outputs cross to the event loop."""
+    """Runs `Engine.step()` continuously on a thread; commands and outputs cross to the event loop."""
 
     def __init__(
         self,
-        core: EngineCore,
+        engine: Engine,
         loop: asyncio.AbstractEventLoop,
         on_outputs: Callable[[list[EngineOutput], list[KvCacheEvent], int], None],
     ) -> None:
-        self.core = core
+        self.engine = engine
         self._loop = loop
         self._on_outputs = on_outputs
-        self._commands: queue.SimpleQueue[tuple[Callable[[EngineCore], Any], asyncio.Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[tuple[Command, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self.num_steps = 0
@@ -72,7 +78,7 @@ class EngineLoop:
         #: Load numbers as of the last step or command: replaced by the engine thread when they change (never
         #: mutated), so heartbeats read them without waiting for a long step (a big prefill can take seconds on a
         #: CPU) and a reader sees a change as a new object.
-        self.stats: EngineStats = engine_stats(core)
+        self.stats: EngineStats = engine.stats()
         #: Steps whose outputs the event loop has not taken yet, and whether a wakeup for them is scheduled.
         self._ready: deque[tuple[list[EngineOutput], list[KvCacheEvent], int]] = deque()
         self._wakeup_scheduled = False
@@ -80,7 +86,7 @@ class EngineLoop:
         #: Called on the event loop after each command's result is set: a command (an admission, an abort) may
         #: change the load with no step after it (the worker's load-change heartbeat check).
         self.after_command: Callable[[], None] | None = None
-        #: Called on the engine thread after each step with (`EngineCore.last_step_kind`, the step's seconds).
+        #: Called on the engine thread after each step with (`Engine.last_step_kind`, the step's seconds).
         self.on_step_time: Callable[[str, float], None] | None = None
 
     def start(self) -> None:
@@ -88,13 +94,17 @@ class EngineLoop:
         self._wakeup.start()
         self._thread.start()
 
-    async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(core)` on the engine thread between steps and return its result (or raise its error)."""
+    async def call(self, command: EngineCommand[T]) -> T:
+        """Apply a command on the engine thread between steps and return its result (or raise its error)."""
         if self._stopping or self.error is not None:
             raise RuntimeError("engine loop is not running")
         future: asyncio.Future[T] = self._loop.create_future()
-        self._commands.put((fn, future))
+        self._commands.put((command, future))
         return await future
+
+    async def cut_kv_snapshot(self) -> tuple[int, list[bytes], list[bytes]]:
+        """A snapshot of the prefix caches at a KV event seq (`CutKvSnapshot`), cut on the engine thread."""
+        return await self.call(CutKvSnapshot())  # type: ignore[arg-type]
 
     async def stop(self) -> None:
         """Stop after the current step; waits for the thread."""
@@ -115,21 +125,21 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def _run(self) -> None:
-        core, commands = self.core, self._commands
+        engine, commands = self.engine, self._commands
         try:
-            core.bind_thread()
+            engine.bind_thread()
             while not self._stopping:
-                idle = not core.has_unfinished_requests()
+                idle = not engine.has_unfinished_requests()
                 if idle or not commands.empty():
                     self._run_commands(block=idle)
-                if self._stopping or not core.has_unfinished_requests():
+                if self._stopping or not engine.has_unfinished_requests():
                     continue
                 self.step_started_s = started_s = time.monotonic()
-                outputs = core.step()
+                outputs = engine.step()
                 self.step_started_s = None
                 if self.on_step_time is not None:
-                    self.on_step_time(core.last_step_kind, time.monotonic() - started_s)
-                events = core.take_kv_events()
+                    self.on_step_time(engine.last_step_kind, time.monotonic() - started_s)
+                events = engine.take_kv_events()
                 self.num_steps += 1
                 self._update_load()
                 if outputs or events:
@@ -139,18 +149,18 @@ class EngineLoop:
             self.error = exc
             self._fail_pending(exc)
 
-    def cut_kv_snapshot(self, core: EngineCore) -> tuple[int, list[bytes], list[bytes]]:
-        """(seq, every cached block hash, every host-tier block hash) consistent with the event stream; run it on
-        this thread via `call`. Events not yet taken are dispatched first, so the snapshot includes exactly the
-        batches up to seq."""
-        events = core.take_kv_events()
-        if events:
-            self._dispatch([], events)
-        host = core.host_tier.pool.block_hashes() if core.host_tier is not None else []
-        return self.kv_events_seq, list(core.scheduler.block_pool.cached_block_hash_to_block), host
+    def _apply(self, command: Command) -> Any:
+        """One command, on this thread."""
+        if isinstance(command, CutKvSnapshot):
+            events = self.engine.take_kv_events()
+            if events:
+                self._dispatch([], events)
+            cached, host = self.engine.kv_snapshot()
+            return self.kv_events_seq, cached, host
+        return command.apply(self.engine)
 
     def _update_load(self) -> None:
-        stats = engine_stats(self.core)
+        stats = self.engine.stats()
         if stats != self.stats:
             self.stats = stats
 
@@ -186,9 +196,9 @@ class EngineLoop:
         settled: list[tuple[Callable[[asyncio.Future[Any], Any], None], asyncio.Future[Any], Any]] = []
         try:
             while item is not None:
-                fn, future = item
+                command, future = item
                 try:
-                    settled.append((_set_result, future, fn(self.core)))
+                    settled.append((_set_result, future, self._apply(command)))
                 except Exception as exc:
                     settled.append((_set_exception, future, exc))
                 try:

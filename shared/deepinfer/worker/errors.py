@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.engine.errors import ContextLengthExceeded
+from deepinfer.engine import ContextLengthExceeded
 from deepinfer.protocol import ErrorCode, ErrorDetail
 
 

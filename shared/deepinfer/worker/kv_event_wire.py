@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgpack
 
-from deepinfer.engine.block_pool import AllCleared, KvCacheEvent, Removed, Stored
+from deepinfer.engine import AllCleared, KvCacheEvent, Removed, Stored
 from deepinfer.protocol import KvEventKind, KvTier, Message
 
 _VERSION = Message.model_fields["v"].default

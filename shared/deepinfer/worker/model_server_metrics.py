@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from deepinfer.engine.outputs import EngineStats
+from deepinfer.engine import EngineStats
 
 _GAUGES = (
     ("vllm:num_requests_waiting", "Requests waiting for admission (model-server protocol)."),

@@ -17,7 +17,8 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
@@ -25,10 +26,17 @@ from prometheus_client import CollectorRegistry
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, MessageBus, Subscriptions
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import KvCacheEvent
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.kv_transfer import kv_layout_of
-from deepinfer.engine.outputs import EngineOutput, EngineStats
+from deepinfer.engine import (
+    AddRequest,
+    Admission,
+    ComputeKv,
+    Engine,
+    EngineCommand,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    KvCacheEvent,
+)
 from deepinfer.protocol import (
     Cancel,
     ErrorDetail,
@@ -38,7 +46,6 @@ from deepinfer.protocol import (
     WorkerLoad,
     WorkerRole,
 )
-from deepinfer.sampling.params import SamplingParams
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry import gauge, request_context
 from deepinfer.telemetry.hops import Hops
@@ -53,6 +60,8 @@ from deepinfer.worker.settings import engine_args
 from deepinfer.worker.store_tier import StoreTier, start_store_client
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Longest close() waits for background work left after (or without) a drain.
 CLOSE_FLUSH_S = 2.0
@@ -81,8 +90,10 @@ class WorkerRuntime:
         self.bus = bus
         self.model = settings.common.model_token
         self.worker_id = settings.worker_id
-        self.core: EngineCore | None = None
-        self.engine: EngineLoop | None = None
+        #: The engine's front door (properties, hints); work for it goes through `run` (None until loaded).
+        self.engine: Engine | None = None
+        #: The thread that steps the engine and applies its commands.
+        self.engine_loop: EngineLoop | None = None
         self.layout: KvLayout | None = None
         #: The kvcache store tier (None with kv_store off): admission loads, write-behind.
         self.store: StoreTier | None = None
@@ -133,7 +144,7 @@ class WorkerRuntime:
         # The store's shards heartbeat every second or so: follow them while the model loads.
         client = await start_store_client(self.settings, self.bus) if self.settings.kv_store else None
         try:
-            self.core = await asyncio.to_thread(EngineCore, engine_args(self.settings))
+            self.engine = engine = await asyncio.to_thread(Engine, engine_args(self.settings))
         except BaseException:
             if client is not None:
                 await client.close()
@@ -143,33 +154,32 @@ class WorkerRuntime:
         # coroutines each, alive for milliseconds) set off one on the event loop every ~10 admissions, ~100 µs
         # each, and the engine thread's per-step objects one every few steps, in series with the device.
         gc.set_threshold(GC_THRESHOLD_0, *gc.get_threshold()[1:])
-        runner = self.core.runner
-        self.layout = kv_layout_of(runner.kv_caches, self.core.args.block_size)
-        if self.core.host_tier is not None:
-            self.host_tier_metrics = HostTierMetrics(self._registry, self.core.host_tier)
-        compiles = self.core.compiles
+        self.layout = engine.kv_layout
+        if engine.has_host_tier:
+            report = engine.host_tier_report()
+            self.host_tier_metrics = HostTierMetrics(self._registry, report.capacity_bytes)
+            self.host_tier_metrics.update(report)
         gauge(self._registry, "worker_kernel_compiles_serving",
               "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
-              ).set_function(lambda: compiles.serving_compiles)
-        self.engine = EngineLoop(self.core, asyncio.get_running_loop(), self._on_step)
-        engine, graphs = self.engine, runner.graphs
+              ).set_function(lambda: engine.num_serving_compiles)
+        self.engine_loop = engine_loop = EngineLoop(engine, asyncio.get_running_loop(), self._on_step)
         gauge(self._registry, "worker_engine_steps", "Engine steps since the engine started (a counter)."
-              ).set_function(lambda: engine.num_steps)
+              ).set_function(lambda: engine_loop.num_steps)
         gauge(self._registry, "worker_cuda_graph_replays",
               "Steps that replayed a captured CUDA graph (decode-only batches); the rest ran eagerly (a counter)."
-              ).set_function(lambda: graphs.num_replays if graphs is not None else 0)
-        self.engine.after_command = self._heartbeat_on_load_change
-        self.engine.on_step_time = StepTimes(self._registry).observe
-        self.engine.start()
+              ).set_function(lambda: engine.num_graph_replays)
+        engine_loop.after_command = self._heartbeat_on_load_change
+        engine_loop.on_step_time = StepTimes(self._registry).observe
+        engine_loop.start()
         # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
-        if client is not None and self.core.args.tensor_parallel_size == 1:
-            self.store = StoreTier(self.settings, self._registry, self.engine, self.layout.layout_id(), client)
+        if client is not None and engine.args.tensor_parallel_size == 1:
+            self.store = StoreTier(self.settings, self._registry, engine, engine_loop, client)
         elif client is not None:
             await client.close()
         log.info(
-            "engine loaded in %.1f s: %s, %d KV blocks, layout %s",
-            time.perf_counter() - started, self.core.model_dir.name, self.core.kv_plan.num_blocks,
-            self.layout.layout_id(),
+            "engine loaded in %.1f s: %s, %d KV blocks, layout %s, execution mode %s",
+            time.perf_counter() - started, engine.model_dir.name, engine.num_kv_blocks, self.layout.layout_id(),
+            engine.execution_mode,
         )
 
     async def start(self, internal_address: str, data_plane_address: str) -> None:
@@ -187,38 +197,37 @@ class WorkerRuntime:
         await self.heartbeat()
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
 
-    async def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-        output_token_ids: Sequence[int] = (), hold_blocks: bool = False,
-    ) -> None:
-        """Queue a request in the engine, its prefix loaded from the kvcache store where it is there (see
-        StoreTier); ValueError for an invalid request."""
-        if self.store is not None:
-            await self.store.add_request(request_id, prompt_token_ids, params, cache_salt, output_token_ids,
-                                         hold_blocks)
-            return
-        assert self.engine is not None
-        await self.engine.call(lambda core: core.add_request(
-            request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
-            hold_blocks=hold_blocks))
+    async def run(self, command: EngineCommand[T]) -> T:
+        """Apply a command on the engine thread between steps; its result (RuntimeError: not loaded or stopped)."""
+        if self.engine_loop is None:
+            raise RuntimeError("engine not loaded")
+        return await self.engine_loop.call(command)
+
+    async def add_request(self, request: EngineRequest) -> Admission:
+        """Admit a request into the engine; one to compute has its prefix loaded from the kvcache store where the
+        store holds it (StoreTier). ValueError for an invalid request."""
+        if self.store is not None and isinstance(request.kv, ComputeKv):
+            return await self.store.add_request(request)
+        return await self.run(AddRequest(request))
 
     def is_ready(self) -> bool:
         """Model loaded, engine thread alive, registered with at least one heartbeat, not draining."""
-        return self.engine is not None and self.engine.alive and self._heartbeats_sent > 0 and not self.draining
+        loop = self.engine_loop
+        return loop is not None and loop.alive and self._heartbeats_sent > 0 and not self.draining
 
     def not_ready_reason(self) -> str:
         """Why is_ready() is False."""
-        if self.engine is None:
+        if self.engine_loop is None:
             return "loading model"
-        if not self.engine.alive:
-            return f"engine failed: {self.engine.error}"
+        if not self.engine_loop.alive:
+            return f"engine failed: {self.engine_loop.error}"
         return "draining" if self.draining else "registering"
 
     def unhealthy_reason(self) -> str:
         """Why the worker cannot recover by itself ("" when healthy): its engine thread failed, or one step has
         run past `engine_step_deadline_s` (a hung device or collective). /health answers 503 with it, so the
         supervisor or the kubelet restarts the process. Loading is not unhealthy."""
-        engine = self.engine
+        engine = self.engine_loop
         if engine is None:
             return ""
         if not engine.alive and not engine.stopping:
@@ -231,8 +240,8 @@ class WorkerRuntime:
 
     async def heartbeat(self) -> None:
         """Publish one WorkerLoad with fresh engine numbers."""
-        assert self.core is not None and self.engine is not None and self.layout is not None
-        self.stats = self.engine.stats  # the engine thread's last snapshot: never wait for a running step
+        assert self.engine is not None and self.engine_loop is not None and self.layout is not None
+        self.stats = self.engine_loop.stats  # the engine thread's last snapshot: never wait for a running step
         for name, value in (
             ("running_requests", self.stats.num_running), ("waiting_requests", self.stats.num_waiting),
             ("held_leases", self.stats.num_held), ("free_blocks", self.stats.num_free_blocks),
@@ -241,7 +250,7 @@ class WorkerRuntime:
             self._gauges[name].set(value)
         self._model_server_gauges.set(self.stats)
         if self.host_tier_metrics is not None:
-            self.host_tier_metrics.update()
+            self.host_tier_metrics.update(self.engine.host_tier_report())
         load = self._worker_load()
         self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
         self._last_heartbeat_s = time.monotonic()
@@ -296,21 +305,21 @@ class WorkerRuntime:
         await self.flush(CLOSE_FLUSH_S)
         if self.store is not None:
             await self.store.close()
-        if self.engine is not None:
-            await self.engine.stop()
+        if self.engine_loop is not None:
+            await self.engine_loop.stop()
 
     def _worker_load(self) -> WorkerLoad:
-        core, layout, stats = self.core, self.layout, self.stats
-        assert core is not None and layout is not None
+        engine, layout, stats = self.engine, self.layout, self.stats
+        assert engine is not None and layout is not None
         return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
             model=self.model,
-            model_fingerprint=core.fingerprint,
+            model_fingerprint=engine.fingerprint,
             layout_id=layout.layout_id(),
-            block_size=core.args.block_size,
-            max_num_seqs=core.args.max_num_seqs,
-            max_model_len=core.max_model_len,
+            block_size=engine.block_size,
+            max_num_seqs=engine.args.max_num_seqs,
+            max_model_len=engine.max_model_len,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             num_free_blocks=stats.num_free_blocks,
@@ -356,9 +365,9 @@ class WorkerRuntime:
         """One heartbeat soon (at most every LOAD_CHANGE_HEARTBEAT_S) when running, waiting or admitted moved;
         checked after every step and every engine command (an abort leaves no step to follow it). The engine
         replaces its load only when a number changes: a step that changed nothing costs one identity check."""
-        if self.engine is None or self._load_heartbeat_pending or self._heartbeat_task is None:  # not started, closed
+        if self.engine_loop is None or self._load_heartbeat_pending or self._heartbeat_task is None:  # not started
             return
-        load = self.engine.stats
+        load = self.engine_loop.stats
         if load is self._checked_load:
             return
         self._checked_load = load
@@ -374,11 +383,11 @@ class WorkerRuntime:
         await self.heartbeat()
 
     async def _cut_snapshot(self) -> tuple[int, list[bytes], list[bytes]]:
-        assert self.engine is not None
-        return await self.engine.call(self.engine.cut_kv_snapshot)
+        assert self.engine_loop is not None
+        return await self.engine_loop.cut_kv_snapshot()
 
     async def _on_snapshot(self, request: SnapshotRequest, msg: IncomingMsg) -> None:
-        if self.engine is None:
+        if self.engine_loop is None:
             return  # not loaded: no reply, the scheduler retries after its timeout
         await self.bus.reply(msg, await self.snapshots.page(request))
 

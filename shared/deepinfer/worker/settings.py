@@ -9,7 +9,7 @@ import secrets
 from typing import Any
 
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.args import EngineArgs
+from deepinfer.engine import EngineArgs
 from deepinfer.protocol import SamplingParams as WireSamplingParams
 from deepinfer.sampling.params import SamplingParams
 
@@ -32,16 +32,13 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
         batch_invariant=settings.batch_invariant,
-        piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
-        full_cuda_graphs=settings.full_cuda_graphs,
+        execution_mode=settings.execution_mode,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         graph_sampling=settings.graph_sampling,
-        full_graph_sampling=settings.full_graph_sampling,
         admission_window_s=settings.admission_window_s,
         eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
-        enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
         enable_kv_events=True,
         model_revision=common.model_revision,
         cache_dir=common.model_cache_dir,

@@ -3,12 +3,12 @@
     admission   hashes of the request's full blocks past those the device or the host tier holds ─ has
                 (lookup_timeout_s; coalesced with the requests that arrive together: StoreLookups) ─► n stored
                 (a leading run)
-                n = 0: EngineCore.add_request (a host-tier hit loads there)
-                n > 0: start_load → WAITING_FOR_REMOTE_KVS (the engine steps the others); then per chunk of
-                       a StagingPool's rows (load_staged): the host-held blocks copied in, the rest ─ get into
-                       the rows (checksums verified) ─► engine thread: import_chunk (one scatter_blocks) while
-                       the loop receives the next chunk ─► complete_load: runs from its first token not loaded
-                       a failed or late get (load_timeout_s) ─► fail_load: recomputed, the blocks never served
+                n = 0: AddRequest, computed (a host-tier hit loads there)
+                n > 0: AddRequest with StoredKv → WAITING_FOR_REMOTE_KVS (the engine steps the others); then
+                       per chunk of a StagingPool's rows (load_staged): the host-held blocks copied in, the rest
+                       ─ get into the rows (checksums verified) ─► engine thread: ImportChunk (one scatter_blocks)
+                       while the loop receives the next chunk ─► CompleteLoad: runs from its first token not loaded
+                       a failed or late get (load_timeout_s) ─► FailLoad: recomputed, the blocks never served
     write-behind  prompt blocks entering the cache (generated blocks too with kv_store_write_generated): with
                 the host tier, its Stored events (the block's host slot is written); without, the device's
                 ─► bounded queue (full: dropped, counted) ─► background task: has → on the engine thread between
@@ -16,7 +16,7 @@
                 them handed out (no copy, no device work); off, exported from the device (evicted ones are
                 dropped, counted) → put to their shards from the views (event loop) → the slots released
 
-Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.kvcache.hashing that the gateway and
+Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.hashing that the gateway and
 scheduler use. With no live shard, or `kv_store` off, nothing here touches the network.
 """
 
@@ -28,48 +28,53 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
 
 from deepinfer.bus import MessageBus
 from deepinfer.config import WorkerSettings
-from deepinfer.engine.block_pool import DEVICE_TIER, KvCacheEvent, Stored
-from deepinfer.engine.core import EngineCore
-from deepinfer.engine.host_pool import HOST_TIER
-from deepinfer.engine.kv_load import LoadPlan, complete_load, fail_load, import_chunk, pin_cached, start_load
-from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
-from deepinfer.engine.outputs import EngineOutput
+from deepinfer.engine import (
+    DEVICE_TIER,
+    HOST_TIER,
+    AddRequest,
+    Admission,
+    CompleteLoad,
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    FailLoad,
+    ImportChunk,
+    KvCacheEvent,
+    LoadPlan,
+    NewStagingPool,
+    PinCached,
+    StagingPool,
+    Stored,
+    StoredKv,
+)
 from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.kvcache.hashing import hash_blocks
-from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.store_lookup import StoreLookups
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
 #: Block hashes remembered as held by the store (loaded, found or written): not written behind again.
 KNOWN_HASHES = 1 << 16
-#: Bytes of one staging chunk of a load (a get and an import each), and chunks in the pool (two loads in flight,
-#: each receiving one chunk while the engine thread imports its previous one).
-LOAD_CHUNK_BYTES = 32 << 20
-LOAD_CHUNKS = 4
 
 
 class StoreTier:
     """Loads stored prefixes at admission and writes full blocks behind, for one worker's engine."""
 
-    def __init__(self, settings: WorkerSettings, registry: CollectorRegistry, engine: EngineLoop, layout_id: str,
+    def __init__(self, settings: WorkerSettings, registry: CollectorRegistry, engine: Engine, engine_loop: EngineLoop,
                  client: KvStoreClient):
         self.settings = settings
-        self.engine = engine
-        self.layout_id = layout_id
-        core = engine.core
-        self.block_size, self.fingerprint = core.args.block_size, core.fingerprint
+        #: The engine's front door (its hints, read on the event loop) and the thread its commands run on.
+        self.engine, self.engine_loop = engine, engine_loop
+        self.layout_id = engine.kv_layout.layout_id()
+        self.block_size, self.fingerprint = engine.block_size, engine.fingerprint
         self.client = client
         self._queue: deque[bytes] = deque()
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -81,7 +86,7 @@ class StoreTier:
         self._staging: StagingPool | None = None
         self._metrics(registry)
         #: The admission lookups, coalesced: requests that arrive together ask in one round trip.
-        self.lookups = StoreLookups(client, layout_id, settings.kv_store_lookup_timeout_s, self.m_lookups,
+        self.lookups = StoreLookups(client, self.layout_id, settings.kv_store_lookup_timeout_s, self.m_lookups,
                                     self.m_lookup_round_trips)
 
     def _metrics(self, registry: CollectorRegistry) -> None:
@@ -107,7 +112,7 @@ class StoreTier:
         """Allocate the loads' staging on the engine thread (pinned on CUDA, with the engine's device bound: a
         one-time allocation kept off the event loop and off the first load), then start the write-behind task."""
         if self._staging is None:
-            self._staging = await self.engine.call(lambda core: _new_staging_pool(core.runner.kv_caches))
+            self._staging = await self.engine_loop.call(NewStagingPool())
         self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
 
     async def flush(self, timeout_s: float) -> None:
@@ -127,48 +132,34 @@ class StoreTier:
         await self.client.close()
 
     # -- admission ----------------------------------------------------------------------------------------------
-    async def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str = "",
-        output_token_ids: Sequence[int] = (), hold_blocks: bool = False,
-    ) -> None:
-        """Queue a request in the engine, its stored prefix loaded instead of recomputed where the store has it.
-        ValueError for an invalid request, like EngineCore.add_request."""
-        tokens = [*prompt_token_ids, *output_token_ids]
-        hashes = hash_blocks(tokens, self.block_size, self.fingerprint, cache_salt)[: (len(tokens) - 1)
-                                                                                    // self.block_size]
+    async def add_request(self, request: EngineRequest) -> Admission:
+        """Admit a request to compute, its stored prefix loaded instead of recomputed where the store has it.
+        ValueError for an invalid request, like Engine.add_request."""
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        hashes = hash_blocks(tokens, self.block_size, self.fingerprint, request.cache_salt)[
+            : (len(tokens) - 1) // self.block_size]
         self._remember(hashes, self._prompt_blocks)
         # Ask the store only about blocks past the prefix the device or the host tier holds: a prompt held here
         # (the next turn of a conversation, a shared system prompt) costs no round trip before it reaches the
         # engine, whose admission loads the host-held part itself. And only when they are worth a round trip
         # (kv_store_min_lookup_tokens): a short rest is recomputed.
-        num_local = self._num_locally_cached(hashes)
+        num_local = self.engine.num_cached_prefix_blocks(hashes)
         beyond = hashes[num_local:]
         if beyond and len(beyond) * self.block_size < self.settings.kv_store_min_lookup_tokens:
             self.m_lookups_skipped.inc()  # recomputing this little costs less than asking
             beyond = []
         num_beyond = await self.lookups.leading(beyond)
         num_stored = num_local + num_beyond if num_beyond else 0
-        if num_stored:
-            plan, local = await self.engine.call(lambda core: _start_load_with_host(
-                core, hashes, request_id, prompt_token_ids, params, num_stored, cache_salt, output_token_ids,
-                hold_blocks))
-            if plan is not None:
-                await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)], local)
-            else:
-                self.m_loads.labels("skipped").inc()  # the device had them, or no room: queued to compute
-            return
-        await self.engine.call(lambda core: core.add_request(
-            request_id, prompt_token_ids, params, cache_salt, output_token_ids=output_token_ids,
-            hold_blocks=hold_blocks))
-
-    def _num_locally_cached(self, hashes: list[bytes]) -> int:
-        """Leading blocks in the device prefix cache or the host tier, read from the event loop: a hint (the
-        engine thread checks again), so a block evicted meanwhile only means a load or a recompute, never wrong
-        KV."""
-        pool, host_tier = self.engine.core.scheduler.block_pool, self.engine.core.host_tier
-        host = host_tier.pool if host_tier is not None else None
-        return next((i for i, block_hash in enumerate(hashes) if pool.get_cached_block(block_hash) is None
-                     and (host is None or host.lookup(block_hash) is None)), len(hashes))
+        if not num_stored:
+            return await self.engine_loop.call(AddRequest(request))
+        admission = await self.engine_loop.call(AddRequest(replace(request, kv=StoredKv(num_stored, hashes))))
+        plan = admission.load
+        if plan is None:
+            self.m_loads.labels("skipped").inc()  # the device had them, or no room: queued to compute
+            return admission
+        await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)],
+                         admission.local_payloads)
+        return admission
 
     async def _load(self, plan: LoadPlan, hashes: list[bytes], local: list[bytes | None]) -> None:
         """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all."""
@@ -177,7 +168,7 @@ class StoreTier:
         pool = self._staging_pool()
 
         def import_into(first: int, rows) -> Awaitable[tuple[bool, object]]:
-            return self.engine.call(lambda core: import_chunk(core, plan, first, rows, pool))
+            return self.engine_loop.call(ImportChunk(plan, first, rows, pool))
 
         try:
             imported = await asyncio.wait_for(load_staged(self.client, self.layout_id, hashes, local, pool,
@@ -185,13 +176,13 @@ class StoreTier:
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
-            await self.engine.call(lambda core: fail_load(core, plan.request_id))
+            await self.engine_loop.call(FailLoad(plan.request_id))
             return
         self._remember(missing)  # held by the store: once cached here, not written behind again
         num_host = len(hashes) - len(missing)
-        loaded = imported and await self.engine.call(lambda core: complete_load(core, plan, num_host))
+        loaded = imported and await self.engine_loop.call(CompleteLoad(plan, num_host))
         if not loaded:  # aborted meanwhile, or payloads that did not fit: recomputed (if still there)
-            await self.engine.call(lambda core: fail_load(core, plan.request_id))
+            await self.engine_loop.call(FailLoad(plan.request_id))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
             self.m_load_s.observe(time.perf_counter() - started)
@@ -201,7 +192,7 @@ class StoreTier:
     def _staging_pool(self) -> StagingPool:
         """The loads' staging (allocated by start(); here for a tier never started)."""
         if self._staging is None:
-            self._staging = _new_staging_pool(self.engine.core.runner.kv_caches)
+            self._staging = self.engine.staging_pool()
         return self._staging
 
     # -- write-behind -------------------------------------------------------------------------------------------
@@ -209,7 +200,7 @@ class StoreTier:
         """A step's KV events (event loop): the blocks that became writable behind. With the host tier, those its
         offload stored (written behind from their pinned slots, never gathered from the device); without it,
         those that entered the device prefix cache."""
-        tier = DEVICE_TIER if self.engine.core.host_tier is None else HOST_TIER
+        tier = HOST_TIER if self.engine.has_host_tier else DEVICE_TIER
         hashes = [h for event in events if isinstance(event, Stored) and event.tier == tier for h in event.block_hashes]
         if hashes:
             self.on_stored(hashes)
@@ -254,7 +245,7 @@ class StoreTier:
         missing = [h for h, held in zip(hashes, present, strict=True) if not held]
         if not missing:
             return
-        cached = await self.engine.call(lambda core: pin_cached(core, missing))
+        cached = await self.engine_loop.call(PinCached(missing))
         kept = cached.block_hashes
         if len(kept) < len(missing):
             self.m_dropped.labels("evicted").inc(len(missing) - len(kept))
@@ -281,12 +272,6 @@ class StoreTier:
             known.popitem(last=False)
 
 
-def _new_staging_pool(kv_caches: Sequence[torch.Tensor]) -> StagingPool:
-    """LOAD_CHUNKS chunks of LOAD_CHUNK_BYTES of these caches' blocks, pinned when the caches are on CUDA."""
-    nbytes = block_nbytes(kv_caches)
-    return StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS, pin=kv_caches[0].device.type == "cuda")
-
-
 async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvStoreClient:
     """A client following the shards' heartbeats from now on (a worker starts it before loading its model, so it
     knows the shards by the time it serves)."""
@@ -295,19 +280,6 @@ async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvSto
                            settings.kv_store_shard_lease_s)
     await client.start(bus)
     return client
-
-
-def _start_load_with_host(core: EngineCore, hashes: list[bytes], request_id: str, *args) -> tuple[
-        LoadPlan | None, list[bytes | None]]:
-    """start_load, and the payloads of the plan's blocks the host tier holds (None for the others: from the
-    store), read in the same engine-thread call so no eviction falls in between."""
-    plan = start_load(core, request_id, *args)
-    if plan is None:
-        return None, []
-    planned = hashes[plan.first_block : plan.first_block + len(plan.block_ids)]
-    if core.host_tier is None:
-        return plan, [None] * len(planned)
-    return plan, core.host_tier.payloads(planned)
 
 
 async def load_staged(

@@ -1,0 +1,72 @@
+"""Engine doubles for unit tests, with no model. `ScriptedEngine`: the part of `deepinfer.engine.Engine` that the
+worker's engine thread (`EngineLoop`) and its health checks drive: a fixed number of steps, each returning one
+output, KV events on every second step, and load numbers the test sets (subclass `run_step` to block, sleep or fail
+inside a step). `AdmissionRecorder`: the engine as the worker's store tier admits to it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TypeVar
+
+from deepinfer.engine import Admission, EngineCommand, EngineRequest, EngineStats
+
+T = TypeVar("T")
+
+
+class ScriptedEngine:
+    """Steps `num_steps` times; step k (from 1) returns [f"out-{k}"] and its KV events are ["stored"] when k is
+    even. `load` is what `stats()` reports."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps, self.steps = num_steps, 0
+        self.load = EngineStats(num_running=1, num_waiting=0, num_held=0, num_free_blocks=7, num_total_blocks=7,
+                                num_added=1)
+        self.last_step_kind = "decode"
+        self.aborted: list[str] = []
+
+    def bind_thread(self) -> None:
+        """Nothing to bind: no device."""
+
+    def has_unfinished_requests(self) -> bool:
+        return self.steps < self.num_steps
+
+    def step(self) -> list:
+        self.run_step()
+        self.steps += 1
+        return [f"out-{self.steps}"]
+
+    def run_step(self) -> None:
+        """What a step does before it returns (nothing here)."""
+
+    def take_kv_events(self) -> list:
+        return ["stored"] if self.steps % 2 == 0 else []
+
+    def stats(self) -> EngineStats:
+        return self.load
+
+    def kv_snapshot(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def abort(self, request_ids) -> None:
+        self.aborted.extend(request_ids)
+
+
+class AdmissionRecorder:
+    """The engine as the worker's store tier uses it, both its front door and its thread: reads (block size,
+    fingerprint, layout id "layout", prefix hints: nothing cached here) and `call(command)`, which applies the
+    command to this object at once. Each admitted request's id goes to `added`; it is computed, never loaded."""
+
+    def __init__(self, block_size: int, fingerprint: bytes, has_host_tier: bool = False) -> None:
+        self.block_size, self.fingerprint, self.has_host_tier = block_size, fingerprint, has_host_tier
+        self.kv_layout = SimpleNamespace(layout_id=lambda: "layout")
+        self.added: list[str] = []
+
+    async def call(self, command: EngineCommand[T]) -> T:
+        return command.apply(self)  # type: ignore[arg-type]
+
+    def add_request(self, request: EngineRequest) -> Admission:
+        self.added.append(request.request_id)
+        return Admission("computed")
+
+    def num_cached_prefix_blocks(self, block_hashes) -> int:
+        return 0
