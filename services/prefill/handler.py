@@ -21,7 +21,7 @@ from deepinfer.dataplane import DataPlaneServer, LeaseExpired
 from deepinfer.engine.handoff import LeaseNotHeld, export_held, held_block_ids, release_held
 from deepinfer.engine.kv_device_transfer import export_for_handles, host_id
 from deepinfer.engine.outputs import EngineOutput
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import (
     Cancel,
     ErrorCode,

@@ -20,8 +20,8 @@ SOURCES = {"deepinfer": ROOT / "shared" / "deepinfer", "services": ROOT / "servi
 
 #: Lowest first; the same order is drawn in docs/design-notes.md ("Layers").
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("deepinfer.kvcache", "deepinfer.subjects", "deepinfer.process", "deepinfer.protocol", "deepinfer.defaults",
-     "deepinfer.tasks", "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.ports"),
+    ("deepinfer.hashing", "deepinfer.kvcache", "deepinfer.subjects", "deepinfer.process", "deepinfer.protocol",
+     "deepinfer.defaults", "deepinfer.tasks", "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.ports"),
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
      "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership", "deepinfer.structured"),
     ("deepinfer.kvcache.store",  # the store's storage engine: a BlockProvider with metrics, above its parent

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 from deepinfer.config import WorkerSettings
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, new_registry
 from deepinfer.worker.store_lookup import StoreLookups

@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from deepinfer.config import WorkerSettings
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import new_registry
 from deepinfer.worker.store_tier import StoreTier

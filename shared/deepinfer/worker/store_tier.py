@@ -16,7 +16,7 @@
                 them handed out (no copy, no device work); off, exported from the device (evicted ones are
                 dropped, counted) → put to their shards from the views (event loop) → the slots released
 
-Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.kvcache.hashing that the gateway and
+Blocks are keyed by (layout_id, block hash), the hash chain of deepinfer.hashing that the gateway and
 scheduler use. With no live shard, or `kv_store` off, nothing here touches the network.
 """
 
@@ -40,8 +40,8 @@ from deepinfer.engine.host_pool import HOST_TIER
 from deepinfer.engine.kv_load import LoadPlan, complete_load, fail_load, import_chunk, pin_cached, start_load
 from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
 from deepinfer.engine.outputs import EngineOutput
+from deepinfer.hashing import hash_blocks
 from deepinfer.kvcache.client import KvStoreClient
-from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
