@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pydantic_core  # noqa: E402
 
-from deepinfer.kvcache.hashing import hash_blocks  # noqa: E402
+from deepinfer.hashing import hash_blocks  # noqa: E402
 from services.gateway.presenters import CHAT  # noqa: E402
 from services.gateway.recipe import ModelInfo, chat_text, sampling_params  # noqa: E402
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 from deepinfer import subjects
 from deepinfer.bus import BusError, BusTimeout, MessageBus, NoResponders, PayloadTooLarge
 from deepinfer.config import GatewaySettings
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.membership import Membership
 from deepinfer.protocol import (
     Cancel,

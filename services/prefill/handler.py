@@ -28,7 +28,7 @@ from deepinfer.engine import (
     LeaseNotHeld,
     ReleaseHeld,
 )
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import (
     Cancel,
     ErrorCode,

@@ -80,7 +80,7 @@ def recomputed(model_dir):
 def test_an_evicted_prompt_comes_back_from_the_host_tier_with_the_recomputed_tokens(
         model_dir, recomputed, async_scheduling):
     from deepinfer.engine.request import RequestStatus
-    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.hashing import hash_blocks
     from deepinfer.sampling.params import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -210,7 +210,7 @@ def test_write_behind_reads_pinned_host_slots_holding_the_device_bytes(model_dir
     export of the same blocks, and left alone by later offloads until released."""
     from deepinfer.engine.kv_load import pin_cached
     from deepinfer.engine.kv_transfer import export_blocks
-    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.hashing import hash_blocks
     from deepinfer.sampling.params import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -15,7 +15,7 @@ from deepinfer import subjects
 from deepinfer.config import CommonSettings, DecodeSettings
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import (
     KvEventBatch,
     KvTier,

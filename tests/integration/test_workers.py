@@ -266,7 +266,7 @@ async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
 
 
 async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, bus, tiny_dir):
-    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.hashing import hash_blocks
     from deepinfer.protocol import KvEventBatch, KvEventKind
 
     prefill, _ = workers
@@ -297,7 +297,7 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
 
 async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(workers, bus, tiny_dir):
     """A KvIndex fed only by the prefill worker's events and one fed only by its paged snapshot agree."""
-    from deepinfer.kvcache.hashing import hash_blocks
+    from deepinfer.hashing import hash_blocks
     from deepinfer.protocol import KvEventBatch, SnapshotPage, SnapshotRequest
     from services.scheduler.kv_index import KvIndex
 

@@ -9,7 +9,7 @@ import pytest
 from deepinfer.engine.block_pool import AllCleared, BlockPool, Removed, Stored
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 
 BLOCK_SIZE = 4
 

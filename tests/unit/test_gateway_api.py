@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import ErrorCode, WorkerRole
 from deepinfer.testing.fake_workers import worker_load
 from tests.gateway_harness import ANSWER, MAX_MODEL_LEN, MODEL, Harness, make_harness, write_tokenizer_dir

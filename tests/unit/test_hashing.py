@@ -1,4 +1,4 @@
-"""Block identity: chained hashes, model fingerprint, layout id (deepinfer.kvcache.hashing)."""
+"""Block identity: chained hashes, model fingerprint, layout id (deepinfer.hashing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.kvcache.hashing import (
+from deepinfer.hashing import (
     BLOCK_HASH_BYTES,
     hash_block,
     hash_blocks,

@@ -12,7 +12,7 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import export_blocks
 from deepinfer.engine.request import RequestStatus
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 
 P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks to hit

@@ -14,7 +14,7 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.engine.handoff import engine_stats
 from deepinfer.engine.kv_load import export_cached, fail_load, finish_load, start_load
 from deepinfer.engine.requests import EngineRequest
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks

@@ -1,7 +1,9 @@
 """Packages import only downwards: the import graph of shared/deepinfer and services, read from the source.
 
-A unit is a subpackage (`deepinfer.engine`, `services.gateway`), a top-level module (`deepinfer.service`), a
-root package (`deepinfer`, `services`) or a deeper subpackage named in `NESTED_UNITS` (`deepinfer.kvcache.store`). Every `import` / `from ... import` counts, wherever it sits: inside
+A unit is a module's first two dotted parts: a subpackage with everything under it (`deepinfer.engine`,
+`services.gateway`; `deepinfer.kvcache.store.disk` is `deepinfer.kvcache`), a top-level module
+(`deepinfer.service`) or a root package (`deepinfer`, `services`). No sub-module is placed apart from its package,
+so none can hide a cycle through it. Every `import` / `from ... import` counts, wherever it sits: inside
 functions (lazy imports) and under `if TYPE_CHECKING:` too. Only imports by name through `importlib` are
 invisible here (`deepinfer serve` loading `services.<name>.main`, the model registry's classes).
 
@@ -20,12 +22,12 @@ SOURCES = {"deepinfer": ROOT / "shared" / "deepinfer", "services": ROOT / "servi
 
 #: Lowest first; the same order is drawn in docs/design-notes.md ("Layers").
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("deepinfer.kvcache", "deepinfer.subjects", "deepinfer.process", "deepinfer.protocol", "deepinfer.defaults",
-     "deepinfer.tasks", "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.ports"),
+    ("deepinfer.hashing",),  # block identity (hashes, fingerprint, layout_id): imports nothing of ours
+    ("deepinfer.subjects", "deepinfer.process", "deepinfer.protocol", "deepinfer.defaults", "deepinfer.tasks",
+     "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.ports"),
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
      "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership", "deepinfer.structured"),
-    ("deepinfer.kvcache.store",  # the store's storage engine: a BlockProvider with metrics, above its parent
-     "deepinfer.kvcache.client"),  # a worker's client of the store: heartbeats (bus) and the data plane
+    ("deepinfer.kvcache",),  # the block store, a worker's client of it, shard placement: bus and data plane
     ("deepinfer.kernels",),
     ("deepinfer.distributed",),  # tensor-parallel primitives: process group, parallel layers, shard arithmetic
     ("deepinfer.models",),
@@ -36,10 +38,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("services", "services.gateway", "services.scheduler", "services.prefill", "services.decode",
      "services.kvcache", "deepinfer.cli", "deepinfer.demo", "deepinfer"),
 )
-
-#: Subpackages that are units of their own, placed apart from their parent package: `deepinfer.kvcache` (block
-#: identity) is imported by everything, while its `store` serves the data plane and exports metrics.
-NESTED_UNITS = ("deepinfer.kvcache.store", "deepinfer.kvcache.client")
 
 Graph = Mapping[str, Iterable[str]]
 
@@ -57,11 +55,7 @@ def source_modules() -> dict[str, tuple[Path, bool]]:
 
 
 def unit_of(module: str) -> str:
-    """The unit a module belongs to: a NESTED_UNITS entry it is in, else its first two dotted parts (the root
-    package alone stays itself)."""
-    for unit in NESTED_UNITS:
-        if module == unit or module.startswith(unit + "."):
-            return unit
+    """The unit a module belongs to: its first two dotted parts (the root package alone stays itself)."""
     return ".".join(module.split(".")[:2])
 
 
@@ -222,6 +216,15 @@ def test_the_old_models_distributed_cycle_would_fail():
     assert ("deepinfer.distributed", "deepinfer.models") in upward_edges(graph, LAYERS)
 
 
+def test_the_old_protocol_kvcache_cycle_would_fail():
+    # Put back the edge the move of block hashing removed (protocol/kv.py importing deepinfer.kvcache): kvcache
+    # imports protocol, bus and dataplane, so both checks catch it.
+    graph = {unit: set(targets) for unit, targets in GRAPH.items()}
+    graph.setdefault("deepinfer.protocol", set()).add("deepinfer.kvcache")
+    assert any({"deepinfer.protocol", "deepinfer.kvcache"} <= set(c) for c in cycles(graph))
+    assert ("deepinfer.protocol", "deepinfer.kvcache") in upward_edges(graph, LAYERS)
+
+
 def test_the_parser_sees_lazy_relative_and_type_checking_imports(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -247,13 +250,25 @@ def test_the_parser_sees_lazy_relative_and_type_checking_imports(tmp_path):
     assert cycles(unit_graph(edges)) == [["pkg.sub", "pkg.top"]]
 
 
-def test_a_nested_unit_is_apart_from_its_parent():
-    assert unit_of("deepinfer.kvcache.store.disk") == unit_of("deepinfer.kvcache.store") == "deepinfer.kvcache.store"
-    assert unit_of("deepinfer.kvcache.hashing") == "deepinfer.kvcache"
-    assert unit_of("deepinfer.kvcache.storehouse") == "deepinfer.kvcache"  # a prefix of the name is not enough
-    # The parent importing its storage engine would be an upward edge.
-    graph = {"deepinfer.kvcache": {"deepinfer.kvcache.store"}}
-    assert upward_edges(graph, LAYERS) == [("deepinfer.kvcache", "deepinfer.kvcache.store")]
+def test_a_submodule_counts_as_its_package():
+    assert unit_of("deepinfer.kvcache.store.disk") == unit_of("deepinfer.kvcache") == "deepinfer.kvcache"
+    assert unit_of("deepinfer") == "deepinfer" and unit_of("deepinfer.service") == "deepinfer.service"
+    # An import deep inside a package is an edge of the package; one within it is no edge at all.
+    edges = {
+        ("deepinfer.kvcache.store.server", "deepinfer.bus.nats"),
+        ("deepinfer.kvcache.client.client", "deepinfer.kvcache.rendezvous"),
+    }
+    assert unit_graph(edges) == {"deepinfer.kvcache": {"deepinfer.bus"}}
+    # The cycle that hid while kvcache.store and kvcache.client were placed apart: protocol imported block
+    # hashing from the kvcache package, whose store imports the data plane, which imports protocol.
+    edges = {
+        ("deepinfer.protocol.kv", "deepinfer.kvcache.hashing"),
+        ("deepinfer.kvcache.store.server", "deepinfer.dataplane.server"),
+        ("deepinfer.dataplane.frames", "deepinfer.protocol"),
+    }
+    graph = unit_graph(edges)
+    assert cycles(graph) == [["deepinfer.dataplane", "deepinfer.kvcache", "deepinfer.protocol"]]
+    assert upward_edges(graph, LAYERS) == [("deepinfer.protocol", "deepinfer.kvcache")]
 
 
 # -- the engine's front door ----------------------------------------------------------------------------------------

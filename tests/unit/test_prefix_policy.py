@@ -9,7 +9,7 @@ from collections import Counter
 
 from deepinfer import subjects
 from deepinfer.config import CommonSettings, SchedulerSettings
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import (
     KvEvent,
     KvEventBatch,

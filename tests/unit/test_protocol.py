@@ -238,7 +238,7 @@ def test_layout_id_is_stable():
         b"dtype=bfloat16;block_size=16;num_layers=30;num_kv_heads=3;head_dim=64;kv_layout=nhd;latent_dim=none"
     ).hexdigest()[:16]
     assert LAYOUT.layout_id() == expected
-    from deepinfer.kvcache.hashing import layout_id
+    from deepinfer.hashing import layout_id
 
     assert layout_id("torch.bfloat16", 16, 30, 3, 64) == expected
 

@@ -20,7 +20,7 @@ from deepinfer.engine.block_pool import Removed, Stored
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import FinishReason
 
 
@@ -464,7 +464,7 @@ def test_policy_modules_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import deepinfer.engine.scheduler, deepinfer.engine.block_pool, deepinfer.engine.kv_manager\n"
-        "import deepinfer.kvcache.hashing\n"
+        "import deepinfer.hashing\n"
         "assert sys.modules['torch'] is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,7 @@ import time
 
 from deepinfer.config import WorkerSettings
 from deepinfer.engine import EngineRequest
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, new_registry
 from deepinfer.testing.fake_engine import AdmissionRecorder

@@ -6,7 +6,7 @@ import asyncio
 
 from deepinfer.config import WorkerSettings
 from deepinfer.engine import EngineRequest
-from deepinfer.kvcache.hashing import hash_blocks
+from deepinfer.hashing import hash_blocks
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.fake_engine import AdmissionRecorder

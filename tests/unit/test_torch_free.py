@@ -17,7 +17,7 @@ TORCH_FREE_MODULES = (
     "deepinfer.telemetry",
     "deepinfer.cli",
     "deepinfer.bus",
-    "deepinfer.kvcache.hashing",
+    "deepinfer.hashing",
     "deepinfer.kvcache.store",
     "deepinfer.membership",
     "deepinfer.tasks",

@@ -23,7 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Cap on one prefill chunk, so a long prompt cannot take a whole step; None = only the budget caps it.
     long_prefill_token_threshold: int | None = None
-    #: Identity of the model in block hashes (deepinfer.kvcache.hashing.model_fingerprint).
+    #: Identity of the model in block hashes (deepinfer.hashing.model_fingerprint).
     model_fingerprint: bytes = b""
     #: Buffer Stored/Removed events for take_kv_events; turn off when nobody takes them (offline use).
     enable_kv_events: bool = True

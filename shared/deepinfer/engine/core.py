@@ -29,9 +29,9 @@ from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.hashing import model_fingerprint
 from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
-from deepinfer.kvcache.hashing import model_fingerprint
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import default_cache_dir, resolve_model

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from deepinfer.kvcache.hashing import hash_blocks, root_hash
+from deepinfer.hashing import hash_blocks, root_hash
 from deepinfer.protocol import FinishReason
 
 

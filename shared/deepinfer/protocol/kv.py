@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from deepinfer.kvcache import hashing
+from deepinfer import hashing
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.types import BlockHash, NonNegativeInt
 
@@ -25,7 +25,7 @@ class KvLayout(Message):
     latent_dim: int | None = Field(None, ge=1)
 
     def layout_id(self) -> str:
-        """Short stable id of this layout: `deepinfer.kvcache.hashing.layout_id`, the one definition of it."""
+        """Short stable id of this layout: `deepinfer.hashing.layout_id`, the one definition of it."""
         return hashing.layout_id(
             self.dtype, self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.kv_layout,
             self.latent_dim,

@@ -53,8 +53,8 @@ from deepinfer.engine import (
     Stored,
     StoredKv,
 )
+from deepinfer.hashing import hash_blocks
 from deepinfer.kvcache.client import KvStoreClient
-from deepinfer.kvcache.hashing import hash_blocks
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.store_lookup import StoreLookups

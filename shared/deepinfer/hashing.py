@@ -5,7 +5,8 @@ The same functions run in gateway, scheduler, workers and store, so all agree on
     hash[-1] = H(model_fingerprint ‖ utf-8 cache_salt)          H = SHA-256 truncated to 16 bytes
     hash[i]  = H(hash[i-1] ‖ token_ids of block i as u32 LE)    full blocks only; a partial tail has no hash
 
-Pure Python, no torch: import cost matters in the gateway.
+Pure Python, no torch: import cost matters in the gateway. Identity, not storage: it sits in the lowest layer and
+imports nothing of ours, so `protocol` (KvLayout.layout_id) and the store (`deepinfer.kvcache`) both build on it.
 """
 
 from __future__ import annotations
