@@ -296,3 +296,15 @@ def test_an_eager_step_runs_under_its_own_switch_interval(tmp_path):
     engine.add_request("a", [1, 2, 3, 4, 6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     engine.step()
     assert seen == [pytest.approx(5e-5)] and sys.getswitchinterval() == own
+
+
+def test_runner_config_takes_the_execution_mode_by_name():
+    from deepinfer.engine.execution import ExecutionMode, RunnerConfig
+
+    config = RunnerConfig(block_size=4, vocab_size=8, device=torch.device("cpu"), max_model_len=16,
+                          execution_mode="piecewise")
+    assert config.execution_mode is ExecutionMode.PIECEWISE and config.execution_mode.prompt_graphs
+    with pytest.raises(ValueError):
+        RunnerConfig(block_size=4, vocab_size=8, device=torch.device("cpu"), execution_mode="fast")
+    with pytest.raises(ValueError, match="max_model_len"):
+        RunnerConfig(block_size=4, vocab_size=8, device=torch.device("cpu"), execution_mode="decode")

@@ -73,6 +73,7 @@ class RunnerConfig:
     eager_step_switch_interval_s: float | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))  # a name is accepted too
         if self.batch_invariant and self.max_model_len is None:
             raise ValueError("batch_invariant needs max_model_len (the fixed split of decode attention)")
         if self.execution_mode.decode_graphs and self.max_model_len is None:
