@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from deepinfer import subjects
+from deepinfer import cli, subjects
 from deepinfer.config import (
     ALL_SETTINGS,
     SERVICE_SETTINGS,
@@ -20,6 +22,7 @@ from deepinfer.config import (
     describe_settings,
     env_name,
     load_settings,
+    renamed,
     to_camel,
 )
 from deepinfer.config.describe import setting_fields
@@ -179,3 +182,56 @@ def test_describe_defaults_and_secrets():
 )
 def test_to_camel(name: str, camel: str):
     assert to_camel(name) == camel
+
+
+# -- renamed settings: the old env name for one release ------------------------------------------------------------
+@pytest.fixture
+def max_seqs_renamed(monkeypatch):
+    """A rename max_seqs -> max_num_seqs (a worker field) and nats_address -> nats_url (a common one)."""
+    monkeypatch.setitem(renamed.RENAMED, "max_seqs", "max_num_seqs")
+    monkeypatch.setitem(renamed.RENAMED, "nats_address", "nats_url")
+
+
+def test_an_old_env_name_sets_the_renamed_field_with_a_warning(monkeypatch, caplog, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_NATS_ADDRESS", "nats://old:4222")
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        decode = load_settings(DecodeSettings)
+        prefill = load_settings(PrefillSettings)
+    assert (decode.max_num_seqs, prefill.max_num_seqs) == (8, 256)  # each service reads its own prefix
+    assert decode.common.nats_url == prefill.common.nats_url == "nats://old:4222"
+    assert "DEEPINFER_DECODE_MAX_SEQS is deprecated: use DEEPINFER_DECODE_MAX_NUM_SEQS" in caplog.text
+    assert "DEEPINFER_NATS_ADDRESS is deprecated: use DEEPINFER_NATS_URL" in caplog.text
+
+
+def test_the_new_env_name_wins_over_the_old(monkeypatch, caplog, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_NUM_SEQS", "16")
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        assert load_settings(DecodeSettings).max_num_seqs == 16
+    assert "DEEPINFER_DECODE_MAX_SEQS is deprecated and ignored: DEEPINFER_DECODE_MAX_NUM_SEQS is set" in caplog.text
+    assert DecodeSettings(max_num_seqs=4).max_num_seqs == 4  # init arguments before both
+
+
+def test_a_bad_value_under_an_old_name_exits_2(monkeypatch, capsys, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "many")
+    with pytest.raises(SystemExit) as info:
+        load_settings(DecodeSettings)
+    assert info.value.code == 2
+    assert "invalid setting DEEPINFER_DECODE_MAX_NUM_SEQS='many'" in capsys.readouterr().err
+
+
+def test_deepinfer_config_lists_only_new_names_and_knows_the_old(monkeypatch, capsys, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    assert cli.main(["config", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = {row["env"]: row for row in json.loads(out)}
+    assert rows["DEEPINFER_DECODE_MAX_NUM_SEQS"]["value"] == "8"
+    assert not [env for env in rows if "MAX_SEQS" in env or "NATS_ADDRESS" in env]
+    assert "unknown setting" not in err
+
+
+def test_every_rename_names_a_field_and_retires_the_old_name():
+    fields = {name for cls in ALL_SETTINGS for name in setting_fields(cls)}
+    for old, new in renamed.RENAMED.items():
+        assert new in fields and old not in fields, (old, new)

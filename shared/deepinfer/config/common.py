@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from deepinfer import subjects
+from deepinfer.config.renamed import RenamedEnvSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -58,7 +59,24 @@ def derive_served_model_name(model: str) -> str:
     return model
 
 
-class CommonSettings(BaseSettings):
+class EnvSettings(BaseSettings):
+    """Base of every settings class. Sources, first wins: init arguments, the env names, then the old env names of
+    renamed settings (deprecated: deepinfer.config.renamed)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Init arguments, env, then renamed settings' old env names (no .env file, no secrets directory)."""
+        return init_settings, env_settings, RenamedEnvSource(settings_cls)
+
+
+class CommonSettings(EnvSettings):
     """Settings shared by every service (env prefix DEEPINFER_)."""
 
     model_config = settings_config("DEEPINFER_")

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ByteSize, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode
+from pydantic_settings import NoDecode
 
 from deepinfer import subjects
-from deepinfer.config.common import CommonSettings, default_id, settings_config
+from deepinfer.config.common import CommonSettings, EnvSettings, default_id, settings_config
 from deepinfer.cpus import default_gateway_processes
 from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
@@ -37,7 +37,7 @@ def _check_subject_id(value: str, info: Any) -> str:
     return subjects.check_id(value, info.field_name)
 
 
-class ServiceSettings(BaseSettings):
+class ServiceSettings(EnvSettings):
     """Base of the per-service settings: the shared settings ride along as `common`."""
 
     service: ClassVar[str] = ""
