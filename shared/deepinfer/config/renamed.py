@@ -16,7 +16,9 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsError
 log = logging.getLogger(__name__)
 
 #: Old field name -> new field name (each accepted until the release after the one that renamed it).
-RENAMED: dict[str, str] = {}
+RENAMED: dict[str, str] = {
+    "gil_switch_interval_eager_step_s": "eager_step_switch_interval_s",  # issue 30: the engine's name
+}
 
 
 def renamed_fields(cls: type[BaseSettings]) -> dict[str, str]:

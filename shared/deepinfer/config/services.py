@@ -284,7 +284,7 @@ class WorkerSettings(ServiceSettings):
         "is over (no arrival for a quarter of this) or this long, and join the batch in one step: fewer mixed "
         "steps in running streams (0 = admit at the next step; docs/configuration.md).",
     )
-    gil_switch_interval_eager_step_s: float | None = Field(
+    eager_step_switch_interval_s: float | None = Field(
         None, gt=0, le=0.1, description="Python's switch interval while a prefill or mixed step launches its "
         "layers (attention runs eagerly there, and each Triton launch lets the event loop take the GIL until the "
         "interval forces it back); unset: gil_switch_interval_s throughout (docs/serving-path.md).",

@@ -56,7 +56,7 @@ class EngineArgs:
     #: Pins the model fingerprint in block hashes (else computed from the files).
     model_revision: str | None = None
     #: Where prepared models live (None = the XDG default, ~/.cache/deepinfer/models).
-    cache_dir: Path | None = None
+    model_cache_dir: Path | None = None
     progress: bool = True
     #: "auto" = the checkpoint's weights; "dummy" = random weights from config.json alone (benchmarks, no files).
     load_format: str = "auto"

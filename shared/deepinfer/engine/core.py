@@ -59,7 +59,7 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        cache_dir = args.cache_dir or default_cache_dir()
+        cache_dir = args.model_cache_dir or default_cache_dir()
         self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
         self.model_config = load_model_config(self.model_dir)
         # No tokenizer.json (a bare config for load_format="dummy"): token ids in, token ids out.

@@ -38,13 +38,13 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         graph_sampling=settings.graph_sampling,
         full_graph_sampling=settings.full_graph_sampling,
         admission_window_s=settings.admission_window_s,
-        eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
+        eager_step_switch_interval_s=settings.eager_step_switch_interval_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.tensor_parallel_size > 1,  # no CUDA graphs across ranks yet
         enable_kv_events=True,
         model_revision=common.model_revision,
-        cache_dir=common.model_cache_dir,
+        model_cache_dir=common.model_cache_dir,
         progress=False,
     )
 
