@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -235,3 +236,36 @@ def test_every_rename_names_a_field_and_retires_the_old_name():
     fields = {name for cls in ALL_SETTINGS for name in setting_fields(cls)}
     for old, new in renamed.RENAMED.items():
         assert new in fields and old not in fields, (old, new)
+
+
+# -- one default per setting: the settings and the code they configure agree -----------------------------------------
+def _default(cls: type, name: str) -> object:
+    if dataclasses.is_dataclass(cls):
+        field = {f.name: f for f in dataclasses.fields(cls)}[name]
+        return field.default
+    return cls.model_fields[name].get_default(call_default_factory=True)
+
+
+def test_engine_args_and_worker_settings_share_every_default():
+    pytest.importorskip("torch")
+    from deepinfer.engine.args import EngineArgs
+
+    shared = {f.name for f in dataclasses.fields(EngineArgs)} & set(setting_fields(DecodeSettings))
+    assert {"block_size", "max_num_seqs", "gpu_memory_utilization", "eager_step_switch_interval_s"} <= shared
+    for name in sorted(shared):
+        assert _default(EngineArgs, name) == _default(DecodeSettings, name), name
+    assert _default(EngineArgs, "accelerator") == _default(CommonSettings, "accelerator")
+
+
+def test_the_router_and_the_store_read_their_settings_defaults():
+    from deepinfer.config import KvCacheSettings
+    from deepinfer.kvcache.store import StoreSettings
+    from services.scheduler.kv_index import KvIndex
+    from services.scheduler.prefix_policy import CostWeights
+
+    for field in dataclasses.fields(CostWeights):
+        assert field.default == _default(SchedulerSettings, field.name), field.name
+    assert KvIndex().max_entries == _default(SchedulerSettings, "kv_index_max_entries")
+    for name in ("ram_bytes", "disk_bytes", "ttl_s", "fsync"):
+        assert _default(StoreSettings, name) == _default(KvCacheSettings, name), name
+    assert _default(GatewaySettings, "worker_lease_s") == _default(SchedulerSettings, "worker_lease_s")

@@ -13,8 +13,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from deepinfer import subjects
 from deepinfer.config.renamed import RenamedEnvSource
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from deepinfer.defaults import DEFAULT_ACCELERATOR, DEFAULT_MODEL, default_model_cache_dir, xdg_dir
 
 
 def settings_config(env_prefix: str) -> SettingsConfigDict:
@@ -27,17 +26,6 @@ def settings_config(env_prefix: str) -> SettingsConfigDict:
         frozen=True,
         validate_default=True,
     )
-
-
-def xdg_dir(env_name: str, fallback: str, *parts: str) -> Path:
-    """An XDG base directory (e.g. XDG_CACHE_HOME, else ~/.cache) joined with `parts`."""
-    base = os.environ.get(env_name) or str(Path.home() / fallback)
-    return Path(base).expanduser().joinpath(*parts)
-
-
-def default_model_cache_dir() -> Path:
-    """~/.cache/deepinfer/models (XDG_CACHE_HOME respected)."""
-    return xdg_dir("XDG_CACHE_HOME", ".cache", "deepinfer", "models")
 
 
 def default_data_dir() -> Path:
@@ -96,7 +84,7 @@ class CommonSettings(EnvSettings):
         None, description="Pins the model fingerprint (otherwise computed from the weights' content)."
     )
     accelerator: Literal["auto", "cuda", "ascend", "cpu"] = Field(
-        "auto", description="Kernel backend: cuda (Triton), ascend (torch_npu), cpu (torch twins)."
+        DEFAULT_ACCELERATOR, description="Kernel backend: cuda (Triton), ascend (torch_npu), cpu (torch twins)."
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="json: one object per line; text: for humans.")
