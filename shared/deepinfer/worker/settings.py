@@ -10,7 +10,7 @@ from typing import Any
 
 from deepinfer.config import WorkerSettings
 from deepinfer.engine.args import EngineArgs
-from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.sampling.params import SamplingParams
 
 
