@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.protocol import SamplingParams, TokenChunk, TokenLogprobs
+from deepinfer.protocol import TokenChunk, TokenLogprobs, WireSamplingParams
 from deepinfer.structured import GrammarMatcher
 from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from services.gateway.errors import worker_lost
@@ -27,7 +27,7 @@ class ChoiceOutput:
     """The output state of one choice; `add` each chunk in order."""
 
     def __init__(
-        self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling: SamplingParams,
+        self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling: WireSamplingParams,
         checker: GrammarMatcher | None = None,
     ):
         self.index = index

@@ -1,4 +1,4 @@
-"""The recipe of a request: model check, chat template, prompt token ids and wire SamplingParams.
+"""The recipe of a request: model check, chat template, prompt token ids and WireSamplingParams.
 
 Everything here is CPU work on the gateway (no worker is involved yet); every failure is a 400 naming the
 field, so a bad request never reaches a worker.
@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deepinfer.protocol import SamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.sampling.params import SamplingParamError, check_vocab
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
@@ -80,7 +80,7 @@ class GenerateRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams
+    sampling: WireSamplingParams
     cache_salt: str
     #: When the client's request_timeout_s runs out (time.monotonic()).
     deadline_s: float
@@ -183,8 +183,8 @@ def _check_prompt_length(model: ModelInfo, token_ids: list[int], param: str) -> 
 
 def sampling_params(
     model: ModelInfo, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None
-) -> SamplingParams:
-    """Wire SamplingParams from a request body; max_tokens None = the rest of the context."""
+) -> WireSamplingParams:
+    """WireSamplingParams from a request body; max_tokens None = the rest of the context."""
     room = None if model.max_model_len is None else model.max_model_len - num_prompt_tokens
     if max_tokens is not None and room is not None and max_tokens > room:
         raise context_length(
@@ -215,7 +215,7 @@ def sampling_params(
     fields = {k: v for k, v in fields.items() if v is not None}
     try:  # the workers' own validation, so a bad value is a 400 here rather than a refusal after routing
         check_vocab(EngineSamplingParams(**fields), model.vocab_size)
-        return SamplingParams(**fields)
+        return WireSamplingParams(**fields)
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     except ValidationError as exc:
@@ -223,7 +223,7 @@ def sampling_params(
 
 
 def split_choices(
-    request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str, n: int,
+    request_id: str, prompt_token_ids: list[int], sampling: WireSamplingParams, cache_salt: str, n: int,
     deadline_s: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
 ) -> list[GenerateRequest]:
     """n independent sequences, each with its own seed (choice i: derived from the request's seed, drawn here when

@@ -21,8 +21,8 @@ from deepinfer.protocol import (
     DecodeRequest,
     DecodeStatus,
     KvEventBatch,
-    SamplingParams,
     TokenBatch,
+    WireSamplingParams,
     WorkerLoad,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 GATEWAY = "gw-steps"
 PROMPTS = [[5 + i, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200 + i] for i in range(3)]
-SAMPLING = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=1)
+SAMPLING = WireSamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=1)
 #: Longer than the test: every heartbeat it sees after the first is one sent because the load changed.
 PERIODIC_S = 60.0
 
@@ -132,7 +132,7 @@ async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decod
 
     await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
     await decode.start()
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     reply = await bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
         request_id="r-long", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=long), DecodeAccepted,
         timeout_s=30)

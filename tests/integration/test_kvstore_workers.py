@@ -34,7 +34,7 @@ from deepinfer.protocol import (
     KvStoreHeartbeat,
     PrefillRequest,
     PrefillResult,
-    SamplingParams,
+    WireSamplingParams,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
@@ -51,7 +51,7 @@ SECRET = "k" * 32
 SHARD = "kvw"
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6, 70]  # 21 tokens
 NUM_STORED_TOKENS = 20  # 5 full blocks of 4; the last token is always computed
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = WireSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 GATEWAY = "gw-kv"
 
 

@@ -22,8 +22,8 @@ from deepinfer.protocol import (
     FinishReason,
     PrefillRequest,
     PrefillResult,
-    SamplingParams,
     TokenBatch,
+    WireSamplingParams,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
@@ -79,7 +79,7 @@ def reference(tiny_dir, params: EngineSamplingParams) -> list[int]:
     return tokens
 
 
-async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, request_id: str, mutate=None,
+async def run_request(bus, prefill_id: str | None, sampling: WireSamplingParams, request_id: str, mutate=None,
                       wait_before_decode_s: float = 0.0, resume_from: list[int] | None = None):
     """Drive one request like the gateway: prefill → decode → collect the token stream (`resume_from`: the
     tokens a lost worker already sent, as a migrated request carries them)."""
@@ -122,8 +122,8 @@ def _model_token(tiny_dir):
     MODEL_TOKEN["value"] = CommonSettings(model=str(tiny_dir)).model_token
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1)
-SEEDED = SamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=True, seed=77)
+GREEDY = WireSamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1)
+SEEDED = WireSamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=True, seed=77)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -154,7 +154,7 @@ async def test_layout_mismatch_is_refused(workers, bus):
 async def test_invalid_values_are_refused_with_typed_codes(workers, bus, tiny_dir):
     token = MODEL_TOKEN["value"]
     # Valid on the wire, invalid for the engine: min_tokens above max_tokens.
-    bad = SamplingParams(temperature=0, max_tokens=2, min_tokens=5)
+    bad = WireSamplingParams(temperature=0, max_tokens=2, min_tokens=5)
     for worker, request_type, reply_type in (("prefill", PrefillRequest, PrefillResult),
                                              ("decode", DecodeRequest, DecodeAccepted)):
         subject = subjects.prefill(token, "prefill-t") if worker == "prefill" else subjects.decode(token, "decode-t")
@@ -201,7 +201,7 @@ async def test_a_resumed_request_replays_its_grammar(workers, bus, tiny_dir):
     from deepinfer.structured import json_schema_grammar
 
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-    sampling = SamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
+    sampling = WireSamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
     expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
     assert len(expected) > 4
     accepted, tokens = await run_request(bus, None, sampling, "r-resume-grammar", resume_from=expected[:4])
@@ -227,7 +227,7 @@ async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
         chunks.extend(batch.chunks)
 
     await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id="r-drain", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
         timeout_s=30)
@@ -247,7 +247,7 @@ async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
 
 async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
     _, decode = workers
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     token = MODEL_TOKEN["value"]
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id="r-cancel", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,

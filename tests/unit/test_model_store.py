@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from deepinfer.defaults import default_model_cache_dir
 from deepinfer.model_store import (
     MARKER_FILE,
-    default_cache_dir,
     default_gguf_path,
     resolve_model,
 )
@@ -261,6 +261,6 @@ def test_unknown_model_is_a_clear_error(name, tmp_path):
     assert name in message and ".gguf" in message and "config.json" in message and "smollm2-135m-instruct" in message
 
 
-def test_default_cache_dir_follows_xdg(tmp_path):
-    assert default_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "deepinfer" / "models"
-    assert default_cache_dir({}) == Path.home() / ".cache" / "deepinfer" / "models"
+def test_default_model_cache_dir_follows_xdg(tmp_path):
+    assert default_model_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "deepinfer" / "models"
+    assert default_model_cache_dir({}) == Path.home() / ".cache" / "deepinfer" / "models"

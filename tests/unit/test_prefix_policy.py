@@ -66,7 +66,7 @@ def test_cost_is_uncached_tokens_plus_load_with_tier_weights():
     blocks = hashes(PROMPT)
     index = index_with({"p1": blocks[:4], "p2": blocks[:2]}, lower={"p2": blocks[2:6]})
     index.apply_store_batch(KvStoreEventBatch(shard="s", seq=1, layout_id="L", stored_block_hashes=blocks[:7], ts=0))
-    policy = PrefixPolicy("s1", index, CostWeights(host_weight=0.75, store_weight=0.5, load_weight=0.5, kv_weight=1))
+    policy = PrefixPolicy("s1", index, CostWeights(host_hit_weight=0.75, store_hit_weight=0.5, load_weight=0.5, kv_usage_weight=1))
     members = [member("p1", P, running=1), member("p2", P, num_free_blocks=75), member("d1", D)]
     scored = {s.member.worker_id: s.cost for s in policy.score(route("r", PROMPT), members, {"p1": 1})}
     # p1: 4 device + 3 store blocks = 16 × 5.5 = 88 credit → 40 left; load 0.5 × 2 requests × 128 = 128
@@ -116,7 +116,7 @@ def test_a_decode_worker_holding_nearly_all_the_prompt_computes_it_itself():
     assert (decision.prefill_worker_id, decision.decode_worker_id, decision.expected_cached_tokens) == (
         "p1", "d2", 128,
     )
-    policy.weights = CostWeights(direct_min_fraction=0.85)
+    policy.weights = CostWeights(direct_decode_min_fraction=0.85)
     decision = policy.pick(route("r", PROMPT), members, {})
     assert (decision.prefill_worker_id, decision.decode_worker_id, decision.expected_cached_tokens) == (
         None, "d2", 112,

@@ -14,7 +14,7 @@ import deepinfer.protocol as p
 
 H = [hashlib.sha256(bytes([i])).digest()[:16] for i in range(4)]
 LAYOUT = p.KvLayout(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
-SAMPLING = p.SamplingParams(
+SAMPLING = p.WireSamplingParams(
     n=2,
     temperature=0.7,
     top_p=0.9,
@@ -173,7 +173,7 @@ def test_round_trip(message: p.Message):
 
 
 def test_logit_bias_keys_stay_ints():
-    decoded = p.SamplingParams.from_bytes(SAMPLING.to_bytes())
+    decoded = p.WireSamplingParams.from_bytes(SAMPLING.to_bytes())
     assert decoded.logit_bias == {7: -100.0, 50256: 2.5}
     assert all(type(k) is int for k in decoded.logit_bias)
 
@@ -249,7 +249,7 @@ def test_layout_id_ignores_schema_version_and_changes_with_dtype():
 
 
 def test_sampling_defaults():
-    s = p.SamplingParams()
+    s = p.WireSamplingParams()
     assert (s.n, s.temperature, s.top_p, s.top_k, s.max_tokens, s.logprobs, s.stop) == (1, 1.0, 1.0, 0, 16, None, [])
 
 
@@ -281,7 +281,8 @@ def test_engine_sampling_params_use_the_same_field_names():
         if dataclasses.is_dataclass(engine)
         else set(inspect.signature(engine).parameters)
     )
-    assert names == set(p.SamplingParams.model_fields) - {"v"}
+    assert names == set(p.WireSamplingParams.model_fields) - {"v"}
+    assert not hasattr(p, "SamplingParams")  # one class per name: the engine's is deepinfer.SamplingParams
 
 
 def test_handle_ids_cover_every_token_and_hashes_only_full_blocks():

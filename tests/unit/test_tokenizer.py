@@ -170,12 +170,12 @@ def test_incremental_detokenizer_equals_full_decode(ours, text, chunk):
 
 
 def test_output_text_is_every_delta_so_far_whenever_it_is_read(ours):
-    from deepinfer.protocol import SamplingParams, TokenChunk
+    from deepinfer.protocol import TokenChunk, WireSamplingParams
     from services.gateway.output import ChoiceOutput
 
     output_ids = ours.encode("".join(STREAM_TEXTS), add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(ours, [])
-    choice = ChoiceOutput(0, ours, [], SamplingParams(max_tokens=None))
+    choice = ChoiceOutput(0, ours, [], WireSamplingParams(max_tokens=None))
     emitted, chosen = "", ""
     for n, token_id in enumerate(output_ids):
         emitted += detokenizer.step([token_id])

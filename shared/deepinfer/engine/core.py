@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from deepinfer.defaults import default_model_cache_dir
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
@@ -34,7 +35,7 @@ from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
-from deepinfer.model_store import default_cache_dir, resolve_model
+from deepinfer.model_store import resolve_model
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -60,7 +61,7 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        cache_dir = args.cache_dir or default_cache_dir()
+        cache_dir = args.model_cache_dir or default_model_cache_dir()
         self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
         self.model_config = load_model_config(self.model_dir)
         # No tokenizer.json (a bare config for load_format="dummy"): token ids in, token ids out.

@@ -22,7 +22,7 @@ from deepinfer.protocol.requests import (
     Release,
 )
 from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
-from deepinfer.protocol.sampling import SamplingParams
+from deepinfer.protocol.sampling import WireSamplingParams
 from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
 from deepinfer.protocol.token_wire import TokenBatchWriter, chunk_prefix
 from deepinfer.protocol.tokens import (
@@ -67,7 +67,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RouteStatus",
-    "SamplingParams",
+    "WireSamplingParams",
     "SnapshotPage",
     "SnapshotRequest",
     "TokenBatch",

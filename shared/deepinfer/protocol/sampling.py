@@ -1,4 +1,4 @@
-"""Sampling parameters on the wire; the engine's plain class uses the same field names."""
+"""Sampling parameters on the wire; the engine's plain class (`deepinfer.SamplingParams`) uses the same field names."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pydantic import Field
 from deepinfer.protocol.base import Message
 
 
-class SamplingParams(Message):
-    """How to pick each output token, as the client asked (OpenAI/vLLM meanings)."""
+class WireSamplingParams(Message):
+    """How to pick each output token, as the client asked (OpenAI/vLLM meanings); the engine's is `SamplingParams`."""
 
     kind = "sampling_params"
 

@@ -1,6 +1,7 @@
 """`SamplingParams`: what a request asks of the sampler. Plain Python: no torch, no pydantic.
 
-Field names and defaults follow vLLM's `SamplingParams`; the wire message in `deepinfer.protocol` uses the same names.
+Field names and defaults follow vLLM's `SamplingParams`; the wire message (`deepinfer.protocol.WireSamplingParams`)
+uses the same names.
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ from deepinfer.protocol import (
     RouteDecision,
     RouteRequest,
     RouteStatus,
-    SamplingParams,
     TokenBatch,
     TokenChunk,
     TokenLogprobs,
+    WireSamplingParams,
     WorkerLoad,
     WorkerRole,
 )
@@ -116,7 +116,7 @@ class FakeWorkers:
             load = worker_load(worker_id, role, self.model, model_fingerprint=fingerprint)
             await self.bus.publish(subjects.heartbeat(self.model, worker_id), load)
 
-    def script(self, sampling: SamplingParams) -> tuple[list[int], FinishReason]:
+    def script(self, sampling: WireSamplingParams) -> tuple[list[int], FinishReason]:
         """The output for a request: the script cut at max_tokens (length) or whole (stop)."""
         ids = list(self.output_token_ids)
         if sampling.max_tokens is not None and len(ids) > sampling.max_tokens:
@@ -195,7 +195,7 @@ class FakeWorkers:
         self.cancels.append(cancel)
 
 
-def _logprobs(token_ids: list[int], sampling: SamplingParams) -> list[TokenLogprobs]:
+def _logprobs(token_ids: list[int], sampling: WireSamplingParams) -> list[TokenLogprobs]:
     """Deterministic logprobs: the sampled id at -0.5, then `logprobs` alternatives at -1, -2, ..."""
     k = sampling.logprobs or 0
     return [

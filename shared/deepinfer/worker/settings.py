@@ -10,7 +10,7 @@ from typing import Any
 
 from deepinfer.config import WorkerSettings
 from deepinfer.engine import EngineArgs
-from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -36,12 +36,12 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         graph_sampling=settings.graph_sampling,
         admission_window_s=settings.admission_window_s,
-        eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
+        eager_step_switch_interval_s=settings.eager_step_switch_interval_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enable_kv_events=True,
         model_revision=common.model_revision,
-        cache_dir=common.model_cache_dir,
+        model_cache_dir=common.model_cache_dir,
         progress=False,
     )
 
