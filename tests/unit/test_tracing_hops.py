@@ -33,10 +33,33 @@ def test_file_exporter_writes_parented_spans_a_reader_parses(tmp_path: Path):
     assert request["attributes"] == {"request_id": "r1"} and request["parent_id"] is None
     assert queue["parent_id"] == request["span_id"] == f"{root.get_span_context().span_id:016x}"
     assert queue["trace_id"] == request["trace_id"] and queue["service"] == "prefill"
-    assert queue["end_ns"] - queue["start_ns"] == epoch_ns(started_s + 0.002) - epoch_ns(started_s)
+    assert queue["end_ns"] - queue["start_ns"] == epoch_ns(started_s + 0.002, 0) - epoch_ns(started_s, 0)
     # and the histogram counts both hops
     assert registry.get_sample_value("deepinfer_prefill_hop_seconds_count", {"hop": "queue"}) == 1
     assert registry.get_sample_value("deepinfer_prefill_hop_seconds_count", {"hop": "request"}) == 1
+
+
+def test_a_recorded_hop_lies_between_the_spans_of_its_task_before_and_after_it(tmp_path: Path, monkeypatch):
+    # The SDK stamps spans with time.time_ns(); a recorded hop converts time.monotonic() readings. Their offset
+    # moving by 5 ms after the first span (a clock step; or, for an offset read once per process, a preemption
+    # between its two reads) must not put the hop outside the spans that cause it and follow it.
+    provider = setup_tracer_provider(CommonSettings(otel_exporter="file", otel_file_dir=tmp_path), "gateway")
+    hops = Hops(provider.get_tracer("t"), new_registry(False), "gateway")
+    with hops.span("request"):
+        with hops.span("decode_admission"):
+            pass
+        monotonic, monotonic_ns = time.monotonic, time.monotonic_ns
+        monkeypatch.setattr(time, "monotonic", lambda: monotonic() + 0.005)
+        monkeypatch.setattr(time, "monotonic_ns", lambda: monotonic_ns() + 5_000_000)
+        started_s = time.monotonic()
+        hops.record("sse_write", started_s, time.monotonic())
+        with hops.span("after"):
+            pass
+    provider.shutdown()
+    spans = {s["name"]: s for s in read_spans(tmp_path)}
+    request, write = spans["gateway.request"], spans["gateway.sse_write"]
+    assert spans["gateway.decode_admission"]["end_ns"] <= write["start_ns"] <= write["end_ns"]
+    assert write["end_ns"] <= spans["gateway.after"]["start_ns"] <= request["end_ns"]
 
 
 def test_default_exporter_records_nothing_and_a_hop_creates_no_span(tmp_path: Path):
