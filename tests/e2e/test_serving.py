@@ -121,7 +121,9 @@ def test_a_non_streaming_client_that_goes_away_is_dropped_by_every_worker(stack,
     wait_until(lambda: workers_idle(stack), 30, "the workers to drop the abandoned request")
     released_s = time.monotonic() - gone
     print(f"{what}: workers idle {released_s:.2f} s after the client left")
-    assert released_s < 1.0 + (STEP_ALLOWANCE_S if what == "long prefill" else 0.0)
+    # seconds (the gateway's poll for the closed connection, the Cancel, the workers' next metrics), not the
+    # minutes 2000 tokens take; room for a busy machine (1.36 s for the decode case with both cores busy)
+    assert released_s < 5.0 + (STEP_ALLOWANCE_S if what == "long prefill" else 0.0)
 
 
 #: A prefill step already running when the cancel arrives finishes first: on the 2-core CPU, a chunk of a long
