@@ -32,11 +32,13 @@ def test_decode_killed_mid_stream_gives_a_clean_error_then_serving_resumes(clien
             if received == 5:
                 stack.kill("decode-0", signal.SIGKILL)
                 killed_at = time.monotonic()
-    assert time.monotonic() - killed_at < 5.0
+    # by the gateway's worker lease (3 s) or its stream_timeout_s (5 s of silence), whichever a busy machine lets
+    # come first; not the 120 s first-token timeout or a hang
+    assert time.monotonic() - killed_at < 15.0
     assert received >= 5
     assert failure.value.message
     # The supervisor restarts the worker (model load included); then the stack serves again.
-    wait_until(lambda: stack.restart_count("decode-0") >= 1, 10, "decode-0 to be restarted")
+    wait_until(lambda: stack.restart_count("decode-0") >= 1, 30, "decode-0 to be restarted")
     text = wait_until(lambda: _try(ask, client, stack), 120, "a completion after decode-0 came back", 1.0)
     assert "Paris" in text
 
@@ -50,7 +52,9 @@ def test_scheduler_killed_requests_fail_fast_with_503_until_it_is_back(client, s
     with pytest.raises(openai.APIStatusError) as failure:
         ask(client, stack)
     assert failure.value.status_code == 503
-    assert time.monotonic() - started < 2.5
+    # NoResponders at once, or (sent to the dead replica's subscription) both route attempts' 2 s timeouts: not the
+    # request's own timeout
+    assert time.monotonic() - started < 2 * 2.0 + 2.0
     assert failure.value.response.headers.get("retry-after")
     text = wait_until(lambda: _try(ask, client, stack), 30, "a completion after the scheduler came back", 0.5)
     assert "Paris" in text

@@ -31,6 +31,7 @@ from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -232,10 +233,9 @@ async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
         request_id="r-drain", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
         timeout_s=30)
     assert accepted.status is DecodeStatus.ACCEPTED
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: chunks, "the request's first tokens")  # it is generating
     await asyncio.wait_for(decode.drain(0.2), 5.0)
-    await bus.flush()
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: chunks[-1].finish_reason is not None, "the request's last chunk")
     last = chunks[-1]
     assert last.request_id == "r-drain" and last.finish_reason is FinishReason.ERROR
     assert last.error is not None and last.error.code is ErrorCode.OVERLOADED and "drain grace" in last.error.message
@@ -279,17 +279,16 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
     sub = await bus.subscribe(subjects.kv_events_all(token), on_events, message_type=KvEventBatch)
     accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-events")
     assert accepted.status is DecodeStatus.ACCEPTED
-    await asyncio.sleep(0.3)
-    await sub.unsubscribe()
     expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
-    stored = {
-        (batch.worker_id, h)
-        for batch in batches for event in batch.events if event.event_kind is KvEventKind.STORED
-        for h in event.block_hashes
-    }
+
+    def stored() -> set[tuple[str, bytes]]:
+        return {(batch.worker_id, h) for batch in batches for event in batch.events
+                if event.event_kind is KvEventKind.STORED for h in event.block_hashes}
+
     # Both workers announce the prompt's full blocks: prefill computed them, decode imported them.
-    assert {("prefill-t", h) for h in expected} <= stored
-    assert {("decode-t", h) for h in expected} <= stored
+    announced = {(worker, h) for worker in ("prefill-t", "decode-t") for h in expected}
+    await wait_until(lambda: announced <= stored(), "both workers' stored events for the prompt")
+    await sub.unsubscribe()
     for worker in ("prefill-t", "decode-t"):
         seqs = [b.seq for b in batches if b.worker_id == worker]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -330,7 +329,8 @@ async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(work
             break
         request = SnapshotRequest(cursor=page.next_cursor, seq=page.seq, page_size=2)
     assert from_pages.end_snapshot("prefill-t")
-    await asyncio.sleep(0.3)
+    # every batch up to the snapshot's seq has arrived (the worker publishes its events in the background)
+    await wait_until(lambda: seen and seen[-1].seq >= pages[0].seq, "the events up to the snapshot's seq")
     await sub.unsubscribe()
     expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
     assert len(pages) == 3 and {p.seq for p in pages} == {seen[-1].seq} and {p.epoch for p in pages} == {epoch}
