@@ -27,7 +27,9 @@ async def build(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
     common = settings.common
     model_dir = await asyncio.to_thread(resolve_model, common.model, common.model_cache_dir, False)
     served_model_name = common.served_model_name or common.model
-    model = await asyncio.to_thread(ModelInfo.from_dir, model_dir, served_model_name)
+    model = await asyncio.to_thread(
+        ModelInfo.from_dir, model_dir, served_model_name, None, settings.max_prompt_chars
+    )
     _ = model.chat_encoder  # built (and checked on its probes) before the first request, not by it
     gateway = GatewayHandler(settings, ctx.bus, ctx.registry, model, ctx.tracer)
     ctx.advertise_port("api", settings.port)

@@ -13,7 +13,13 @@ from pydantic import BaseModel, ValidationError
 
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import bad_request, from_validation_error
-from services.gateway.recipe import ModelInfo, chat_text, check_model, check_request_template
+from services.gateway.recipe import (
+    ModelInfo,
+    chat_text,
+    check_model,
+    check_prompt_chars,
+    check_request_template,
+)
 from services.gateway.vllm_models import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -49,6 +55,7 @@ async def tokenize(model: ModelInfo, settings: GatewaySettings, data: dict[str, 
 
 def _tokenize(model: ModelInfo, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
     text = chat_text(model, body) if isinstance(body, TokenizeChatRequest) else body.prompt
+    check_prompt_chars(model, len(text), "messages" if isinstance(body, TokenizeChatRequest) else "prompt")
     tokens = model.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     token_strs = None
     if body.return_token_strs:

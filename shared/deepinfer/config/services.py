@@ -132,6 +132,11 @@ class GatewaySettings(ServiceSettings):
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
     )
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="Longest prompt text (characters, after the chat template) that is tokenized: a "
+        "longer one is a 400 (context_length_exceeded) before any tokenization. Unset = the context length times "
+        "the tokenizer's longest token (a longer text cannot fit the context).",
+    )
     trust_request_chat_template: bool = Field(
         False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
         "chat_template`); off: such a request is a 400 (a template is code the gateway runs, as vLLM's "
