@@ -1,0 +1,174 @@
+"""What a hostile or naive client gets from a `deepinfer up` stack (issue #40), one case per subcommand.
+
+    python bench/hostile.py prompt      # 15.6 MB prompts on /tokenize, /v1/completions, /v1/chat/completions
+                                        # while a second client sends small requests
+    python bench/hostile.py schemas     # impossible and pathological JSON schemas
+    python bench/hostile.py integer     # {"population": {"type": "integer"}} at temperature 0
+    python bench/hostile.py scheduler   # a scheduler killed under 8 streaming clients
+    python bench/hostile.py abandon     # a 6,000-token prompt abandoned 2 s in, then a small request
+    python bench/hostile.py defaults    # 80 SDK-default chat answers to the France question
+
+Each starts its own stack (the default model, CPU; `--schedulers`), prints one line per measurement and a JSON
+line at the end. Figures: docs/hostile-clients.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from deepinfer.up import Stack
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BIG_PROMPT_CHARS = 15_600_000
+
+
+def rss_mb(pid: int | None) -> float:
+    """Resident memory of a process (MB), 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def wait_healthy(base: str, timeout_s: float) -> None:
+    """Until the gateway answers /health with 200 (or the timeout passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+class Background:
+    """A second client: small requests one after another until stopped; each one's status and latency."""
+
+    def __init__(self, send: Callable[[], int]) -> None:
+        self.send = send
+        self.results: list[tuple[int | str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Background:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                status: int | str = self.send()
+            except Exception as exc:  # noqa: BLE001 - the probe records what a client sees
+                status = type(exc).__name__
+            self.results.append((status, time.monotonic() - started))
+            time.sleep(0.2)
+
+    def summary(self) -> dict[str, Any]:
+        """How many, how many failed, the slowest."""
+        failed = [s for s, _ in self.results if s != 200]
+        return {
+            "num_requests": len(self.results),
+            "num_failed": len(failed),
+            "failures": sorted({str(s) for s in failed}),
+            "max_latency_s": round(max((t for _, t in self.results), default=0.0), 2),
+        }
+
+
+def case_prompt(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """Huge prompts on each route while a second client's small completions run."""
+    base = stack.base_url.removesuffix("/v1")
+    model = stack.model_name
+    text = "hello world " * (BIG_PROMPT_CHARS // 12)
+    bodies = {
+        "/tokenize": {"model": model, "prompt": text},
+        "/v1/completions": {"model": model, "prompt": text, "max_tokens": 4},
+        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4},
+    }
+    # Under the character bound: tokenized (~150k tokens, a second or two), then refused for its tokens.
+    near = ("hello world, this is a prompt " * 22_000)[:660_000]
+    bodies["/v1/completions 660k chars"] = {"model": model, "prompt": near, "max_tokens": 4}
+    payloads = {route: json.dumps(body).encode() for route, body in bodies.items()}
+    small = httpx.Client(base_url=base, timeout=30)
+
+    def small_request() -> int:
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        return small.post("/v1/completions", json=body).status_code
+
+    gateway_pid = stack.services["gateway-0"].pid
+    results: dict[str, Any] = {"gateway_rss_mb_before": round(rss_mb(gateway_pid))}
+    peak = [0.0]
+    sampling = threading.Event()
+
+    def sample_rss() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], rss_mb(stack.services["gateway-0"].pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    with Background(small_request) as background, httpx.Client(base_url=base, timeout=60) as big:
+        time.sleep(1.0)
+        for name, payload in payloads.items():
+            route = name.split()[0]
+            started = time.monotonic()
+            try:
+                response = big.post(route, content=payload, headers={"content-type": "application/json"})
+                outcome: Any = {"status": response.status_code, "body": response.text[:300]}
+            except httpx.HTTPError as exc:
+                outcome = {"status": type(exc).__name__}
+            outcome["seconds"] = round(time.monotonic() - started, 2)
+            results[name] = outcome
+            print(f"{name}: {outcome}", flush=True)
+            wait_healthy(base, 60)  # a killed gateway is back before the next route is tried
+        time.sleep(2.0)
+    sampling.set()
+    sampler.join()
+    results["small_requests"] = background.summary()
+    results["gateway_rss_mb_peak"] = round(peak[0])
+    results["gateway_replaced"] = stack.services["gateway-0"].pid != gateway_pid
+    results["gateway_restarts"] = stack.restart_count("gateway-0")
+    print(f"small requests: {results['small_requests']}", flush=True)
+    print(f"gateway RSS before {results['gateway_rss_mb_before']} MB, peak {results['gateway_rss_mb_peak']} MB, "
+          f"replaced: {results['gateway_replaced']}", flush=True)
+    return results
+
+
+CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {"prompt": case_prompt}
+
+
+def main() -> None:
+    """Start a stack, run one case, print its JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--schedulers", type=int, default=None, help="scheduler replicas (default: up's)")
+    args = parser.parse_args()
+    kwargs = {} if args.schedulers is None else {"num_schedulers": args.schedulers}
+    env = {"DEEPINFER_GATEWAY_API_KEYS": ""}
+    with Stack(port=0, env_overrides=env, start_timeout_s=300, **kwargs) as stack:
+        results = CASES[args.case](stack, args)
+    print(json.dumps({"case": args.case, **results}))
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    main()

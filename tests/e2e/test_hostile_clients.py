@@ -1,0 +1,84 @@
+"""What a stranger's requests get from the whole stack (issue #40): a clear answer for that client, no harm to anyone
+else. Driven by the official `openai` client, as a user would."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+#: Under the gateway's 16 MiB body limit.
+HUGE_PROMPT = "hello world " * 1_300_000
+
+
+class SmallRequests:
+    """A second client: small completions one after another until stopped, each one's outcome and latency."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.client, self.model = client, model
+        self.outcomes: list[tuple[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SmallRequests:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.client.completions.create(model=self.model, prompt="The capital of France is", max_tokens=4,
+                                               temperature=0)
+                outcome = "ok"
+            except openai.APIError as exc:
+                outcome = type(exc).__name__
+            self.outcomes.append((outcome, time.monotonic() - started))
+            time.sleep(0.1)
+
+
+def _refused_for_length(call: Any, param: str) -> float:
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as refused:
+        call()
+    seconds = time.monotonic() - started
+    error = refused.value.body
+    assert (refused.value.code, refused.value.param, error["type"]) == (
+        "context_length_exceeded", param, "invalid_request_error")
+    assert "max_prompt_chars" in error["message"] and len(error["message"]) < 300
+    return seconds
+
+
+def test_huge_prompts_get_a_quick_400_while_another_clients_requests_all_succeed(client, stack):
+    model = stack.model_name
+    gateway_pid = stack.services["gateway-0"].pid
+    huge_chat = [{"role": "user", "content": HUGE_PROMPT}]
+    with SmallRequests(client, model) as small:
+        time.sleep(0.5)
+        seconds = [
+            _refused_for_length(lambda: client.completions.create(model=model, prompt=HUGE_PROMPT, max_tokens=4),
+                                "prompt"),
+            _refused_for_length(lambda: client.chat.completions.create(model=model, messages=huge_chat, max_tokens=4),
+                                "messages"),
+        ]
+        started = time.monotonic()
+        tokenized = httpx.post(f"{stack.base_url.removesuffix('/v1')}/tokenize",
+                               json={"model": model, "prompt": HUGE_PROMPT}, timeout=60)
+        seconds.append(time.monotonic() - started)
+        assert tokenized.status_code == 400 and tokenized.json()["error"]["code"] == "context_length_exceeded"
+        time.sleep(1.0)
+    assert max(seconds) < 5.0, seconds
+    assert small.outcomes and all(outcome == "ok" for outcome, _ in small.outcomes), small.outcomes
+    assert max(latency for _, latency in small.outcomes) < 3.0, small.outcomes
+    assert stack.services["gateway-0"].pid == gateway_pid and stack.restart_count("gateway-0") == 0
