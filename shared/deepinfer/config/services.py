@@ -250,6 +250,11 @@ class WorkerSettings(ServiceSettings):
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "
         "for one CUDA device, off on the CPU and with tensor parallelism.",
     )
+    prefill_chunk_s: float | None = Field(
+        None, ge=0, description="Seconds of compute the prompt tokens of one engine step aim at (measured seconds "
+        "per token), so an abandoned prompt frees the worker and a new request starts within about that long; "
+        "unset = 0.5 on the CPU, off on accelerators (the token budget alone); 0 = off.",
+    )
     engine_step_deadline_s: float = Field(
         120.0, gt=0,
         description="A single engine step running longer than this (a hung device or collective) makes /health "

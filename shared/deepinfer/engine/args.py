@@ -20,6 +20,10 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+#: What a step's prompt tokens aim at on the CPU (prefill_chunk_s unset): an abandoned prompt frees the worker
+#: within about this long.
+CPU_PREFILL_CHUNK_S = 0.5
+
 #: How weights are loaded (vLLM's names).
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -96,6 +100,11 @@ class EngineArgs:
     #: None = auto: on for a single CUDA device (the host's step work then hides under the device's), off on the
     #: CPU (nothing to overlap) and with tensor parallelism (not tested across ranks).
     async_scheduling: bool | None = None
+    #: Seconds of compute the prompt tokens of one step aim at, from the measured seconds per token
+    #: (deepinfer.engine.chunk_timer), so an abort or a new request waits about that long at most; synchronous
+    #: scheduling only. None = 0.5 on the CPU (a 2048-token step there is tens of seconds), off elsewhere (the token
+    #: budget alone: a GPU step is milliseconds); 0 = off.
+    prefill_chunk_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -111,6 +120,8 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.prefill_chunk_s is not None and self.prefill_chunk_s < 0:
+            raise ValueError(f"prefill_chunk_s must be >= 0, got {self.prefill_chunk_s}")
         if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
 
@@ -125,6 +136,12 @@ class EngineArgs:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device.type == "cuda" and self.tensor_parallel_size == 1
+
+    def resolve_prefill_chunk_s(self, device: torch.device) -> float | None:
+        """Seconds a step's prompt tokens aim at (see prefill_chunk_s); None = no time bound."""
+        if self.prefill_chunk_s is not None:
+            return self.prefill_chunk_s or None
+        return CPU_PREFILL_CHUNK_S if device.type == "cpu" else None
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of weights and KV cache."""

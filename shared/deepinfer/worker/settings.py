@@ -31,6 +31,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         kv_host_cache_bytes=None if settings.kv_host_cache_bytes is None else int(settings.kv_host_cache_bytes),
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
+        prefill_chunk_s=settings.prefill_chunk_s,
         batch_invariant=settings.batch_invariant,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
         full_cuda_graphs=settings.full_cuda_graphs,
