@@ -15,7 +15,9 @@ line at the end. Figures: docs/hostile-clients.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import openai
 
 from deepinfer.up import Stack
 
@@ -153,7 +156,41 @@ def case_prompt(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {"prompt": case_prompt}
+def unique_prompt(num_words: int, seed: int) -> str:
+    """A prompt no cache holds: numbered words from a seeded generator (~4 tokens per word)."""
+    rng = random.Random(seed)
+    words = ["river", "stone", "market", "violet", "engine", "harbor", "lantern", "meadow", "copper", "falcon"]
+    return " ".join(f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(num_words))
+
+
+def case_abandon(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """A client abandons a long uncached prompt 2 s in (streamed or not); how long the next small request takes."""
+    base = stack.base_url.removesuffix("/v1")
+    model = stack.model_name
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=120)
+    client.completions.create(model=model, prompt="Hello", max_tokens=2)  # warm
+    runs = []
+    for run in range(args.runs):
+        prompt = unique_prompt(args.prompt_words, seed=time.time_ns() + run)
+        num_tokens = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": prompt}).json()["count"]
+        stream = run % 2 == 0
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "stream": stream}
+        with contextlib.suppress(httpx.TimeoutException):  # the client gives up: its connection closes
+            httpx.post(f"{base}/v1/completions", json=body, timeout=args.abandon_after_s)
+        started = time.monotonic()
+        client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+        seconds = round(time.monotonic() - started, 2)
+        runs.append({"prompt_tokens": num_tokens, "stream": stream, "next_request_s": seconds})
+        print(f"run {run}: {num_tokens}-token prompt abandoned after {args.abandon_after_s} s "
+              f"({'stream' if stream else 'no stream'}): next small request took {seconds} s", flush=True)
+        time.sleep(1.0)
+    return {"runs": runs, "max_next_request_s": max(r["next_request_s"] for r in runs)}
+
+
+CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {
+    "prompt": case_prompt,
+    "abandon": case_abandon,
+}
 
 
 def main() -> None:
@@ -161,6 +198,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("--schedulers", type=int, default=None, help="scheduler replicas (default: up's)")
+    parser.add_argument("--runs", type=int, default=4, help="abandon: prompts abandoned, streamed every other one")
+    parser.add_argument("--prompt-words", type=int, default=1500, help="abandon: words of each prompt (~4 tokens each)")
+    parser.add_argument("--abandon-after-s", type=float, default=2.0, help="abandon: when the client gives up")
     args = parser.parse_args()
     kwargs = {} if args.schedulers is None else {"num_schedulers": args.schedulers}
     env = {"DEEPINFER_GATEWAY_API_KEYS": ""}

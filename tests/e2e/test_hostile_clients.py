@@ -3,6 +3,7 @@ else. Driven by the official `openai` client, as a user would."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from tests.e2e.conftest import wait_until, workers_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +85,24 @@ def test_huge_prompts_get_a_quick_400_while_another_clients_requests_all_succeed
     assert small.outcomes and all(outcome == "ok" for outcome, _ in small.outcomes), small.outcomes
     assert max(latency for _, latency in small.outcomes) < 3.0, small.outcomes
     assert stack.services["gateway-0"].pid == gateway_pid and stack.restart_count("gateway-0") == 0
+
+
+def _unique_prompt(num_words: int) -> str:
+    """A prompt no cache holds (~4 tokens a word)."""
+    rng = random.Random(time.time_ns())
+    words = ["river", "stone", "market", "violet", "engine", "harbor", "lantern", "meadow", "copper", "falcon"]
+    return " ".join(f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(num_words))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_long_prompt_abandoned_frees_the_workers_for_the_next_request(client, stack, stream):
+    base = stack.base_url.removesuffix("/v1")
+    prompt = _unique_prompt(1500)
+    assert httpx.post(f"{base}/tokenize", json={"model": stack.model_name, "prompt": prompt}).json()["count"] > 5000
+    body = {"model": stack.model_name, "prompt": prompt, "max_tokens": 8, "stream": stream}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up 2 s in: its connection closes
+        httpx.post(f"{base}/v1/completions", json=body, timeout=2.0)
+    started = time.monotonic()
+    client.completions.create(model=stack.model_name, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert time.monotonic() - started < 5.0
+    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the abandoned prompt")
