@@ -111,6 +111,11 @@ class GatewaySettings(ServiceSettings):
     stream_timeout_s: float = Field(
         5.0, gt=0, description="Silence allowed between two token chunks before the request fails (502)."
     )
+    route_fallback: bool = Field(
+        True, description="When no scheduler answers (none subscribed, or every route attempt timed out), route the "
+        "request from this gateway's own view of worker heartbeats (least loaded, no prefix-cache credit; counted "
+        "in deepinfer_gateway_fallback_routes_total). Off: such requests get a 503.",
+    )
     poll_interval_s: float = Field(
         0.25, gt=0, description="How often a waiting request checks worker heartbeats, silence and the client."
     )
