@@ -187,7 +187,52 @@ def case_abandon(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return {"runs": runs, "max_next_request_s": max(r["next_request_s"] for r in runs)}
 
 
+def case_scheduler(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """8 clients stream short completions; scheduler-0 is killed; what the requests of the next 15 s get."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+    model = stack.model_name
+    outcomes: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def stream_one() -> str:
+        try:
+            stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, stream=True)
+            for _ in stream:
+                pass
+            return "ok"
+        except openai.APIStatusError as exc:
+            return str(exc.status_code)
+        except openai.APIError as exc:
+            return type(exc).__name__
+
+    def run() -> None:
+        while not stop.is_set():
+            outcome = stream_one()
+            outcomes.append((time.monotonic(), outcome))
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(5.0)
+    killed_s = time.monotonic()
+    stack.kill("scheduler-0", signal.SIGKILL)
+    time.sleep(15.0)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    before = [o for t, o in outcomes if killed_s - 5.0 <= t < killed_s]
+    after = [o for t, o in outcomes if t >= killed_s and t < killed_s + 15.0]
+    failed = [o for o in after if o != "ok"]
+    result = {"num_schedulers": stack.num_schedulers, "num_requests_5s_before": len(before),
+              "num_requests": len(after), "num_failed": len(failed),
+              "failures": sorted(set(failed)), "scheduler_restarts": stack.restart_count("scheduler-0")}
+    print(f"scheduler-0 killed under 8 streaming clients ({stack.num_schedulers} replicas): "
+          f"{len(failed)} of {len(after)} requests of the next 15 s failed {sorted(set(failed))}", flush=True)
+    return result
+
+
 CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {
+    "scheduler": case_scheduler,
     "prompt": case_prompt,
     "abandon": case_abandon,
 }
