@@ -1,8 +1,9 @@
-"""Schemas before they compile: no finite document refused (naming where), and the
+"""Schemas before they compile: no finite document refused (naming where), numbers bounded by default, and the
 gateway's probe of a new grammar; errors are one short line, never llguidance's parser state."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import llguidance
@@ -11,6 +12,7 @@ import pytest
 from deepinfer.structured import GrammarError, Grammars, SchemaError, json_schema_grammar
 from deepinfer.structured.finite import endless_part
 from deepinfer.structured.grammar import public_error
+from deepinfer.structured.numbers import FRACTION_DIGITS, INTEGER_BOUND, NUMBER_BOUND, bound_numbers
 from deepinfer.tokenizer import Tokenizer
 from tests.gateway_harness import write_tokenizer_dir
 
@@ -45,6 +47,33 @@ def test_recursion_with_a_way_out_is_fine(schema: dict):
     assert endless_part(schema) is None
 
 
+def test_numbers_get_bounds_they_do_not_set_on_a_copy():
+    schema = {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer"},
+            "ratio": {"type": "number"},
+            "age": {"type": "integer", "minimum": 0},
+            "price": {"type": "number", "exclusiveMaximum": 10, "multipleOf": 0.01},
+            "tags": {"type": "array", "items": {"type": ["integer", "null"]}},
+        },
+        "$defs": {"n": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+    }
+    original = copy.deepcopy(schema)
+    bounded = bound_numbers(schema)
+    assert schema == original
+    properties = bounded["properties"]
+    assert properties["count"] == {"type": "integer", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND}
+    assert properties["ratio"] == {"type": "number", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND,
+                                   "multipleOf": 10.0**-FRACTION_DIGITS}
+    assert properties["age"] == {"type": "integer", "minimum": 0, "maximum": INTEGER_BOUND}
+    assert properties["price"] == {"type": "number", "exclusiveMaximum": 10, "multipleOf": 0.01,
+                                   "minimum": -NUMBER_BOUND}
+    assert properties["tags"]["items"]["maximum"] == INTEGER_BOUND
+    assert bounded["$defs"]["n"]["anyOf"] == [
+        {"type": "integer", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND}, {"type": "string"}]
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_dir(write_tokenizer_dir(tmp_path_factory.mktemp("tok")))
@@ -53,6 +82,27 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def grammars(tokenizer: Tokenizer) -> Grammars:
     return Grammars(tokenizer)
+
+
+def _accepts(grammars: Grammars, tokenizer: Tokenizer, schema: dict, text: str) -> bool:
+    matcher = grammars.matcher(json_schema_grammar(schema))
+    return matcher.accept_all(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting
+
+
+@pytest.mark.parametrize(("schema", "text", "ok"), [
+    ({"type": "integer"}, "9" * 18, True),
+    ({"type": "integer"}, "-" + "9" * 18, True),
+    ({"type": "integer"}, "1" * 19, False),
+    ({"type": "integer", "minimum": 5}, "4", False),  # the schema's own bound is kept
+    ({"type": "integer", "minimum": 5}, "9" * 18, True),
+    ({"type": "number"}, "3.141592653", True),
+    ({"type": "number"}, "3.1415926535", False),  # a 10th digit after the point
+    ({"type": "number"}, "1e5", False),
+    ({"type": "number"}, "9" * 14 + ".5", True),
+    ({"type": "number"}, "9" * 16, False),
+])
+def test_bounded_numbers_end(grammars: Grammars, tokenizer: Tokenizer, schema: dict, text: str, ok: bool):
+    assert _accepts(grammars, tokenizer, schema, text) is ok
 
 
 @pytest.mark.parametrize("pattern", ["^a{100000}$", "^(x{1000}){1000}$"])

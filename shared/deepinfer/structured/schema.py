@@ -1,7 +1,7 @@
 """JSON schemas as grammars: size and complexity limits, unsupported features named, JSON output options.
 
     check_schema(schema)                   # SchemaError (with the feature or limit) before anything compiles
-    schema = prepared_schema(schema)       # checked, no finite document refused
+    schema = prepared_schema(schema)       # checked, no finite document refused, numbers bounded (numbers.py)
     grammar = json_schema_grammar(schema)  # prepared, then llguidance grammar text; Grammars.check compiles it
     grammar = json_object_grammar()        # any JSON object (response_format json_object)
 """
@@ -16,6 +16,7 @@ import llguidance
 
 from deepinfer.structured.finite import endless_part
 from deepinfer.structured.grammar import PROBE_MESSAGES
+from deepinfer.structured.numbers import bound_numbers
 
 #: Largest schema accepted, as compact JSON.
 MAX_SCHEMA_BYTES = 32 * 1024
@@ -60,12 +61,12 @@ def check_schema(schema: Any) -> None:
 
 
 def prepared_schema(schema: Any) -> dict[str, Any]:
-    """`schema` as it is compiled: checked (SchemaError: limits, or no finite document)."""
+    """`schema` as it is compiled: checked (SchemaError: limits, or no finite document), numbers bounded."""
     check_schema(schema)
     endless = endless_part(schema)
     if endless is not None:
         raise SchemaError(f"no finite JSON document satisfies the schema: {endless}")
-    return schema
+    return bound_numbers(schema)
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
