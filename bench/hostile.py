@@ -231,7 +231,78 @@ def case_scheduler(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+#: Schemas no document satisfies, or whose document is pathological (issue #40, 2).
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "$ref loop": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    "recursive required $ref": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    "pattern ^a{100000}$": {"type": "string", "pattern": "^a{100000}$"},
+    "pattern ^(x{1000}){1000}$": {"type": "string", "pattern": "^(x{1000}){1000}$"},
+    "minimum > maximum": {"type": "integer", "minimum": 5, "maximum": 1},
+}
+#: What an error message must never carry: the grammar engine's internal state.
+INTERNALS = ("<state>", "grm_prefix", "compute_time_us", "lexer_cost", "Parser: {")
+
+
+def schema_request(model: str, schema: dict[str, Any], max_tokens: int | None = None) -> dict[str, Any]:
+    """A chat completion body asking for `schema`."""
+    body: dict[str, Any] = {
+        "model": model, "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def case_schemas(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """Each schema of SCHEMAS: status, error type and message (or finish_reason), seconds; internals leaked?"""
+    base = stack.base_url.removesuffix("/v1")
+    results = {}
+    for name, schema in SCHEMAS.items():
+        started = time.monotonic()
+        response = httpx.post(f"{base}/v1/chat/completions", json=schema_request(stack.model_name, schema),
+                              timeout=600)
+        body = response.json()
+        outcome: dict[str, Any] = {"status": response.status_code, "seconds": round(time.monotonic() - started, 2)}
+        if "error" in body:
+            outcome.update(type=body["error"]["type"], message=body["error"]["message"][:200])
+        else:
+            choice = body["choices"][0]
+            outcome.update(finish_reason=choice["finish_reason"], completion_tokens=body["usage"]["completion_tokens"])
+        outcome["leaks_internals"] = any(marker in response.text for marker in INTERNALS)
+        results[name] = outcome
+        print(f"{name}: {outcome}", flush=True)
+    return results
+
+
+def case_integer(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """An unbounded integer property at temperature 0: how the document ends."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=600)
+    results = {}
+    for closed in (True, False):
+        schema: dict[str, Any] = {"type": "object", "properties": {"population": {"type": "integer"}},
+                                  "required": ["population"]}
+        if closed:
+            schema["additionalProperties"] = False
+        for question in ("What is the population of Paris?", "How many people live in Tokyo?"):
+            messages = [{"role": "user", "content": f"{question} Answer in JSON."}]
+            started = time.monotonic()
+            reply = client.chat.completions.create(
+                model=stack.model_name, messages=messages, temperature=0, max_tokens=args.max_tokens,
+                response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+            )
+            choice = reply.choices[0]
+            result = {"finish_reason": choice.finish_reason, "completion_tokens": reply.usage.completion_tokens,
+                      "seconds": round(time.monotonic() - started, 2), "text": choice.message.content[:100]}
+            name = f"{'closed' if closed else 'open'} object, {question}"
+            results[name] = result
+            print(f"{name}: {result}", flush=True)
+    return results
+
+
 CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {
+    "schemas": case_schemas,
+    "integer": case_integer,
     "scheduler": case_scheduler,
     "prompt": case_prompt,
     "abandon": case_abandon,
@@ -245,6 +316,7 @@ def main() -> None:
     parser.add_argument("--schedulers", type=int, default=None, help="scheduler replicas (default: up's)")
     parser.add_argument("--runs", type=int, default=4, help="abandon: prompts abandoned, streamed every other one")
     parser.add_argument("--prompt-words", type=int, default=1500, help="abandon: words of each prompt (~4 tokens each)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="integer: max_tokens (default: the context)")
     parser.add_argument("--abandon-after-s", type=float, default=2.0, help="abandon: when the client gives up")
     args = parser.parse_args()
     kwargs = {} if args.schedulers is None else {"num_schedulers": args.schedulers}

@@ -3,6 +3,7 @@ else. Driven by the official `openai` client, as a user would."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -106,3 +107,47 @@ def test_a_long_prompt_abandoned_frees_the_workers_for_the_next_request(client, 
     client.completions.create(model=stack.model_name, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert time.monotonic() - started < 5.0
     wait_until(lambda: workers_idle(stack), 10, "the workers to drop the abandoned prompt")
+
+
+#: Schemas no finite document satisfies, or past the grammar limits: a 400 before anything runs (issue #40, 2).
+IMPOSSIBLE_SCHEMAS = {
+    "$ref loop": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    "recursive required $ref": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+    "pattern ^a{100000}$": {"type": "string", "pattern": "^a{100000}$"},
+    "pattern ^(x{1000}){1000}$": {"type": "string", "pattern": "^(x{1000}){1000}$"},
+    "minimum > maximum": {"type": "integer", "minimum": 5, "maximum": 1},
+}
+INTERNALS = ("<state>", "grm_prefix", "compute_time_us", "lexer_cost", "Parser: {")
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+@pytest.mark.parametrize("name", list(IMPOSSIBLE_SCHEMAS))
+def test_impossible_schemas_are_a_short_400(client, stack, name):
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=stack.model_name, messages=QUESTION, max_tokens=16,
+                                       response_format=_json_schema(IMPOSSIBLE_SCHEMAS[name]))
+    assert time.monotonic() - started < 5.0
+    error = refused.value.body
+    assert (error["type"], error["param"]) == ("invalid_request_error", "response_format.json_schema.schema")
+    text = refused.value.response.text
+    assert not any(marker in text for marker in INTERNALS), text
+    assert "\n" not in error["message"] and len(error["message"]) < 300
+
+
+def test_an_unbounded_integer_ends_and_a_cut_document_is_a_200_with_length(client, stack):
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}}, "required": ["population"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=stack.model_name, messages=[{"role": "user", "content": "What is the population of Paris?"}],
+        temperature=0, max_tokens=200, response_format=_json_schema(schema),
+    )
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    assert abs(json.loads(reply.choices[0].message.content)["population"]) < 10**18
+    cut = client.chat.completions.create(model=stack.model_name, messages=QUESTION, temperature=0, max_tokens=3,
+                                         response_format=_json_schema(schema))
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert cut.choices[0].message.content.startswith('{"')
