@@ -388,6 +388,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "deepinfer"
     max_model_len: int | None = None
+    #: Sampling fields a request that leaves them out gets (the model's recommended; {} = OpenAI's defaults).
+    default_sampling_params: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

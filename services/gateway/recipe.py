@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from deepinfer.model_store import recommended_sampling
 from deepinfer.protocol import SamplingParams
-from deepinfer.sampling.params import SamplingParamError, check_vocab
+from deepinfer.sampling.params import SamplingParamError, check_vocab, generation_sampling
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.structured import Grammars
@@ -44,14 +45,16 @@ class ModelInfo:
     vocab_size: int
     #: Longest prompt text tokenized (characters); None = no bound (no context length known).
     max_prompt_chars: int | None = None
+    #: Sampling fields applied when a request leaves them out (SamplingParams' names): the model's recommended.
+    default_sampling: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dir(
         cls, model_dir: Path, served_model_name: str, max_model_len: int | None = None,
-        max_prompt_chars: int | None = None,
+        max_prompt_chars: int | None = None, default_sampling: dict[str, float] | None = None,
     ) -> ModelInfo:
         """Load the tokenizer and context length from a Hugging Face model directory; `max_prompt_chars` unset =
-        the most characters max_model_len tokens can stand for."""
+        the most characters max_model_len tokens can stand for; `default_sampling` unset = none."""
         tokenizer = Tokenizer.from_dir(model_dir)
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
@@ -62,7 +65,8 @@ class ModelInfo:
             vocab_size = tokenizer.vocab_size
         if max_prompt_chars is None and max_model_len is not None:
             max_prompt_chars = max_model_len * tokenizer.max_token_chars
-        return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size, max_prompt_chars)
+        return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size, max_prompt_chars,
+                   dict(default_sampling or {}))
 
     @cached_property
     def chat_encoder(self) -> SegmentEncoder | None:
@@ -80,6 +84,14 @@ class ModelInfo:
     def grammars(self) -> Grammars:
         """Structured output: grammars compiled and checked against this tokenizer."""
         return Grammars(self.tokenizer)
+
+
+def model_sampling_defaults(model_dir: Path, model_name: str | None) -> dict[str, float]:
+    """The sampling defaults the model recommends: its generation_config.json's (vLLM's --generation-config auto),
+    else the model registry's for a known model (`model_store.recommended_sampling`), else none."""
+    path = Path(model_dir) / "generation_config.json"
+    generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return generation_sampling(generation_config) or recommended_sampling(model_name)
 
 
 @dataclass
@@ -216,15 +228,19 @@ def sampling_params(
             f"maximum context length of {model.max_model_len}",
             "max_tokens",
         )
+    defaults = model.default_sampling
     fields = {
         "n": 1,  # each choice is its own request on the workers
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
+        # a field the request leaves out takes the model's recommended value (none: the workers' default)
+        "temperature": body.temperature if body.temperature is not None else defaults.get("temperature"),
+        "top_p": body.top_p if body.top_p is not None else defaults.get("top_p"),
+        "top_k": body.top_k if body.top_k is not None else defaults.get("top_k"),
+        "min_p": body.min_p if body.min_p is not None else defaults.get("min_p"),
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
+        "repetition_penalty": (
+            body.repetition_penalty if body.repetition_penalty is not None else defaults.get("repetition_penalty")
+        ),
         "logit_bias": {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
         "seed": body.seed,
         "max_tokens": max_tokens if max_tokens is not None else room,

@@ -142,6 +142,12 @@ class GatewaySettings(ServiceSettings):
         "longer one is a 400 (context_length_exceeded) before any tokenization. Unset = the context length times "
         "the tokenizer's longest token (a longer text cannot fit the context).",
     )
+    sampling_defaults: Literal["model", "openai"] = Field(
+        "model", description="Sampling fields a request leaves out: model = the model's recommended ones "
+        "(generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty, else the model registry's, "
+        "e.g. SmolLM2's temperature 0.2, top_p 0.9; vLLM's --generation-config auto, SGLang's --sampling-defaults "
+        "model); openai = OpenAI's (temperature 1, top_p 1). A request's own values always win.",
+    )
     trust_request_chat_template: bool = Field(
         False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
         "chat_template`); off: such a request is a 400 (a template is code the gateway runs, as vLLM's "
