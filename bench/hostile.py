@@ -7,6 +7,7 @@
     python bench/hostile.py scheduler   # a scheduler killed under 8 streaming clients
     python bench/hostile.py abandon     # a 6,000-token prompt abandoned 2 s in, then a small request
     python bench/hostile.py defaults    # 80 SDK-default chat answers to the France question
+    python bench/hostile.py defaults --env DEEPINFER_GATEWAY_SAMPLING_DEFAULTS=openai   # as before #40
 
 Each starts its own stack (the default model, CPU; `--schedulers`), prints one line per measurement and a JSON
 line at the end. Figures: docs/hostile-clients.md.
@@ -31,6 +32,7 @@ from deepinfer.up import Stack
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BIG_PROMPT_CHARS = 15_600_000
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def rss_mb(pid: int | None) -> float:
@@ -300,7 +302,33 @@ def case_integer(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def case_defaults(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
+    """80 chat answers to the France question with the SDK's defaults (no temperature): how many name Paris."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=600)
+    card = client.models.list().data[0]
+    texts: list[str] = []
+    lock = threading.Lock()
+
+    def ask(num: int) -> None:
+        reply = client.chat.completions.create(model=stack.model_name, messages=QUESTION, max_tokens=32, n=num)
+        with lock:
+            texts.extend(choice.message.content or "" for choice in reply.choices)
+
+    threads = [threading.Thread(target=ask, args=(8,)) for _ in range(args.samples // 8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    num_paris = sum("Paris" in text for text in texts)
+    result = {"default_sampling_params": card.model_extra.get("default_sampling_params"),
+              "num_samples": len(texts), "num_paris": num_paris, "examples": texts[:3]}
+    print(f"defaults {result['default_sampling_params']}: {num_paris} of {len(texts)} answers name Paris; "
+          f"e.g. {texts[:2]}", flush=True)
+    return result
+
+
 CASES: dict[str, Callable[[Stack, argparse.Namespace], dict[str, Any]]] = {
+    "defaults": case_defaults,
     "schemas": case_schemas,
     "integer": case_integer,
     "scheduler": case_scheduler,
@@ -316,11 +344,14 @@ def main() -> None:
     parser.add_argument("--schedulers", type=int, default=None, help="scheduler replicas (default: up's)")
     parser.add_argument("--runs", type=int, default=4, help="abandon: prompts abandoned, streamed every other one")
     parser.add_argument("--prompt-words", type=int, default=1500, help="abandon: words of each prompt (~4 tokens each)")
+    parser.add_argument("--samples", type=int, default=80, help="defaults: answers drawn (8 per request)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for every service (e.g. DEEPINFER_GATEWAY_SAMPLING_DEFAULTS=openai)")
     parser.add_argument("--max-tokens", type=int, default=None, help="integer: max_tokens (default: the context)")
     parser.add_argument("--abandon-after-s", type=float, default=2.0, help="abandon: when the client gives up")
     args = parser.parse_args()
     kwargs = {} if args.schedulers is None else {"num_schedulers": args.schedulers}
-    env = {"DEEPINFER_GATEWAY_API_KEYS": ""}
+    env = {"DEEPINFER_GATEWAY_API_KEYS": "", **dict(item.split("=", 1) for item in args.env)}
     with Stack(port=0, env_overrides=env, start_timeout_s=300, **kwargs) as stack:
         results = CASES[args.case](stack, args)
     print(json.dumps({"case": args.case, **results}))

@@ -151,3 +151,13 @@ def test_an_unbounded_integer_ends_and_a_cut_document_is_a_200_with_length(clien
                                          response_format=_json_schema(schema))
     assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
     assert cut.choices[0].message.content.startswith('{"')
+
+
+def test_sdk_default_requests_get_the_models_recommended_sampling(client, stack):
+    card = client.models.retrieve(stack.model_name)
+    assert card.model_extra["default_sampling_params"] == {"temperature": 0.2, "top_p": 0.9}  # SmolLM2's card
+    common = {"model": stack.model_name, "messages": QUESTION, "max_tokens": 24, "seed": 1234, "n": 4}
+    left_out = client.chat.completions.create(**common)
+    explicit = client.chat.completions.create(**common, temperature=0.2, top_p=0.9)
+    assert [c.message.content for c in left_out.choices] == [c.message.content for c in explicit.choices]
+    assert sum("Paris" in c.message.content for c in left_out.choices) >= 2
