@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import bad_request, from_validation_error
+from services.gateway.presenters import check_message_counts
 from services.gateway.recipe import (
     ModelInfo,
     chat_text,
@@ -44,6 +45,7 @@ def _check_model(model: ModelInfo, name: str | None) -> None:
 async def tokenize(model: ModelInfo, settings: GatewaySettings, data: dict[str, Any]) -> dict[str, Any]:
     """A prompt (or a conversation, through the chat template) as token ids, as vLLM answers /tokenize."""
     if "messages" in data:
+        check_message_counts(data)
         body: TokenizeChatRequest | TokenizeCompletionRequest = _parse(TokenizeChatRequest, data)
     else:
         body = _parse(TokenizeCompletionRequest, data)

@@ -89,6 +89,15 @@ HOSTILE: dict[str, tuple[str, Any, int, str | None]] = {
     "audio modality": ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
     "legacy functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     "prompt token ids as strings": ("/v1/completions", {"model": MODEL, "prompt": ["1", 2]}, 400, "prompt"),
+    # each message or part is a model pydantic builds with the loop held: counted on the raw JSON first
+    "25k messages": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 25_000},
+                      400, "messages"),
+    "25k content parts": ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 25_000}]}, 400, "messages"),
+    "25k messages to /tokenize": ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "a"}]
+                                                 * 25_000}, 400, "messages"),
+    "25k Anthropic blocks": ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 25_000}]}, 400, None),
 }
 
 
@@ -119,6 +128,10 @@ async def test_hostile_input_is_a_cheap_4xx_and_the_gateway_still_serves(harness
     path, body, status, param = HOSTILE[case]
     response, seconds, peak = await _post(harness, path, body)
     assert response.status_code == status, response.text[:300]
+    if path == "/v1/messages":  # Anthropic's error shape
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert seconds < MAX_SECONDS
+        return
     error = _error(response)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param or error["param"].startswith(f"{param}."), error  # stop.0: the first entry
