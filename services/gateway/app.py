@@ -191,7 +191,8 @@ class Routes:
 
     def _card(self) -> ModelCard:
         model = self.state.model
-        return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len)
+        return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len,
+                         default_sampling_params=model.default_sampling)
 
     async def openapi(self, request: Request) -> Response:
         """GET /openapi.json: built once, from the typed request and response models."""

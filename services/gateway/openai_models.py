@@ -15,6 +15,10 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: Most tools one request may offer.
 MAX_TOOLS = 128
+#: Most messages of one conversation (OpenAI's limit), and most content parts over all of them: each is a model
+#: pydantic builds (~6 µs, with the event loop held), so 250k one-part messages in a 15 MB body held it ~7 s.
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048
 #: Most stop strings, and the longest one (every generated token is checked against them).
 MAX_STOP = 64
 MAX_STOP_CHARS = 1024
@@ -180,7 +184,7 @@ class ChatCompletionRequest(SamplingFields):
         "audio", "prediction", "web_search_options", "functions", "function_call",
     )
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -388,6 +392,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "deepinfer"
     max_model_len: int | None = None
+    #: Sampling fields a request that leaves them out gets (the model's recommended; {} = OpenAI's defaults).
+    default_sampling_params: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -20,6 +20,8 @@ from starlette.responses import Response
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import ApiError, bad_request, from_validation_error
 from services.gateway.openai_models import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -118,6 +120,21 @@ class StreamFormatter(ABC):
         return f'{self.head}{delta.index},{before}{text}{after},"logprobs":null,"finish_reason":{finish}}}{self.tail}'
 
 
+def check_message_counts(data: dict[str, Any]) -> None:
+    """400 for more than MAX_MESSAGES messages or MAX_CONTENT_PARTS content parts (blocks), counted on the raw
+    JSON before pydantic builds a model per item (pydantic checks a list's max_length only after its items)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"Invalid 'messages': array too long. Expected an array with maximum length "
+                          f"{MAX_MESSAGES}, but got an array with length {len(messages)} instead.", param="messages")
+    num_parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if num_parts > MAX_CONTENT_PARTS:
+        raise bad_request(f"Invalid 'messages': {num_parts} content parts; at most {MAX_CONTENT_PARTS} are accepted "
+                          "over all messages", param="messages")
+
+
 class Presenter(ABC):
     """One API shape: request parsing, prompt building, response and stream formatting."""
 
@@ -134,6 +151,7 @@ class Presenter(ABC):
         for name in getattr(self.body_type, "UNSUPPORTED", ()):
             if data.get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name)
+        check_message_counts(data)
         try:
             return self.body_type.model_validate(data)
         except ValidationError as exc:

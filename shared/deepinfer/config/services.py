@@ -137,6 +137,11 @@ class GatewaySettings(ServiceSettings):
     stream_timeout_s: float = Field(
         5.0, gt=0, description="Silence allowed between two token chunks before the request fails (502)."
     )
+    route_fallback: bool = Field(
+        True, description="When no scheduler answers (none subscribed, or every route attempt timed out), route the "
+        "request from this gateway's own view of worker heartbeats (least loaded, no prefix-cache credit; counted "
+        "in deepinfer_gateway_fallback_routes_total). Off: such requests get a 503.",
+    )
     poll_interval_s: float = Field(
         0.25, gt=0, description="How often a waiting request checks worker heartbeats, silence and the client."
     )
@@ -159,6 +164,17 @@ class GatewaySettings(ServiceSettings):
     )
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
+    )
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="Longest prompt text (characters, after the chat template) that is tokenized: a "
+        "longer one is a 400 (context_length_exceeded) before any tokenization. Unset = the context length times "
+        "the tokenizer's longest token (a longer text cannot fit the context).",
+    )
+    sampling_defaults: Literal["model", "openai"] = Field(
+        "model", description="Sampling fields a request leaves out: model = the model's recommended ones "
+        "(generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty, else the model registry's, "
+        "e.g. SmolLM2's temperature 0.2, top_p 0.9; vLLM's --generation-config auto, SGLang's --sampling-defaults "
+        "model); openai = OpenAI's (temperature 1, top_p 1). A request's own values always win.",
     )
     trust_request_chat_template: bool = Field(
         False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
@@ -285,6 +301,11 @@ class WorkerSettings(ServiceSettings):
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "
         "for one CUDA device, off on the CPU and with tensor parallelism.",
+    )
+    prefill_chunk_s: float | None = Field(
+        None, ge=0, description="Seconds of compute the prompt tokens of one engine step aim at (measured seconds "
+        "per token), so an abandoned prompt frees the worker and a new request starts within about that long; "
+        "unset = 0.5 on the CPU, off on accelerators (the token budget alone); 0 = off.",
     )
     engine_step_deadline_s: float = Field(
         120.0, gt=0,

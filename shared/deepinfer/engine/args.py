@@ -109,6 +109,11 @@ class EngineArgs:
     #: None = auto: on for a single CUDA device (the host's step work then hides under the device's), off on the
     #: CPU (nothing to overlap) and with tensor parallelism (not tested across ranks).
     async_scheduling: bool | None = None
+    #: Seconds of compute the prompt tokens of one step aim at, from the measured seconds per token
+    #: (deepinfer.engine.chunk_timer), so an abort or a new request waits about that long at most; synchronous
+    #: scheduling only. None or 0 = off: the token budget alone, and steps that do not depend on the machine's speed
+    #: (the offline engine's default; a CPU worker sets it, deepinfer.worker.settings).
+    prefill_chunk_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -127,6 +132,8 @@ class EngineArgs:
         if self.execution_mode not in tuple(ExecutionMode):
             modes = ", ".join(m.value for m in ExecutionMode)
             raise ValueError(f"execution_mode must be one of {modes}, got {self.execution_mode!r}")
+        if self.prefill_chunk_s is not None and self.prefill_chunk_s < 0:
+            raise ValueError(f"prefill_chunk_s must be >= 0, got {self.prefill_chunk_s}")
         if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
 
@@ -149,6 +156,9 @@ class EngineArgs:
             return ExecutionMode.EAGER
         mode = ExecutionMode(self.execution_mode)
         return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode
+    def resolve_prefill_chunk_s(self) -> float | None:
+        """Seconds a step's prompt tokens aim at (see prefill_chunk_s); None = no time bound."""
+        return self.prefill_chunk_s or None
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of weights and KV cache."""

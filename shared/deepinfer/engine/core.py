@@ -14,6 +14,7 @@ from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.block_pool import KvCacheEvent
+from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
@@ -111,6 +112,8 @@ class EngineCore:
                 admission_window_s=args.admission_window_s,
             )
         )
+        #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
+        self.chunk_timer = self._make_chunk_timer()
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model)
             #: The host-memory KV tier (None = off).
@@ -260,7 +263,11 @@ class EngineCore:
         else:
             scheduled = self.scheduler.schedule()
             self.last_step_kind = scheduled.kind
+            started_s = time.monotonic()
             sampled = self.runner.execute(scheduled, self.scheduler.requests)
+            if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
+                self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
+                self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
             updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
             outputs = _engine_outputs(updates, sampled)
         if host_tier is not None:
@@ -295,6 +302,15 @@ class EngineCore:
         return _engine_outputs(updates, sampled)
 
     # -- start-up -----------------------------------------------------------------------------------------------
+    def _make_chunk_timer(self) -> ChunkTimer | None:
+        """A ChunkTimer when prompt steps are bounded by time (EngineArgs.prefill_chunk_s), sync scheduling only."""
+        target_s = self.args.resolve_prefill_chunk_s()
+        if target_s is None or self.async_scheduling:
+            return None
+        timer = ChunkTimer(target_s, self.args.block_size, self.args.max_num_batched_tokens)
+        self.scheduler.max_prefill_tokens = timer.max_prefill_tokens
+        return timer
+
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
         if self.args.max_model_len is None:

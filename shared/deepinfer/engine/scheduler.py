@@ -87,6 +87,9 @@ class Scheduler(LoadingRequests):
         #: The host tier's lookup for a preempted request resuming: True when it took it (loading); None: recompute.
         self.resume_loader: Callable[[Request], bool] | None = None
         self.admission_window = AdmissionWindow(config.admission_window_s)
+        #: Prompt tokens one step may compute beside its decodes (a ChunkTimer sets it on the CPU); None = the
+        #: token budget alone.
+        self.max_prefill_tokens: int | None = None
 
     @property
     def num_running(self) -> int:
@@ -153,6 +156,8 @@ class Scheduler(LoadingRequests):
         decodes, prefills = self._split_running()
         running_status = RequestStatus.RUNNING
         self._schedule_decodes(decodes, step)
+        if self.max_prefill_tokens is not None:  # chunks and admissions share a time-bounded part of the budget
+            step.token_budget = min(step.token_budget, self.max_prefill_tokens)
         for request in prefills:
             if step.token_budget == 0:
                 break

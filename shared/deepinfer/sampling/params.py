@@ -78,18 +78,26 @@ class SamplingParams:
     def from_generation_config(cls, gen_cfg: dict[str, Any], **overrides: Any) -> SamplingParams:
         """Params whose defaults come from a HF `generation_config.json`, then `overrides` on top.
 
-        Read: temperature, top_p, top_k, repetition_penalty, max_new_tokens (→ max_tokens); `do_sample: false`
-        means greedy (temperature 0). An absent `do_sample` is not read as greedy (vLLM does the same).
+        Read: `generation_sampling` (temperature, top_p, top_k, min_p, repetition_penalty; `do_sample: false`
+        means greedy), max_new_tokens (→ max_tokens).
         """
-        defaults: dict[str, Any] = {}
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            if gen_cfg.get(key) is not None:
-                defaults[key] = gen_cfg[key]
+        defaults: dict[str, Any] = dict(generation_sampling(gen_cfg))
         if gen_cfg.get("max_new_tokens") is not None:
             defaults["max_tokens"] = gen_cfg["max_new_tokens"]
-        if gen_cfg.get("do_sample") is False:
-            defaults["temperature"] = 0.0
         return cls(**{**defaults, **overrides})
+
+
+#: generation_config.json keys that are sampling defaults, as vLLM reads them (SamplingParams' names).
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling(gen_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a `generation_config.json` recommends: GENERATION_SAMPLING_KEYS that are set, and
+    temperature 0 for `do_sample: false` (an absent `do_sample` is not read as greedy; vLLM does the same)."""
+    defaults = {key: gen_cfg[key] for key in GENERATION_SAMPLING_KEYS if gen_cfg.get(key) is not None}
+    if gen_cfg.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
 
 
 def _normalise_stop(stop: list[str] | str | None) -> list[str]:

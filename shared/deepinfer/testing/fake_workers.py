@@ -110,6 +110,11 @@ class FakeWorkers:
             await self._subs.close()
         await self._tasks.drain(timeout_s=0.0)
 
+    async def stop_scheduler(self) -> None:
+        """Stop answering route requests only (a dead scheduler); the workers keep serving."""
+        if self._subs is not None:
+            await self._subs.unsubscribe("route")
+
     async def heartbeat(self, fingerprint: bytes = b"\x01" * 32) -> None:
         """One WorkerLoad from each worker."""
         for worker_id, role in ((PREFILL_ID, WorkerRole.PREFILL), (DECODE_ID, WorkerRole.DECODE)):
