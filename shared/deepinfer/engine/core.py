@@ -24,6 +24,7 @@ from deepinfer.engine.memory import (
     KvCachePlan,
     default_host_tier_bytes,
     plan_kv_cache,
+    zeroed_kv_cache,
 )
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
@@ -382,7 +383,7 @@ class EngineCore:
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
 
 def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
