@@ -56,6 +56,8 @@ _EXPORTS = {
     "StagingPool": "kv_transfer",
     "block_nbytes": "kv_transfer",
     "ExecutionMode": "execution",
+    "StartPhase": "start_progress",
+    "StartProgress": "start_progress",
 }
 
 __all__ = [
@@ -96,6 +98,8 @@ __all__ = [
     "Removed",
     "SampledToken",
     "StagingPool",
+    "StartPhase",
+    "StartProgress",
     "Stored",
     "StoredKv",
     "block_nbytes",
@@ -140,6 +144,7 @@ if TYPE_CHECKING:
         PulledKv,
         StoredKv,
     )
+    from deepinfer.engine.start_progress import StartPhase, StartProgress
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -25,12 +25,14 @@ from deepinfer.engine.memory import (
     KvCachePlan,
     default_host_tier_bytes,
     plan_kv_cache,
+    zeroed_kv_cache,
 )
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.start_progress import StartProgress
 from deepinfer.hashing import model_fingerprint
 from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
@@ -60,8 +62,12 @@ HOST_COPY_POLL_S = 0.0002
 class EngineCore:
     """Loads a model, plans its KV cache and runs the continuous-batching loop."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, progress: StartProgress | None = None) -> None:
+        """Load the model, plan and allocate its KV cache, capture and warm up: seconds to minutes. `progress`, when
+        given, is told as each phase of that begins (a worker logs it while the start is slow)."""
         self.args = args
+        progress = progress or StartProgress()
+        progress.begin("preparing the model")
         cache_dir = args.model_cache_dir or default_model_cache_dir()
         self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
         self.model_config = load_model_config(self.model_dir)
@@ -75,6 +81,7 @@ class EngineCore:
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
         #: Triton compiles of this process (each one after the start is logged: a step waited for it).
         self.compiles = compile_watch.install()
+        progress.begin("loading weights")
         if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
             from deepinfer.executor.start import start_tensor_parallel
 
@@ -83,6 +90,7 @@ class EngineCore:
             model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        progress.begin("planning the KV cache")
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
         self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
@@ -115,9 +123,11 @@ class EngineCore:
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
-            self.runner = self._make_runner(model)
+            self.runner = self._make_runner(model, progress)
+            progress.begin("allocating the host KV tier")
             #: The host-memory KV tier (None = off).
             self.host_tier = self._make_host_tier()
+        progress.finish()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
         #: `SchedulerOutput.kind` of the step the last `step()` call spent its time on (async: the one it waited for).
@@ -134,11 +144,14 @@ class EngineCore:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
 
-    def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
+    def _make_runner(self, model: torch.nn.Module, progress: StartProgress) -> ModelRunner:
         """The runner over freshly allocated KV caches, with its execution mode's CUDA graphs captured and, on one
         CUDA device, its eager path warmed up (no Triton compile left for a request's step to wait on)."""
         args = self.args
-        runner = ModelRunner(model, self._allocate_kv_caches(), RunnerConfig(
+        progress.begin("allocating the KV cache")
+        kv_caches = self._allocate_kv_caches()
+        progress.begin("capturing CUDA graphs" if self.execution_mode.decode_graphs else "building the runner")
+        runner = ModelRunner(model, kv_caches, RunnerConfig(
             block_size=args.block_size,
             vocab_size=self.model_config.vocab_size,
             device=self.device,
@@ -153,6 +166,7 @@ class EngineCore:
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
         ))
         if self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1:
+            progress.begin("warming up")
             runner.warm_up(warm_up_query_lens(args.max_num_batched_tokens, self.max_model_len))
         return runner
 
@@ -398,7 +412,7 @@ class EngineCore:
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
 
 def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
