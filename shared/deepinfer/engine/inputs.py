@@ -11,12 +11,14 @@ A step's [B, W] block table is a gather of its requests' rows (one numpy take), 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from deepinfer.engine.prompt_logprobs import PromptRows, prompt_rows
+from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledRequest
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -125,6 +127,10 @@ class HostBatch:
     #: (fed as 0 here; the runner fills them on the device), and the block-table row of each one's request.
     placeholder_indices: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
+    #: Prompt logprobs: rows whose logits score the request's next prompt token, and whose they are
+    #: (deepinfer.engine.prompt_logprobs); empty unless a request in the step asked for them.
+    prompt_logits_indices: list[int] = field(default_factory=list)  # [R]
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -155,8 +161,14 @@ def block_slots(block_ids: Sequence[int], start: int, end: int, block_size: int)
     return slots
 
 
-def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTable, block_size: int) -> HostBatch:
-    """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors)."""
+def build_host_batch(
+    scheduled: Sequence[ScheduledRequest],
+    block_table: BlockTable,
+    block_size: int,
+    requests: Mapping[str, Request] | None = None,
+) -> HostBatch:
+    """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors). With
+    `requests`, the rows that score prompt tokens for prompt logprobs are listed too."""
     batch = HostBatch()
     input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
     query_lens, seq_lens, table_rows = batch.query_lens, batch.seq_lens, batch.block_table_rows
@@ -167,6 +179,13 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
         row = update(s) if s.is_new or s.new_block_ids else rows[s.request_id]
         block_ids = all_block_ids[row]
         start, num_new, token_ids = s.num_computed_tokens, s.num_new_tokens, s.token_ids
+        if requests is not None and (num_new > 1 or not s.sample):  # a decode row never scores the prompt
+            request = requests.get(s.request_id)
+            rows = None if request is None else prompt_rows(request, start, num_new)
+            if rows is not None:
+                first_row = len(input_ids) + rows.first - 1 - start  # the row at position first - 1
+                batch.prompt_logits_indices.extend(range(first_row, first_row + rows.num_rows))
+                batch.prompt_rows.append(rows)
         input_ids += token_ids
         if len(token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
             assert len(token_ids) == num_new - 1, (s.request_id, len(token_ids), num_new)
@@ -211,6 +230,8 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
         max_num_blocks=max(batch.max_num_blocks, 1),
         placeholder_indices=batch.placeholder_indices,
         placeholder_rows=batch.placeholder_rows,
+        prompt_logits_indices=batch.prompt_logits_indices,
+        prompt_rows=batch.prompt_rows,
     )
 
 
