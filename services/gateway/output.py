@@ -197,7 +197,9 @@ def completion_logprobs(
 ) -> tuple[CompletionLogprobs, int]:
     """OpenAI's completions shape (parallel lists) and the text offset after the last token. A position's
     top_logprobs holds its own token, then the `num_top` most likely (up to num_top + 1 entries, as OpenAI and
-    vLLM: the position's token first); a prompt's first token has null for both."""
+    vLLM: the position's token first; a text two of them share keeps the larger logprob, so the largest value is
+    always the position's most likely token's, which lm-eval's greedy check reads); a prompt's first token has
+    null for both."""
     texts = _TokenTexts(tokenizer)
     result = CompletionLogprobs(top_logprobs=[])
     tokens, token_logprobs, text_offset, top_logprobs = (result.tokens, result.token_logprobs, result.text_offset,
@@ -220,7 +222,10 @@ def completion_logprobs(
                 break
             if top_id not in seen:
                 seen.add(top_id)
-                position.setdefault(texts[top_id], _floor(top_logprob))
+                # tokens whose texts are alike (parts of one character) share a key: it keeps the most likely
+                text, value = texts[top_id], _floor(top_logprob)
+                if value > position.get(text, MIN_LOGPROB - 1):
+                    position[text] = value
         top_logprobs.append(position)
     return result, offset
 

@@ -232,3 +232,19 @@ async def test_scores_too_large_for_one_message_are_a_413(model_dir: Path):
                                                           "prompt_logprobs": 1})
         assert fits.status_code == 200, fits.text
     await h.fake.stop()
+
+
+def test_alike_texts_keep_the_larger_logprob():
+    """Two tokens of one text (parts of a character) share a top_logprobs key: it keeps the larger logprob, so the
+    largest value is the position's most likely token's (lm-eval's greedy check)."""
+    from types import SimpleNamespace
+
+    from services.gateway.output import completion_logprobs
+
+    texts = {1: "\ufffd", 2: "\ufffd", 3: "a"}
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: texts[ids[0]])
+    logprobs, offset = completion_logprobs(tokenizer, [(1, -9.0, [(2, -0.5), (3, -1.0)]), (3, float("-inf"), [])],
+                                           0, 2)
+    assert logprobs.top_logprobs == [{"\ufffd": -0.5, "a": -1.0}, {"a": -9999.0}]
+    assert logprobs.token_logprobs == [-9.0, -9999.0]  # -inf has no JSON form: OpenAI's and vLLM's floor
+    assert offset == 2
