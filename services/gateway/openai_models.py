@@ -125,8 +125,29 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+#: vLLM's request extensions this server does not implement, with the value that asks for nothing (vLLM's
+#: default): any other value is a 400 naming the field, never a silent drop (`Presenter.parse`).
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
+    "structured_outputs": None, "logits_processors": None, "priority": 0, "kv_transfer_params": None,
+    "vllm_xargs": None, "spaces_between_special_tokens": True, "prompt_embeds": None, "documents": None,
+    "mm_processor_kwargs": None, "media_io_kwargs": None, "return_logprobs": None,
+}
+
+
 class SamplingFields(_Body):
-    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras).
+
+    Refused with a 400 naming the field: `UNSUPPORTED` (OpenAI's fields this server cannot honour) and
+    `VLLM_UNSUPPORTED` unless at their no-op value; accepted without effect, unlogged: `IGNORED` (OpenAI's
+    bookkeeping fields); any other unknown field is ignored with a warning in the log (as vLLM does)."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = VLLM_UNSUPPORTED
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"request_id"})  # vLLM's id for its logs: ours are our own
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -185,6 +206,13 @@ class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "audio", "prediction", "web_search_options", "functions", "function_call",
     )
+    #: vLLM's chat `echo` (the last message repeated) and the template's special tokens are not served either.
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = {**VLLM_UNSUPPORTED, "echo": False, "add_special_tokens": False}
+    #: OpenAI's fields that change nothing for this server.
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "request_id", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention", "reasoning_effort", "verbosity",
+    })
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -216,6 +244,9 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: one prompt (a string or token ids) or a batch of them."""
+
+    #: vLLM's completions tokenize prompts with special tokens, as here; asking otherwise is not served.
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = {**VLLM_UNSUPPORTED, "add_special_tokens": True}
 
     #: A string, token ids, or a batch of either (choice i * n + j is prompt i's j-th).
     prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[

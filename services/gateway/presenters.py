@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -57,6 +59,8 @@ from services.gateway.tool_calls import ToolCallBuffer
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
+
+logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 #: Per chunk type, its dump with no choices (StreamFormatter._empty_chunk).
@@ -142,14 +146,26 @@ class Presenter(ABC):
     response_type: type[BaseModel]
 
     def parse(self, data: dict[str, Any]) -> Any:
-        """The validated body; 400 naming the first bad field, or a field this server does not support."""
-        for name in getattr(self.body_type, "UNSUPPORTED", ()):
+        """The validated body; 400 naming the first bad field, or a field this server does not support (an
+        OpenAI field it cannot honour, a vLLM extension it does not implement); other unknown fields are logged."""
+        body_type = self.body_type
+        for name in getattr(body_type, "UNSUPPORTED", ()):
             if data.get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name)
+        vllm_unsupported = getattr(body_type, "VLLM_UNSUPPORTED", {})
+        for name, no_op in vllm_unsupported.items():
+            value = data.get(name)
+            if value is not None and value != no_op and value != [] and value != {}:
+                raise bad_request(f"{name} (a vLLM extension) is not supported by this server", param=name)
         try:
-            return self.body_type.model_validate(data)
+            body = body_type.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+        if vllm_unsupported:
+            unknown = data.keys() - _known_fields(body_type)
+            if unknown:
+                logger.warning("%s: fields ignored (unknown to this server): %s", self.route, sorted(unknown))
+        return body
 
     def error_response(self, exc: ApiError) -> Response:
         """An error in this API's shape (OpenAI's error object)."""
@@ -436,6 +452,14 @@ def _echoed_entries(output: ChoiceOutput) -> Iterator[LogprobEntry]:
     """The logprob entries of an echoed prompt (echo with logprobs always asks the workers for its scores)."""
     assert output.prompt_logprobs is not None, "echo with logprobs: the prompt's scores came with the first chunk"
     return prompt_entries(output.prompt_token_ids, output.prompt_logprobs)
+
+
+@functools.cache
+def _known_fields(body_type: type[BaseModel]) -> frozenset[str]:
+    """Every field name a body type reads, refuses or ignores knowingly (aliases included)."""
+    names = {name for name, info in body_type.model_fields.items() for name in (name, info.alias) if name}
+    names |= set(getattr(body_type, "UNSUPPORTED", ())) | set(getattr(body_type, "VLLM_UNSUPPORTED", {}))
+    return frozenset(names | getattr(body_type, "IGNORED", frozenset()))
 
 
 def _without_usage(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:
