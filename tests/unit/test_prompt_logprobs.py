@@ -66,6 +66,23 @@ def test_prompt_logprobs_match_transformers(tiny_dir, reference, engine_kw):
     assert len(outputs[0].outputs[0].token_ids) == 2
 
 
+def test_one_token_chunks_beside_decodes(tiny_dir, reference, monkeypatch):
+    """A budget of 4 tokens a step and three requests decoding: the scored prompt goes one token a step, in
+    decode-only steps (those replay decode graphs on a GPU, whose hidden states give the row)."""
+    import deepinfer.engine.inputs as inputs
+
+    chunks: list[int] = []
+    rows = inputs.prompt_rows
+    monkeypatch.setattr(inputs, "prompt_rows", lambda request, start, num_new: (
+        chunks.append(num_new), rows(request, start, num_new))[-1])
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, max_num_batched_tokens=4)
+    decoders = [{"prompt_token_ids": [5 + i, 9 + i]} for i in range(3)]
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outputs = llm.generate([*decoders, {"prompt_token_ids": PROMPT}], [plain] * 3 + [params()], use_tqdm=False)
+    check(PROMPT, outputs[3].prompt_logprobs, reference(PROMPT))
+    assert chunks.count(1) >= len(PROMPT) - 4  # most of its prompt went one token a step
+
+
 def test_warm_prefix_is_recomputed_and_gives_the_same_numbers(tiny_dir, reference):
     """Cached KV has no logits: a request asking for prompt logprobs skips the prefix cache (as vLLM does), yet
     its blocks are cached for others."""
