@@ -179,13 +179,6 @@ def build_host_batch(
         row = update(s) if s.is_new or s.new_block_ids else rows[s.request_id]
         block_ids = all_block_ids[row]
         start, num_new, token_ids = s.num_computed_tokens, s.num_new_tokens, s.token_ids
-        if requests is not None and (num_new > 1 or not s.sample):  # a decode row never scores the prompt
-            request = requests.get(s.request_id)
-            rows = None if request is None else prompt_rows(request, start, num_new)
-            if rows is not None:
-                first_row = len(input_ids) + rows.first - 1 - start  # the row at position first - 1
-                batch.prompt_logits_indices.extend(range(first_row, first_row + rows.num_rows))
-                batch.prompt_rows.append(rows)
         input_ids += token_ids
         if len(token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
             assert len(token_ids) == num_new - 1, (s.request_id, len(token_ids), num_new)
@@ -208,7 +201,24 @@ def build_host_batch(
             sampled.append(s)
             sampled_rows.append(row)
     batch.max_num_blocks = max_num_blocks
+    # Only a prompt chunk scores prompt tokens: a step of sampled one-token rows (every decode step) skips this.
+    if requests is not None and (len(input_ids) > len(seq_lens) or len(sampled) < len(seq_lens)):
+        _add_prompt_rows(batch, scheduled, requests)
     return batch
+
+
+def _add_prompt_rows(batch: HostBatch, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+    """List the rows of the batch that score their request's prompt tokens (deepinfer.engine.prompt_logprobs)."""
+    offset = 0  # the flat row of each request's first token
+    for s in scheduled:
+        num_new = s.num_new_tokens
+        request = requests.get(s.request_id) if num_new > 1 or not s.sample else None  # a decode row scores none
+        rows = None if request is None else prompt_rows(request, s.num_computed_tokens, num_new)
+        if rows is not None:
+            first_row = offset + rows.first - 1 - s.num_computed_tokens  # the row at position first - 1
+            batch.prompt_logits_indices.extend(range(first_row, first_row + rows.num_rows))
+            batch.prompt_rows.append(rows)
+        offset += num_new
 
 
 def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
