@@ -268,13 +268,17 @@ class RequestPipeline:
         prefill_worker_id: str | None,
     ) -> None:
         """Hand the request (with the tokens already generated, and the prefill's KV handle if any) to the decode
-        worker; its refusal's code decides."""
+        worker; its refusal's code decides. Prompt logprobs are asked of the worker that computes the prompt: of
+        this one only when no token came before (no prefill worker ran, nothing was sent before a migration)."""
+        sampling = request.sampling
+        if output_token_ids and sampling.prompt_logprobs is not None:
+            sampling = sampling.model_copy(update={"prompt_logprobs": None})
         decode_request = DecodeRequest(
             request_id=request.request_id,
             gateway_id=self.gateway_id,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=output_token_ids,
-            sampling=request.sampling,
+            sampling=sampling,
             cache_salt=request.cache_salt,
             kv_handle=kv_handle,
             prefill_worker_id=prefill_worker_id,

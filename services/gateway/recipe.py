@@ -17,13 +17,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from deepinfer.model_store import recommended_sampling
-from deepinfer.protocol import WireSamplingParams
+from deepinfer.protocol import ErrorCode, WireSamplingParams
 from deepinfer.sampling.params import SamplingParamError, check_vocab, generation_sampling
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
-from services.gateway.errors import bad_request, context_length, from_validation_error, model_not_found
+from services.gateway.errors import (
+    ApiError,
+    bad_request,
+    context_length,
+    from_validation_error,
+    model_not_found,
+)
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from services.gateway.prompt_encoder import SegmentEncoder
 from services.gateway.tool_calls import template_messages
@@ -92,6 +98,18 @@ def model_sampling_defaults(model_dir: Path, model_name: str | None) -> dict[str
     path = Path(model_dir) / "generation_config.json"
     generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     return generation_sampling(generation_config) or recommended_sampling(model_name)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its token ids, and its text as the client sent it (None: it sent token ids)."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+    def echo_text(self, tokenizer: Tokenizer) -> str:
+        """The prompt as echo shows it: the client's text, or its token ids decoded (special tokens kept)."""
+        return self.text if self.text is not None else tokenizer.decode(self.token_ids, skip_special_tokens=False)
 
 
 @dataclass
@@ -167,30 +185,46 @@ def chat_prompt_token_ids(model: ModelInfo, body: ChatBody) -> list[int]:
     return token_ids
 
 
-def completion_prompt_token_ids(model: ModelInfo, body: CompletionRequest) -> list[int]:
-    """Token ids of a completions prompt: one string or one list of token ids (batches are refused)."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        check_prompt_chars(model, len(prompt), "prompt")
-        token_ids = model.tokenizer.encode(prompt)
-    elif all(isinstance(t, int) for t in prompt):
-        token_ids = list(prompt)  # type: ignore[arg-type]
-        vocab_size = model.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
-    else:
-        raise bad_request("batched prompts are not supported; send one prompt per request", param="prompt")
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
+def completion_prompts(model: ModelInfo, body: CompletionRequest) -> list[Prompt]:
+    """The prompts of a completions request: each string tokenized, each list of token ids checked."""
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", param="best_of")
-    _check_prompt_length(model, token_ids, "prompt")
-    return token_ids
+    prompts = []
+    for prompt in body.prompt_list:
+        if isinstance(prompt, str):
+            check_prompt_chars(model, len(prompt), "prompt")
+            token_ids, text = model.tokenizer.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+            vocab_size = model.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
+        _check_prompt_length(model, token_ids, "prompt")
+        prompts.append(Prompt(token_ids, text))
+    return prompts
+
+
+#: Wire bytes of one position of a prompt's scores, at most: its logprob (a msgpack float64) and rank (a uint32),
+#: two list headers; and 14 per alternative (a token id and a float64). Plus the rest of the message.
+_PROMPT_LOGPROB_BYTES, _ALTERNATIVE_BYTES, _MESSAGE_BYTES = 20, 14, 4096
+
+
+def check_prompt_logprobs_fit(prompts: list[Prompt], num_top: int, max_payload: int) -> None:
+    """413 naming prompt_logprobs when a prompt's scores would not fit one bus message (they come back in one, from
+    the worker that computed the prompt): shorten the prompt or ask fewer alternatives."""
+    per_position = _PROMPT_LOGPROB_BYTES + num_top * _ALTERNATIVE_BYTES
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest * per_position + _MESSAGE_BYTES > max_payload:
+        raise ApiError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"the prompt logprobs of a {longest}-token prompt with {num_top} alternatives per position (about "
+            f"{longest * per_position} bytes) exceed what the workers can send back in one message ({max_payload} "
+            "bytes): ask fewer alternatives or score a shorter prompt",
+            "prompt_logprobs",
+        )
 
 
 def check_prompt_chars(model: ModelInfo, num_chars: int, param: str) -> None:
@@ -218,7 +252,8 @@ def _check_prompt_length(model: ModelInfo, token_ids: list[int], param: str) -> 
 
 
 def sampling_params(
-    model: ModelInfo, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None
+    model: ModelInfo, body: SamplingFields, num_prompt_tokens: int, max_tokens: int | None, logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> WireSamplingParams:
     """WireSamplingParams from a request body; max_tokens None = the rest of the context."""
     room = None if model.max_model_len is None else model.max_model_len - num_prompt_tokens
@@ -249,6 +284,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": body.skip_special_tokens,
         "include_stop_str_in_output": body.include_stop_str_in_output,
     }
@@ -264,15 +300,21 @@ def sampling_params(
 
 def split_choices(
     request_id: str, prompt_token_ids: list[int], sampling: WireSamplingParams, cache_salt: str, n: int,
-    deadline_s: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    deadline_s: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None, first_index: int = 0,
+    num_choices: int | None = None,
 ) -> list[GenerateRequest]:
     """n independent sequences, each with its own seed (choice i: derived from the request's seed, drawn here when
-    the client gave none), so prefill, decode and a migrated decode of one choice draw the same tokens."""
+    the client gave none), so prefill, decode and a migrated decode of one choice draw the same tokens.
+
+    A batch of prompts calls this once per prompt: its choices are `first_index` .. + n - 1 of `num_choices` (every
+    prompt's; the ids number them all), seeded as the prompt's alone would be; a request of one choice keeps the
+    request's own id."""
     base_seed = sampling.seed if sampling.seed is not None else draw_seed()
+    single = (num_choices if num_choices is not None else n) == 1
     requests = []
     for index in range(n):
         choice_sampling = sampling.model_copy(update={"seed": derive_seed(base_seed, index)})
-        choice_id = request_id if n == 1 else f"{request_id}-{index}"
+        choice_id = request_id if single else f"{request_id}-{first_index + index}"
         requests.append(
             GenerateRequest(choice_id, prompt_token_ids, choice_sampling, cache_salt, deadline_s, is_disconnected)
         )

@@ -187,6 +187,44 @@ async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir
     assert decode._requests.labels("local")._value.get() == 1
 
 
+async def test_prompt_logprobs_come_from_the_worker_that_computed_the_prompt(workers, bus, tiny_dir):
+    """prompt_logprobs: in the PrefillResult when a prefill worker computed the prompt, on the first TokenChunk
+    when the decode worker did (and on no other chunk); the offline engine's numbers either way."""
+    sampling = WireSamplingParams(temperature=0, max_tokens=3, ignore_eos=True, seed=1, prompt_logprobs=2)
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    core.add_request("r", PROMPT, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    expected = next(out.prompt_logprobs for out in core.step() if out.prompt_logprobs is not None)
+    token = MODEL_TOKEN["value"]
+
+    def check(scores) -> None:
+        assert scores is not None and len(scores.logprobs) == len(PROMPT) - 1
+        assert scores.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+        assert scores.ranks == expected.ranks and scores.top_token_ids == expected.top_token_ids
+
+    result = await bus.request(subjects.prefill(token, "prefill-t"), PrefillRequest(
+        request_id="r-plp-prefill", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling),
+        PrefillResult, timeout_s=30)
+    check(result.prompt_logprobs)
+    chunks: list = []
+    done = asyncio.Event()
+
+    async def on_batch(batch: TokenBatch, msg) -> None:
+        chunks.extend(c for c in batch.chunks if c.request_id == "r-plp-decode")
+        if chunks and chunks[-1].finish_reason is not None:
+            done.set()
+
+    sub = await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+    accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id="r-plp-decode", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling), DecodeAccepted,
+        timeout_s=30)
+    assert accepted.status is DecodeStatus.ACCEPTED
+    await asyncio.wait_for(done.wait(), 30)
+    await sub.unsubscribe()
+    check(chunks[0].prompt_logprobs)
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids][:1] == [result.first_token_id]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_a_resumed_request_continues_as_the_lost_worker_would_have(workers, bus, tiny_dir, sampling):
     # A migrated request: prompt + the 4 tokens the lost worker sent, no KV; the rest is the uninterrupted run's.

@@ -31,10 +31,13 @@ SAMPLING = p.WireSamplingParams(
     stop_token_ids=[2, 3],
     ignore_eos=True,
     logprobs=5,
+    prompt_logprobs=2,
     skip_special_tokens=False,
     include_stop_str_in_output=True,
 )
 LOGPROBS = p.TokenLogprobs(token_id=42, logprob=-0.125, top=[(42, -0.125), (7, -2.5)])
+PROMPT_LOGPROBS = p.PromptLogprobs(logprobs=[-3.5, -0.25], ranks=[12, 1], top_token_ids=[[7, 9], [42, 7]],
+                                   top_logprobs=[[-0.5, -1.0], [-0.25, -2.0]])
 HANDLE = p.KvHandle(
     request_id="req-1",
     block_hashes=H[:2],
@@ -53,6 +56,7 @@ CHUNK = p.TokenChunk(
     finish_reason=p.FinishReason.LENGTH,
     num_cached_tokens=32,
     error=None,
+    prompt_logprobs=PROMPT_LOGPROBS,
 )
 
 MESSAGES: list[p.Message] = [
@@ -86,6 +90,7 @@ MESSAGES: list[p.Message] = [
         cached_tokens_by_tier={"device": 16, "store": 16},
         finish_reason=p.FinishReason.STOP,
         error=p.ErrorDetail(code=p.ErrorCode.CONTEXT_LENGTH, message="prompt too long"),
+        prompt_logprobs=PROMPT_LOGPROBS,
     ),
     LAYOUT,
     p.KvLayout(dtype="float8_e4m3", block_size=64, num_layers=61, num_kv_heads=0, head_dim=0, latent_dim=576),
@@ -156,6 +161,7 @@ MESSAGES: list[p.Message] = [
         ram_bytes=6 << 20, ram_capacity_bytes=4 << 30, disk_bytes=6 << 20, disk_capacity_bytes=64 << 30,
         ts=1_700_000_002.0,
     ),
+    PROMPT_LOGPROBS,
 ]
 
 
@@ -283,6 +289,13 @@ def test_engine_sampling_params_use_the_same_field_names():
     )
     assert names == set(p.WireSamplingParams.model_fields) - {"v"}
     assert not hasattr(p, "SamplingParams")  # one class per name: the engine's is deepinfer.SamplingParams
+
+
+def test_prompt_logprobs_lists_are_parallel():
+    raw = msgpack.unpackb(PROMPT_LOGPROBS.to_bytes())
+    raw["ranks"] = [12]
+    with pytest.raises(p.ProtocolError, match="one entry per position"):
+        p.PromptLogprobs.from_bytes(msgpack.packb(raw, use_bin_type=True))
 
 
 def test_handle_ids_cover_every_token_and_hashes_only_full_blocks():

@@ -41,6 +41,7 @@ _EXPORTS = {
     "EngineOutput": "outputs",
     "EngineStats": "outputs",
     "SampledToken": "outputs",
+    "PromptLogprobs": "outputs",
     "KvCacheEvent": "block_pool",
     "Stored": "block_pool",
     "Removed": "block_pool",
@@ -93,6 +94,7 @@ __all__ = [
     "NewStagingPool",
     "PeerDeviceKv",
     "PinCached",
+    "PromptLogprobs",
     "PulledKv",
     "ReleaseHeld",
     "Removed",
@@ -132,7 +134,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.kv_device_transfer import DeviceTransferError, host_id
     from deepinfer.engine.kv_load import CachedPayloads
     from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
-    from deepinfer.engine.outputs import EngineOutput, EngineStats, SampledToken
+    from deepinfer.engine.outputs import EngineOutput, EngineStats, PromptLogprobs, SampledToken
     from deepinfer.engine.requests import (
         COMPUTE,
         Admission,

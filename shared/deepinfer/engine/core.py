@@ -27,7 +27,7 @@ from deepinfer.engine.memory import (
     plan_kv_cache,
     zeroed_kv_cache,
 )
-from deepinfer.engine.outputs import EngineOutput, SampledToken
+from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
@@ -215,6 +215,8 @@ class EngineCore:
         if sampling_params.grammar is not None:
             request.grammar = self._grammar_matcher(sampling_params.grammar, output_token_ids)
         request.hold_blocks = hold_blocks
+        if sampling_params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs()
         return request
 
     def _grammar_matcher(self, grammar: str, output_token_ids: Sequence[int]) -> GrammarMatcher:

@@ -88,7 +88,10 @@ class Engine:
 
     def add_request(self, request: EngineRequest) -> Admission:
         """Admit a request, its prompt's KV from where `request.kv` says (requests.py); ValueError (naming what is
-        wrong) for an invalid request, DeviceTransferError when a PeerDeviceKv export cannot be mapped here."""
+        wrong) for an invalid request, DeviceTransferError when a PeerDeviceKv export cannot be mapped here.
+        A request asking for prompt_logprobs is computed here whatever its source: KV from elsewhere has no logits."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return self._compute(request)
         match request.kv:
             case ComputeKv():
                 self._compute(request)

@@ -35,7 +35,13 @@ from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.request import Request, RequestStatus, append_sampled_token, check_stop
+from deepinfer.engine.request import (
+    Request,
+    RequestStatus,
+    append_sampled_token,
+    check_stop,
+    hand_out_prompt_logprobs,
+)
 from deepinfer.engine.scheduler_loading import LoadingRequests
 from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
@@ -229,6 +235,8 @@ class Scheduler(LoadingRequests):
                     request.num_host_cached_tokens,
                 )
             )
+            if request.prompt_logprobs is not None:  # its first token: the prompt's logprobs go with it, once
+                updates[-1].prompt_logprobs = hand_out_prompt_logprobs(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

@@ -27,6 +27,7 @@ from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEven
 from deepinfer.protocol.token_wire import TokenBatchWriter, chunk_prefix
 from deepinfer.protocol.tokens import (
     FinishReason,
+    PromptLogprobs,
     TokenBatch,
     TokenChunk,
     TokenLogprobs,
@@ -62,6 +63,7 @@ __all__ = [
     "Message",
     "PrefillRequest",
     "PrefillResult",
+    "PromptLogprobs",
     "ProtocolError",
     "Release",
     "RouteDecision",

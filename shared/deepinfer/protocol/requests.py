@@ -10,7 +10,7 @@ from deepinfer.protocol.base import Message
 from deepinfer.protocol.errors import ErrorDetail
 from deepinfer.protocol.kv import KvHandle
 from deepinfer.protocol.sampling import WireSamplingParams
-from deepinfer.protocol.tokens import FinishReason, TokenLogprobs
+from deepinfer.protocol.tokens import FinishReason, PromptLogprobs, TokenLogprobs
 from deepinfer.protocol.types import BlockHash, NonNegativeInt
 
 
@@ -44,6 +44,8 @@ class PrefillResult(Message):
     finish_reason: FinishReason | None = None
     #: Set when the prefill failed or was refused (then there is no first token).
     error: ErrorDetail | None = None
+    #: The prompt's logprobs, when the request asked for prompt_logprobs (2.7).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DecodeRequest(Message):

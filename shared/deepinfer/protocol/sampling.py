@@ -32,6 +32,9 @@ class WireSamplingParams(Message):
     ignore_eos: bool = False
     #: None = off; 0 = only the sampled token's logprob; k = also the top k alternatives.
     logprobs: int | None = Field(None, ge=0)
+    #: vLLM's prompt_logprobs: None = off; k = each prompt token's logprob and rank, and the top k alternatives
+    #: at its position (2.7).
+    prompt_logprobs: int | None = Field(None, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     #: llguidance grammar text (deepinfer.structured) every output token must follow; None = free text. (2.3)

@@ -53,6 +53,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the sampled token's only; k: plus the top k
+    #: vLLM's prompt_logprobs: None off; k: the logprob (and rank) of each prompt token after the first, plus the
+    #: top k at its position. The engine computes every prompt position for them (no prefix-cache reuse).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     #: llguidance grammar text (`deepinfer.structured`): only tokens it allows are sampled; None = free text.
@@ -175,6 +178,11 @@ def _validate(p: SamplingParams) -> None:
         _check(
             _is_int(p.logprobs) and 0 <= p.logprobs <= MAX_LOGPROBS,
             "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", p.logprobs,
+        )
+    if p.prompt_logprobs is not None:
+        _check(
+            _is_int(p.prompt_logprobs) and 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", p.prompt_logprobs,
         )
     if p.seed is not None:
         _check(

@@ -28,6 +28,7 @@ from deepinfer.protocol import (
     FinishReason,
     PrefillRequest,
     PrefillResult,
+    PromptLogprobs,
     RouteDecision,
     RouteRequest,
     RouteStatus,
@@ -152,6 +153,7 @@ class FakeWorkers:
             first_logprobs=_logprobs([ids[0]], request.sampling)[0] if request.sampling.logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
             finish_reason=finish if len(ids) == 1 else None,
+            prompt_logprobs=fake_prompt_logprobs(request.prompt_token_ids, request.sampling),
         )
         await self.bus.reply(msg, result)
 
@@ -188,6 +190,9 @@ class FakeWorkers:
                 finish_reason=finish if position >= len(ids) else None,
                 num_cached_tokens=self.num_cached_tokens if first else None,
                 num_previous_tokens=previous,
+                # the prompt is computed here only when no token came with the request
+                prompt_logprobs=fake_prompt_logprobs(request.prompt_token_ids, request.sampling)
+                if first and not request.output_token_ids else None,
             )
             first = False
             batch = TokenBatch(worker_id=DECODE_ID, step=step, chunks=[chunk])
@@ -198,6 +203,21 @@ class FakeWorkers:
 
     async def _cancel(self, cancel: Cancel, msg: IncomingMsg) -> None:
         self.cancels.append(cancel)
+
+
+def fake_prompt_logprobs(prompt_token_ids: list[int], sampling: WireSamplingParams) -> PromptLogprobs | None:
+    """Deterministic prompt scores when asked: position i (1..P-1) at -i/8 with rank k + 1, the `prompt_logprobs` = k
+    alternatives ids 1..k at -1/32, -2/32, ... (more likely, so a prompt of ids above k never is among them)."""
+    k = sampling.prompt_logprobs
+    if k is None:
+        return None
+    positions = range(1, len(prompt_token_ids))
+    return PromptLogprobs(
+        logprobs=[-i / 8 for i in positions],
+        ranks=[k + 1 for _ in positions],
+        top_token_ids=[list(range(1, k + 1)) for _ in positions],
+        top_logprobs=[[-j / 32 for j in range(1, k + 1)] for _ in positions],
+    )
 
 
 def _logprobs(token_ids: list[int], sampling: WireSamplingParams) -> list[TokenLogprobs]:
