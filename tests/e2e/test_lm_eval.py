@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.model_store import default_cache_dir, resolve_model
+from deepinfer.defaults import default_model_cache_dir
+from deepinfer.model_store import resolve_model
 from deepinfer.testing.lm_eval_tasks import compare, lm_eval_commands, table, write_tasks
 from deepinfer.up import Stack
 
@@ -27,7 +28,7 @@ LM_EVAL = os.environ.get("DEEPINFER_TEST_LM_EVAL") or shutil.which("lm_eval")
 
 @pytest.mark.skipif(LM_EVAL is None, reason="no lm_eval CLI (set DEEPINFER_TEST_LM_EVAL)")
 def test_lm_eval_local_completions_matches_its_hf_model(stack: Stack, tmp_path: Path):
-    model_dir = resolve_model(stack.model, default_cache_dir(), progress=False)
+    model_dir = resolve_model(stack.model, default_model_cache_dir(), progress=False)
     commands = lm_eval_commands(str(LM_EVAL), write_tasks(tmp_path / "tasks"), tmp_path, f"{stack.base_url}/completions",
                                 stack.model_name, model_dir, batch_size=4)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

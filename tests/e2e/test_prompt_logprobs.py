@@ -15,7 +15,8 @@ import openai
 import pytest
 import torch
 
-from deepinfer.model_store import default_cache_dir, resolve_model
+from deepinfer.defaults import default_model_cache_dir
+from deepinfer.model_store import resolve_model
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 from deepinfer.up import Stack
 
@@ -137,7 +138,7 @@ def test_echo_scores_match_transformers_when_prefill_computes_the_prompt(stack: 
     """The session's stack (the default model, a prefill worker computing prompts): text prompts, chat."""
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model(stack.model, default_cache_dir(), progress=False)
+    model_dir = resolve_model(stack.model, default_model_cache_dir(), progress=False)
     reference, tokenizer = transformers_log_softmax(model_dir), AutoTokenizer.from_pretrained(model_dir)
     prompts = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and Berlin is"]
     result = client.completions.create(model=stack.model_name, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
