@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import openai
 
+from deepinfer.testing.background import BackgroundClient
 from deepinfer.up import Stack
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,42 +62,15 @@ def wait_healthy(base: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-class Background:
-    """A second client: small requests one after another until stopped; each one's status and latency."""
-
-    def __init__(self, send: Callable[[], int]) -> None:
-        self.send = send
-        self.results: list[tuple[int | str, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Background:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                status: int | str = self.send()
-            except Exception as exc:  # noqa: BLE001 - the probe records what a client sees
-                status = type(exc).__name__
-            self.results.append((status, time.monotonic() - started))
-            time.sleep(0.2)
-
-    def summary(self) -> dict[str, Any]:
-        """How many, how many failed, the slowest."""
-        failed = [s for s, _ in self.results if s != 200]
-        return {
-            "num_requests": len(self.results),
-            "num_failed": len(failed),
-            "failures": sorted({str(s) for s in failed}),
-            "max_latency_s": round(max((t for _, t in self.results), default=0.0), 2),
-        }
+def summary(outcomes: list[tuple[object, float]]) -> dict[str, Any]:
+    """A background client's requests: how many, how many failed (not a 200), the slowest."""
+    failed = [status for status, _ in outcomes if status != 200]
+    return {
+        "num_requests": len(outcomes),
+        "num_failed": len(failed),
+        "failures": sorted({str(status) for status in failed}),
+        "max_latency_s": round(max((seconds for _, seconds in outcomes), default=0.0), 2),
+    }
 
 
 def case_prompt(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +105,7 @@ def case_prompt(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
     sampler.start()
-    with Background(small_request) as background, httpx.Client(base_url=base, timeout=60) as big:
+    with BackgroundClient(small_request, pause_s=0.2) as background, httpx.Client(base_url=base, timeout=60) as big:
         time.sleep(1.0)
         for name, payload in payloads.items():
             route = name.split()[0]
@@ -148,7 +122,7 @@ def case_prompt(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(2.0)
     sampling.set()
     sampler.join()
-    results["small_requests"] = background.summary()
+    results["small_requests"] = summary(background.outcomes)
     results["gateway_rss_mb_peak"] = round(peak[0])
     results["gateway_replaced"] = stack.services["gateway-0"].pid != gateway_pid
     results["gateway_restarts"] = stack.restart_count("gateway-0")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 from typing import Any
 
@@ -13,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from deepinfer.testing.background import BackgroundClient
 from tests.e2e.conftest import wait_until, workers_idle
 
 pytestmark = pytest.mark.e2e
@@ -20,36 +20,6 @@ pytestmark = pytest.mark.e2e
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: Under the gateway's 16 MiB body limit.
 HUGE_PROMPT = "hello world " * 1_300_000
-
-
-class SmallRequests:
-    """A second client: small completions one after another until stopped, each one's outcome and latency."""
-
-    def __init__(self, client: openai.OpenAI, model: str) -> None:
-        self.client, self.model = client, model
-        self.outcomes: list[tuple[str, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SmallRequests:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.client.completions.create(model=self.model, prompt="The capital of France is", max_tokens=4,
-                                               temperature=0)
-                outcome = "ok"
-            except openai.APIError as exc:
-                outcome = type(exc).__name__
-            self.outcomes.append((outcome, time.monotonic() - started))
-            time.sleep(0.1)
 
 
 def _refused_for_length(call: Any, param: str) -> float:
@@ -68,7 +38,11 @@ def test_huge_prompts_get_a_quick_400_while_another_clients_requests_all_succeed
     model = stack.model_name
     gateway_pid = stack.services["gateway-0"].pid
     huge_chat = [{"role": "user", "content": HUGE_PROMPT}]
-    with SmallRequests(client, model) as small:
+    def small_request() -> str:
+        client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+        return "ok"
+
+    with BackgroundClient(small_request) as small:
         time.sleep(0.5)
         seconds = [
             _refused_for_length(lambda: client.completions.create(model=model, prompt=HUGE_PROMPT, max_tokens=4),
