@@ -18,8 +18,7 @@ from pydantic import ValidationError
 
 from deepinfer.model_store import recommended_sampling
 from deepinfer.protocol import ErrorCode, WireSamplingParams
-from deepinfer.sampling.params import SamplingParamError, check_vocab, generation_sampling
-from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.sampling.params import SamplingParamError, SamplingParams, check_vocab, generation_sampling
 from deepinfer.sampling.seeds import derive_seed, draw_seed
 from deepinfer.structured import Grammars
 from deepinfer.tokenizer import ChatTemplateError, Tokenizer
@@ -290,7 +289,7 @@ def sampling_params(
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     try:  # the workers' own validation, so a bad value is a 400 here rather than a refusal after routing
-        check_vocab(EngineSamplingParams(**fields), model.vocab_size)
+        check_vocab(SamplingParams(**fields), model.vocab_size)
         return WireSamplingParams(**fields)
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.param) from None

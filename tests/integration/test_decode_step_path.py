@@ -25,7 +25,7 @@ from deepinfer.protocol import (
     WireSamplingParams,
     WorkerLoad,
 )
-from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
@@ -61,7 +61,7 @@ async def decode(nats_server, tiny_dir, tmp_path, bus):
 
 def reference(tiny_dir, prompt: list[int]) -> list[int]:
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
-    core.add_request("r", prompt, EngineSamplingParams(**SAMPLING.model_dump(exclude={"v"})))
+    core.add_request("r", prompt, SamplingParams(**SAMPLING.model_dump(exclude={"v"})))
     tokens = []
     while core.has_unfinished_requests():
         for out in core.step():

@@ -23,7 +23,7 @@ from deepinfer.protocol import (
     SnapshotRequest,
     WireSamplingParams,
 )
-from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
@@ -56,7 +56,7 @@ def block_bytes(tiny_dir) -> int:
 def reference(tiny_dir) -> list[int]:
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                                  progress=False))
-    core.add_request("r", PROMPT, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     tokens = []
     while core.has_unfinished_requests():
         for out in core.step():

@@ -36,7 +36,7 @@ from deepinfer.protocol import (
     PrefillResult,
     WireSamplingParams,
 )
-from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
@@ -65,7 +65,7 @@ def greedy_tokens(tiny_dir, prompts: dict[str, list[int]]) -> dict[str, list[int
     """Each prompt's 8 greedy tokens from a local engine (the references the workers' answers must equal)."""
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
     for request_id, prompt in prompts.items():
-        core.add_request(request_id, prompt, EngineSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        core.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
     while core.has_unfinished_requests():
         for out in core.step():

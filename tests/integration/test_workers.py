@@ -25,7 +25,7 @@ from deepinfer.protocol import (
     TokenBatch,
     WireSamplingParams,
 )
-from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
+from deepinfer.sampling.params import SamplingParams
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
@@ -70,7 +70,7 @@ async def workers(nats_server, tiny_dir, tmp_path, bus):
     await asyncio.gather(prefill.close(), decode.close())
 
 
-def reference(tiny_dir, params: EngineSamplingParams) -> list[int]:
+def reference(tiny_dir, params: SamplingParams) -> list[int]:
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
     core.add_request("r", PROMPT, params)
     tokens = []
@@ -132,7 +132,7 @@ async def test_handoff_over_the_data_plane_equals_one_engine(workers, bus, tiny_
     prefill, decode = workers
     accepted, tokens = await run_request(bus, "prefill-t", sampling, f"r-{sampling.temperature}")
     assert accepted.status is DecodeStatus.ACCEPTED
-    assert tokens == reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    assert tokens == reference(tiny_dir, SamplingParams(**sampling.model_dump(exclude={"v"})))
     assert decode._requests.labels("pulled")._value.get() == 1
     # The decode worker's Release ended the lease: nothing stays held on the prefill worker.
     for _ in range(50):
@@ -175,7 +175,7 @@ async def test_expired_lease_recomputes_the_prompt(workers, bus, tiny_dir):
     _, decode = workers
     accepted, tokens = await run_request(bus, "prefill-t", GREEDY, "r-expired", wait_before_decode_s=1.0)
     assert accepted.status is DecodeStatus.ACCEPTED
-    assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    assert tokens == reference(tiny_dir, SamplingParams(**GREEDY.model_dump(exclude={"v"})))
     assert decode._requests.labels("recomputed")._value.get() == 1
 
 
@@ -183,7 +183,7 @@ async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir
     _, decode = workers
     accepted, tokens = await run_request(bus, None, GREEDY, "r-local")
     assert accepted.status is DecodeStatus.ACCEPTED
-    assert tokens == reference(tiny_dir, EngineSamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    assert tokens == reference(tiny_dir, SamplingParams(**GREEDY.model_dump(exclude={"v"})))
     assert decode._requests.labels("local")._value.get() == 1
 
 
@@ -192,7 +192,7 @@ async def test_prompt_logprobs_come_from_the_worker_that_computed_the_prompt(wor
     when the decode worker did (and on no other chunk); the offline engine's numbers either way."""
     sampling = WireSamplingParams(temperature=0, max_tokens=3, ignore_eos=True, seed=1, prompt_logprobs=2)
     core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
-    core.add_request("r", PROMPT, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    core.add_request("r", PROMPT, SamplingParams(**sampling.model_dump(exclude={"v"})))
     expected = next(out.prompt_logprobs for out in core.step() if out.prompt_logprobs is not None)
     token = MODEL_TOKEN["value"]
 
@@ -228,7 +228,7 @@ async def test_prompt_logprobs_come_from_the_worker_that_computed_the_prompt(wor
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_a_resumed_request_continues_as_the_lost_worker_would_have(workers, bus, tiny_dir, sampling):
     # A migrated request: prompt + the 4 tokens the lost worker sent, no KV; the rest is the uninterrupted run's.
-    expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    expected = reference(tiny_dir, SamplingParams(**sampling.model_dump(exclude={"v"})))
     accepted, tokens = await run_request(bus, None, sampling, f"r-resume-{sampling.temperature}",
                                          resume_from=expected[:4])
     assert accepted.status is DecodeStatus.ACCEPTED
@@ -241,7 +241,7 @@ async def test_a_resumed_request_replays_its_grammar(workers, bus, tiny_dir):
 
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     sampling = WireSamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
-    expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    expected = reference(tiny_dir, SamplingParams(**sampling.model_dump(exclude={"v"})))
     assert len(expected) > 4
     accepted, tokens = await run_request(bus, None, sampling, "r-resume-grammar", resume_from=expected[:4])
     assert accepted.status is DecodeStatus.ACCEPTED
