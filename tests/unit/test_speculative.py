@@ -174,3 +174,27 @@ def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
             LLM(str(tiny_dir), progress=False, speculative_config=config)
     with pytest.raises(ValueError, match="async_scheduling=True"):
         LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, async_scheduling=True)
+
+
+def test_steps_with_drafts_run_eagerly_beside_prompt_graphs(tiny_dir, plain):
+    """With a (CPU, uncaptured) full-graph runner for prompt steps, a step verifying drafts still runs eagerly:
+    the full graphs keep one sampled row per sequence, the verify step needs k + 1."""
+    from deepinfer.engine.full_graphs import FullGraphRunner
+
+    reference = run(plain, greedy())
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    runner, core = llm.engine.core.runner, llm.engine.core
+    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
+                                         runner.device, use_graphs=False, logits=runner.model.compute_logits)
+    graph_steps = []
+    graph_run = runner.full_graphs.run
+
+    def run_and_count(input_ids, positions, meta, logits_indices):
+        assert len(logits_indices) <= meta.num_seqs  # never a step with drafts
+        graph_steps.append(meta.num_seqs)
+        return graph_run(input_ids, positions, meta, logits_indices)
+
+    runner.full_graphs.run = run_and_count
+    scripted(llm, reference, wrong_every=3)
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert graph_steps and llm.engine.spec_decode_stats().num_accepted_tokens > 0
