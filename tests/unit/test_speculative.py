@@ -198,3 +198,20 @@ def test_steps_with_drafts_run_eagerly_beside_prompt_graphs(tiny_dir, plain):
     scripted(llm, reference, wrong_every=3)
     assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
     assert graph_steps and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
+    # 16 blocks of 4 tokens cannot hold four 22+20-token sequences at once: requests are preempted (and resumed
+    # from the prefix cache) between steps that verify drafts; the drafts never preempt by themselves.
+    prompts = [{"prompt_token_ids": list(range(40, 60)) + [40, 41 + i]} for i in range(4)]
+    reference = run(plain, greedy(max_tokens=20), prompts)
+    bytes_per_block = plain.engine.core.kv_plan.bytes_per_block
+    small = LLM(str(tiny_dir), block_size=4, kv_cache_bytes=16 * bytes_per_block, max_model_len=48, progress=False,
+                speculative_config=NGRAM)
+    scripted(small, reference, prompts, wrong_every=3)
+    scheduler, preempted = small.engine.core.scheduler, []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda request, step: preempted.append(request.request_id) or preempt(request, step)
+    assert [o.token_ids for o in run(small, greedy(max_tokens=20), prompts)] == [o.token_ids for o in reference]
+    assert preempted and scheduler.block_pool.num_free_blocks == 15
+    assert small.engine.spec_decode_stats().num_accepted_tokens > 0
