@@ -1,10 +1,10 @@
 """Speculative decoding with n-gram drafts on the CPU: tokens/s at concurrency 1, greedy, with and without.
 
-An "edit this text" chat prompt (the answer mostly repeats the text, so prompt lookup drafts well), the default
-model, one request at a time. Prints tokens/s of each configuration (best of --repeats), whether the outputs are
+An "edit this text" chat prompt (the answer mostly repeats the text, so prompt lookup drafts well) or an open
+one (--task open: few drafts hit), the default model, one request at a time. Prints tokens/s of each configuration (best of --repeats, the two interleaved), whether the outputs are
 identical, and the acceptance counters. Figures: docs/speculative.md.
 
-    python bench/spec_ngram_cpu.py [--max-tokens 160] [--k 4] [--repeats 3] [--threads 1]
+    python bench/spec_ngram_cpu.py [--task edit|open] [--max-tokens 160] [--k 4] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ TEXT = (
     "on the swings while their parents sat on the benchs and talked about the wether. A man selling ice cream "
     "walked by, and evryone rushed to buy one before they melted in the heat."
 )
-MESSAGES = [{"role": "user", "content": f"Fix the spelling mistakes in this text and repeat it in full:\n\n{TEXT}"}]
+#: --task: edit (the answer mostly repeats the prompt) or open (open generation: few drafts hit).
+TASKS = {
+    "edit": f"Fix the spelling mistakes in this text and repeat it in full:\n\n{TEXT}",
+    "open": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
 
 
-def measure(llm: LLM, params: SamplingParams, repeats: int) -> tuple[float, list[int]]:
+def measure(llm: LLM, messages: list[dict], params: SamplingParams, repeats: int) -> tuple[float, list[int]]:
     """Best tokens/s over `repeats` runs of the one request (prefill included), and its tokens."""
     best, tokens = 0.0, []
     for _ in range(repeats):
         started = time.perf_counter()
-        out = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+        out = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
         elapsed = time.perf_counter() - started
         best, tokens = max(best, len(out.token_ids) / elapsed), out.token_ids
     return best, tokens
@@ -37,6 +41,7 @@ def measure(llm: LLM, params: SamplingParams, repeats: int) -> tuple[float, list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="edit")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
@@ -50,11 +55,16 @@ def main() -> None:
                    "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     plain = LLM(progress=False, enable_prefix_caching=False)
     spec = LLM(progress=False, enable_prefix_caching=False, speculative_config=spec_config)
-    measure(plain, params, 1)  # warm-up
-    measure(spec, params, 1)
+    messages = [{"role": "user", "content": TASKS[args.task]}]
+    measure(plain, messages, params, 1)  # warm-up
+    measure(spec, messages, params, 1)
     spec.engine.core.spec_decode_stats.__init__()  # count the measured runs only
-    plain_tps, plain_tokens = measure(plain, params, args.repeats)
-    spec_tps, spec_tokens = measure(spec, params, args.repeats)
+    plain_tps = spec_tps = 0.0
+    for _ in range(args.repeats):  # interleaved, so a neighbour's load falls on both alike
+        tps, plain_tokens = measure(plain, messages, params, 1)
+        plain_tps = max(plain_tps, tps)
+        tps, spec_tokens = measure(spec, messages, params, 1)
+        spec_tps = max(spec_tps, tps)
     stats = spec.engine.spec_decode_stats()
     print(f"tokens: {len(plain_tokens)} plain, {len(spec_tokens)} speculative; identical: {plain_tokens == spec_tokens}")
     print(f"plain:       {plain_tps:7.1f} tok/s")
