@@ -215,3 +215,9 @@ def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
     assert [o.token_ids for o in run(small, greedy(max_tokens=20), prompts)] == [o.token_ids for o in reference]
     assert preempted and scheduler.block_pool.num_free_blocks == 15
     assert small.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_the_gpu_kv_budget_leaves_room_for_the_logits_of_every_verified_row(plain, spec):
+    args = spec.engine.args
+    assert plain.engine.core._max_sampled_rows() == args.max_num_seqs
+    assert spec.engine.core._max_sampled_rows() == min(args.max_num_seqs * 5, args.max_num_batched_tokens)

@@ -404,7 +404,7 @@ class EngineCore:
         tokens = self.args.max_num_batched_tokens
         # Peak activations of one step (MLP or MoE, MLA's expanded K/V); logits are float32 per sampled row.
         activations = tokens * cfg.activation_bytes_per_token(elem)
-        logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
+        logits = 3 * self._max_sampled_rows() * cfg.vocab_size * 4
         mode = self.execution_mode
         if mode.decode_graphs:
             # The CUDA graphs' private pool: one decode step of max_num_seqs rows, split-K partials included.
@@ -426,6 +426,15 @@ class EngineCore:
         headroom = activations + logits + (256 << 20)
         return min(int(total * self.args.gpu_memory_utilization) - allocated - CUDA_CONTEXT_BYTES - headroom,
                    free + cached - headroom)
+
+    def _max_sampled_rows(self) -> int:
+        """Most rows one step computes logits for: one per sequence, or with speculative decoding k + 1 per
+        sequence (a verify step), never more than the step's tokens."""
+        spec, args = self.args.speculative_config, self.args
+        if spec is None:
+            return args.max_num_seqs
+        return max(args.max_num_seqs, min(args.max_num_seqs * (1 + spec.num_speculative_tokens),
+                                          args.max_num_batched_tokens))
 
     def _make_host_tier(self) -> HostTier | None:
         budget = self.args.kv_host_cache_bytes
