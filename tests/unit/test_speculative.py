@@ -221,3 +221,24 @@ def test_the_gpu_kv_budget_leaves_room_for_the_logits_of_every_verified_row(plai
     args = spec.engine.args
     assert plain.engine.core._max_sampled_rows() == args.max_num_seqs
     assert spec.engine.core._max_sampled_rows() == min(args.max_num_seqs * 5, args.max_num_batched_tokens)
+
+
+def test_the_default_model_accepts_ngram_drafts_when_asked_to_repeat_text(prepared_dir):
+    """The real default model copying a text: n-gram drafts are mostly accepted, the tokens those of a plain run
+    (a batch of two chat prompts of different lengths; max_tokens 40, a stop on <|im_end|> possible)."""
+    import torch
+
+    torch.set_num_threads(1)
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill."
+    conversations = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                     [{"role": "user", "content": f"Repeat this text exactly, twice:\n\n{text} {text}"}]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(str(prepared_dir), progress=False)
+    spec = LLM(str(prepared_dir), progress=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    reference = [o.outputs[0] for o in plain.chat(conversations, params, use_tqdm=False)]
+    outputs = [o.outputs[0] for o in spec.chat(conversations, params, use_tqdm=False)]
+    assert [(o.token_ids, o.text) for o in outputs] == [(o.token_ids, o.text) for o in reference]
+    assert text[:20] in reference[0].text
+    stats = spec.engine.spec_decode_stats()
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5, stats
