@@ -14,6 +14,10 @@ execution mode (`execution`): decode-only steps a decode graph (`cuda_graphs`); 
 Llama-family model one graph per token bucket with attention inside (`full_graphs`), or piecewise graphs (all but
 attention, `piecewise_graphs`); every other step, and every step on the CPU or in eager mode, runs eagerly.
 
+Speculative decoding: a decode that carries k draft tokens feeds them after its last token and is sampled at
+all k + 1 rows (`execute_verify`, always eager); it emits the target's tokens up to the first draft it disagrees
+with (deepinfer.sampling.rejection).
+
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
 always splits into max_model_len / 512 partitions, prefill attention always uses its largest query tile,
 and a step that mixes decode rows with prefill rows runs them as two forwards, so no row's arithmetic

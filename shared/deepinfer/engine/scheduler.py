@@ -2,7 +2,8 @@
 
 One step, one token budget (max_num_batched_tokens), spent in this order:
 
-    1. running decodes         1 token each                      (decode-first: inter-token latency holds)
+    1. running decodes         1 token each                      (decode-first: inter-token latency holds),
+                               + its draft tokens when it has some (speculative decoding: `_schedule_drafts`)
     2. running prefills        the next chunk each               (min(remaining, budget, threshold))
     3. waiting requests, FCFS  prefix-cache lookup, then a chunk (only in a step that preempted nobody)
 
