@@ -167,7 +167,8 @@ class Engine:
         return engine_stats(self.core)
 
     def spec_decode_stats(self) -> SpecDecodeStats:
-        """Speculative decoding's acceptance counters since start, a copy (all zero when it is off)."""
+        """Speculative decoding's acceptance counters since start, a copy (all zero when it is off); any thread, as
+        a hint (the engine thread only ever increases them)."""
         stats = self.core.spec_decode_stats
         return dataclasses.replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
 
