@@ -280,32 +280,37 @@ class EngineCore:
                 time.sleep(HOST_COPY_POLL_S)  # only copies in flight: poll again soon
                 self.last_step_kind = "empty"
                 return []
-        if self.async_scheduling:
-            outputs = self._step_async()
-        else:
-            scheduled = self.scheduler.schedule()
-            self.last_step_kind = scheduled.kind
-            started_s = time.monotonic()
-            if scheduled.num_draft_tokens:
-                outputs = self._step_verify(scheduled)
-            else:
-                sampled = self.runner.execute(scheduled, self.scheduler.requests)
-                if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
-                    self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
-                    self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
-                updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-                outputs = _engine_outputs(updates, sampled)
-                if self.drafter is not None:
-                    self._propose_drafts()
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
         if host_tier is not None:
             host_tier.offload(flush=not self.scheduler.has_unfinished_requests())
         return outputs
 
-    def _step_verify(self, scheduled: SchedulerOutput) -> list[EngineOutput]:
-        """A step whose decodes carry draft tokens (speculative decoding, synchronous scheduling only): execute
-        and verify, update with every emitted token, count acceptance, then draft for the next step. No chunk
-        timing: the step's extra rows are drafts, not prompt tokens."""
-        verified = self.runner.execute_verify(scheduled, self.scheduler.requests)
+    def _step_sync(self) -> list[EngineOutput]:
+        """schedule → execute → update, then (speculative decoding) draft for the next step. A step whose decodes
+        carry drafts is verified (`ModelRunner.execute_verify`) and may give a request several tokens."""
+        scheduled = self.scheduler.schedule()
+        self.last_step_kind = scheduled.kind
+        started_s = time.monotonic()
+        requests = self.scheduler.requests
+        verifies = scheduled.num_draft_tokens > 0
+        sampled = self.runner.execute_verify(scheduled, requests) if verifies else self.runner.execute(scheduled, requests)
+        if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
+            self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
+            self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
+        if verifies:
+            outputs = self._update_verified(scheduled, sampled)
+        else:
+            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
+            outputs = _engine_outputs(updates, sampled)
+        if self.drafter is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _update_verified(
+        self, scheduled: SchedulerOutput, verified: dict[str, list[SampledToken]]
+    ) -> list[EngineOutput]:
+        """Update after a step whose decodes carried draft tokens (speculative decoding, synchronous scheduling
+        only) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
         updates = self.scheduler.update(scheduled, {rid: [t.token_id for t in ts] for rid, ts in verified.items()})
         for s in scheduled.scheduled:
             if s.num_draft_tokens and s.request_id in verified:
@@ -314,7 +319,6 @@ class EngineCore:
             tokens = verified.get(u.request_id)
             if u.new_token_ids and tokens is not None:
                 u.new_logprobs = tokens[: len(u.new_token_ids)]
-        self._propose_drafts()
         return updates
 
     def _propose_drafts(self) -> None:
