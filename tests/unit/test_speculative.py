@@ -242,3 +242,21 @@ def test_the_default_model_accepts_ngram_drafts_when_asked_to_repeat_text(prepar
     assert text[:20] in reference[0].text
     stats = spec.engine.spec_decode_stats()
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5, stats
+
+
+def test_a_request_with_a_grammar_gets_no_drafts_beside_one_that_does(plain, spec):
+    from deepinfer.structured import json_object_grammar
+
+    prompts = PROMPTS[:2]
+    params = [SamplingParams(temperature=0, max_tokens=16, grammar=json_object_grammar()), greedy(max_tokens=16)]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    drafter = scripted(spec, reference, prompts)
+    asked, propose = [], drafter.propose
+    drafter.propose = lambda request, k: asked.append(request.prompt_token_ids) or propose(request, k)
+    before = spec.engine.spec_decode_stats().num_drafts
+    outputs = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert reference[0].text.startswith("{")
+    # The free request drafted (its verify steps sat beside the grammar's masked row); the grammar's never did.
+    assert asked and all(p == prompts[1]["prompt_token_ids"] for p in asked)
+    assert spec.engine.spec_decode_stats().num_drafts > before
