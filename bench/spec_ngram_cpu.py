@@ -58,7 +58,7 @@ def main() -> None:
     messages = [{"role": "user", "content": TASKS[args.task]}]
     measure(plain, messages, params, 1)  # warm-up
     measure(spec, messages, params, 1)
-    spec.engine.core.spec_decode_stats.__init__()  # count the measured runs only
+    warm = spec.engine.spec_decode_stats()  # subtracted below: the measured runs only
     plain_tps = spec_tps = 0.0
     for _ in range(args.repeats):  # interleaved, so a neighbour's load falls on both alike
         tps, plain_tokens = measure(plain, messages, params, 1)
@@ -66,6 +66,12 @@ def main() -> None:
         tps, spec_tokens = measure(spec, messages, params, 1)
         spec_tps = max(spec_tps, tps)
     stats = spec.engine.spec_decode_stats()
+    stats.num_drafts -= warm.num_drafts
+    stats.num_draft_tokens -= warm.num_draft_tokens
+    stats.num_accepted_tokens -= warm.num_accepted_tokens
+    stats.num_accepted_tokens_per_pos = [
+        n - (warm.num_accepted_tokens_per_pos[i] if i < len(warm.num_accepted_tokens_per_pos) else 0)
+        for i, n in enumerate(stats.num_accepted_tokens_per_pos)]
     print(f"tokens: {len(plain_tokens)} plain, {len(spec_tokens)} speculative; identical: {plain_tokens == spec_tokens}")
     print(f"plain:       {plain_tps:7.1f} tok/s")
     print(f"speculative: {spec_tps:7.1f} tok/s  ({spec_tps / plain_tps:.2f}x)  k={args.k} "
