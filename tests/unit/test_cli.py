@@ -105,3 +105,15 @@ def test_up_port_check_ignores_time_wait_but_not_a_listener():
     client.close()
     listener.close()
     assert _port_free("127.0.0.1", port)  # only TIME-WAIT left: the gateway (SO_REUSEADDR) can bind it
+
+
+def test_up_passes_a_checked_speculative_config_to_the_decode_workers():
+    from deepinfer.up.cli import _worker_env
+
+    parser = build_parser()
+    config = '{"method": "ngram", "num_speculative_tokens": 4}'
+    args = parser.parse_args(["up", "--speculative-config", config])
+    assert _worker_env(args) == {"DEEPINFER_DECODE_SPECULATIVE_CONFIG": config}
+    assert _worker_env(parser.parse_args(["up"])) == {}
+    result = run_cli("up", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}')
+    assert result.returncode == 2 and "num_speculative_tokens must be an int >= 1" in result.stderr

@@ -301,3 +301,23 @@ def test_a_cpu_worker_bounds_its_prompt_steps_by_time_and_the_offline_engine_doe
     assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=0)).resolve_prefill_chunk_s() is None
     assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=2)).resolve_prefill_chunk_s() == 2
     assert EngineArgs().resolve_prefill_chunk_s() is None  # LLM: steps that do not depend on the machine's speed
+
+
+def test_the_decode_worker_speculates_from_one_json_setting(monkeypatch):
+    pytest.importorskip("torch")
+    from deepinfer.engine import SpeculativeConfig
+    from deepinfer.worker.settings import engine_args
+
+    monkeypatch.setenv("DEEPINFER_DECODE_SPECULATIVE_CONFIG",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    args = engine_args(load_settings(DecodeSettings))
+    assert args.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                        prompt_lookup_min=4, prompt_lookup_max=4)
+    monkeypatch.delenv("DEEPINFER_DECODE_SPECULATIVE_CONFIG")
+    assert engine_args(DecodeSettings()).speculative_config is None
+    assert engine_args(PrefillSettings()).speculative_config is None  # one token per request: nothing to draft
+    for bad in ("ngram", "[1]"):
+        with pytest.raises(ValidationError, match="speculative_config"):
+            DecodeSettings(speculative_config=bad)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        engine_args(DecodeSettings(speculative_config='{"method": "ngram", "num_speculative_tokens": 0}'))

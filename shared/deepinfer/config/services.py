@@ -383,6 +383,13 @@ class WorkerSettings(ServiceSettings):
     _block_size = field_validator("block_size")(_power_of_two)
 
 
+def _parsed_json(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON: {error}") from None
+
+
 class PrefillSettings(WorkerSettings):
     """A prefill worker: prompt compute, KV handed off under a lease."""
 
@@ -409,6 +416,19 @@ class DecodeSettings(WorkerSettings):
     kv_pull_timeout_s: float = Field(
         30.0, gt=0, description="Longest a pull of a prompt's KV may take before the prompt is recomputed here."
     )
+    speculative_config: str | None = Field(
+        None, description="Speculative decoding as vLLM's speculative_config, a JSON object (docs/speculative.md), "
+        'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; '
+        "checked when the engine is built (a bad one stops the start). Unset = off. Needs synchronous scheduling "
+        "(unset async_scheduling resolves to off with it).",
+    )
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _json_object(cls, value: str | None) -> str | None:
+        if value is not None and not isinstance(_parsed_json(value), dict):
+            raise ValueError("must be a JSON object")
+        return value
 
 
 class KvCacheSettings(ServiceSettings):

@@ -59,6 +59,8 @@ _EXPORTS = {
     "ExecutionMode": "execution",
     "StartPhase": "start_progress",
     "StartProgress": "start_progress",
+    "SpeculativeConfig": "spec_config",
+    "SpecDecodeStats": "spec_decode_stats",
 }
 
 __all__ = [
@@ -99,6 +101,8 @@ __all__ = [
     "ReleaseHeld",
     "Removed",
     "SampledToken",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
     "StagingPool",
     "StartPhase",
     "StartProgress",
@@ -146,6 +150,8 @@ if TYPE_CHECKING:
         PulledKv,
         StoredKv,
     )
+    from deepinfer.engine.spec_config import SpeculativeConfig
+    from deepinfer.engine.spec_decode_stats import SpecDecodeStats
     from deepinfer.engine.start_progress import StartPhase, StartProgress
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from deepinfer.defaults import (
     DEFAULT_TENSOR_PARALLEL_SIZE,
 )
 from deepinfer.engine.execution import ExecutionMode
+from deepinfer.engine.spec_config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -114,6 +116,11 @@ class EngineArgs:
     #: scheduling only. None or 0 = off: the token budget alone, and steps that do not depend on the machine's speed
     #: (the offline engine's default; a CPU worker sets it, deepinfer.worker.settings).
     prefill_chunk_s: float | None = None
+    #: Speculative decoding, vLLM's dict (deepinfer.engine.spec_config; docs/speculative.md), e.g.
+    #: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; held as a
+    #: validated SpeculativeConfig once built. None = off. Runs with synchronous scheduling (async_scheduling
+    #: None resolves to off), its verify steps eagerly; not with batch_invariant or tensor parallelism yet.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -136,6 +143,14 @@ class EngineArgs:
             raise ValueError(f"prefill_chunk_s must be >= 0, got {self.prefill_chunk_s}")
         if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None:
+            for name, value, refused in (("async_scheduling", self.async_scheduling, True),
+                                         ("batch_invariant", self.batch_invariant, True)):
+                if value == refused:
+                    raise ValueError(f"speculative_config does not run with {name}={value} yet")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on."""
@@ -147,7 +162,7 @@ class EngineArgs:
         """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1
+        return device.type == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
 
     def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
         """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring

@@ -16,6 +16,7 @@ from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.drafter import Drafter, make_drafter
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import HostTier
@@ -32,6 +33,7 @@ from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
 from deepinfer.hashing import model_fingerprint
 from deepinfer.host_memory import usable_memory
@@ -120,6 +122,10 @@ class EngineCore:
                 admission_window_s=args.admission_window_s,
             )
         )
+        #: Speculative decoding (EngineArgs.speculative_config): the drafter (None = off) and its counters.
+        spec = args.speculative_config
+        self.drafter: Drafter | None = None if spec is None else make_drafter(spec)
+        self.spec_decode_stats = SpecDecodeStats()
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
@@ -274,21 +280,56 @@ class EngineCore:
                 time.sleep(HOST_COPY_POLL_S)  # only copies in flight: poll again soon
                 self.last_step_kind = "empty"
                 return []
-        if self.async_scheduling:
-            outputs = self._step_async()
-        else:
-            scheduled = self.scheduler.schedule()
-            self.last_step_kind = scheduled.kind
-            started_s = time.monotonic()
-            sampled = self.runner.execute(scheduled, self.scheduler.requests)
-            if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
-                self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
-                self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
-            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-            outputs = _engine_outputs(updates, sampled)
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
         if host_tier is not None:
             host_tier.offload(flush=not self.scheduler.has_unfinished_requests())
         return outputs
+
+    def _step_sync(self) -> list[EngineOutput]:
+        """schedule → execute → update, then (speculative decoding) draft for the next step. A step whose decodes
+        carry drafts is verified (`ModelRunner.execute_verify`) and may give a request several tokens."""
+        scheduled = self.scheduler.schedule()
+        self.last_step_kind = scheduled.kind
+        started_s = time.monotonic()
+        requests = self.scheduler.requests
+        verifies = scheduled.num_draft_tokens > 0
+        sampled = self.runner.execute_verify(scheduled, requests) if verifies else self.runner.execute(scheduled, requests)
+        if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
+            self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
+            self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
+        if verifies:
+            outputs = self._update_verified(scheduled, sampled)
+        else:
+            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
+            outputs = _engine_outputs(updates, sampled)
+        if self.drafter is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _update_verified(
+        self, scheduled: SchedulerOutput, verified: dict[str, list[SampledToken]]
+    ) -> list[EngineOutput]:
+        """Update after a step whose decodes carried draft tokens (speculative decoding, synchronous scheduling
+        only) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
+        updates = self.scheduler.update(scheduled, {rid: [t.token_id for t in ts] for rid, ts in verified.items()})
+        for s in scheduled.scheduled:
+            if s.num_draft_tokens and s.request_id in verified:
+                self.spec_decode_stats.observe(s.num_draft_tokens, len(verified[s.request_id]) - 1)
+        for u in updates:
+            tokens = verified.get(u.request_id)
+            if u.new_token_ids and tokens is not None:
+                u.new_logprobs = tokens[: len(u.new_token_ids)]
+        return updates
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for the next step's drafts of every running request that decodes next (not those with
+        a grammar: a draft token the grammar forbids would have to be rejected before verification, not yet)."""
+        drafter, k = self.drafter, self.args.speculative_config.num_speculative_tokens
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1 and request.grammar is None:
+                request.draft_token_ids = drafter.propose(request, k).token_ids
+            else:
+                request.draft_token_ids = ()
 
     def _step_async(self) -> list[EngineOutput]:
         """schedule(N+1) → launch(N+1) → update(N) with N's tokens: the device never waits for the host.
@@ -367,7 +408,7 @@ class EngineCore:
         tokens = self.args.max_num_batched_tokens
         # Peak activations of one step (MLP or MoE, MLA's expanded K/V); logits are float32 per sampled row.
         activations = tokens * cfg.activation_bytes_per_token(elem)
-        logits = 3 * self.args.max_num_seqs * cfg.vocab_size * 4
+        logits = 3 * self._max_sampled_rows() * cfg.vocab_size * 4
         mode = self.execution_mode
         if mode.decode_graphs:
             # The CUDA graphs' private pool: one decode step of max_num_seqs rows, split-K partials included.
@@ -389,6 +430,15 @@ class EngineCore:
         headroom = activations + logits + (256 << 20)
         return min(int(total * self.args.gpu_memory_utilization) - allocated - CUDA_CONTEXT_BYTES - headroom,
                    free + cached - headroom)
+
+    def _max_sampled_rows(self) -> int:
+        """Most rows one step computes logits for: one per sequence, or with speculative decoding k + 1 per
+        sequence (a verify step), never more than the step's tokens."""
+        spec, args = self.args.speculative_config, self.args
+        if spec is None:
+            return args.max_num_seqs
+        return max(args.max_num_seqs, min(args.max_num_seqs * (1 + spec.num_speculative_tokens),
+                                          args.max_num_batched_tokens))
 
     def _make_host_tier(self) -> HostTier | None:
         budget = self.args.kv_host_cache_bytes

@@ -2,7 +2,7 @@
 
     add_request(EngineRequest)  → Admission   where its KV comes from is a field of the request (requests.py)
     step()                      → outputs     schedule → execute → update (EngineCore)
-    abort, stats, take_kv_events, kv_snapshot, num_cached_prefix_blocks
+    abort, stats, spec_decode_stats, take_kv_events, kv_snapshot, num_cached_prefix_blocks
     held_block_ids / export_held / release_held / device_export      a prefill worker's leases
     staging_pool / import_chunk / complete_load / fail_load / pin_cached  the kvcache store's loads and writes
 
@@ -14,6 +14,7 @@ services and `deepinfer.worker` never do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from deepinfer.engine.requests import (
     PulledKv,
     StoredKv,
 )
+from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
 from deepinfer.protocol.kv import KvDeviceExport, KvHandle, KvLayout
 from deepinfer.tokenizer import Tokenizer
@@ -163,6 +165,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """Current load (engine thread, or any thread as a hint)."""
         return engine_stats(self.core)
+
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's acceptance counters since start, a copy (all zero when it is off); any thread, as
+        a hint (the engine thread only ever increases them)."""
+        stats = self.core.spec_decode_stats
+        return dataclasses.replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
 
     def take_kv_events(self) -> list[KvCacheEvent]:
         """Prefix-cache events of the device pool, then of the host tier, since the last call."""

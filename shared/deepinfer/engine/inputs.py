@@ -131,6 +131,9 @@ class HostBatch:
     #: (deepinfer.engine.prompt_logprobs); empty unless a request in the step asked for them.
     prompt_logits_indices: list[int] = field(default_factory=list)  # [R]
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    #: Speculative decoding: draft tokens fed by the step's sequences. A sampled sequence with k drafts has k + 1
+    #: entries in logits_indices (its last k + 1 rows, verified together), one entry in `sampled`.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -197,7 +200,12 @@ def build_host_batch(
         if len(block_ids) > max_num_blocks:
             max_num_blocks = len(block_ids)
         if s.sample:
-            logits_indices.append(len(input_ids) - 1)
+            num_drafts = s.num_draft_tokens
+            if num_drafts:  # the last token's row and each draft's: k + 1 rows to verify
+                logits_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
+                batch.num_draft_tokens += num_drafts
+            else:
+                logits_indices.append(len(input_ids) - 1)
             sampled.append(s)
             sampled_rows.append(row)
     batch.max_num_blocks = max_num_blocks

@@ -110,6 +110,20 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)
         self.num_cached_blocks[request.request_id] = num_full_blocks
 
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Drop the request's blocks past the first cdiv(num_tokens, block_size), tail first (speculative decoding:
+        the blocks only rejected drafts reached); how many it dropped. Those blocks hold no cached hash (only
+        computed tokens' full blocks are cached), so they go back to the head of the free queue in the order they
+        were taken."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_kept = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= num_kept:
+            return 0
+        tail = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Drop all the request's block references, tail first (its tail is evicted before its head)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -196,7 +197,11 @@ class LLM:
         bar.close()
 
     def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
-        """Fold one step's output into a sequence; True when the sequence finished."""
+        """Fold one step's output into a sequence; True when the sequence finished. Several tokens (a step that
+        verified drafts) are folded one at a time, so a stop string ends the text and the token ids exactly where
+        one token per step would."""
+        if len(out.new_token_ids) > 1:
+            return self._apply_each(seq, out, request_output)
         if seq.index == 0:
             request_output.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
@@ -225,6 +230,20 @@ class LLM:
             CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, stop_reason)
         )
         return True
+
+    def _apply_each(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+        last = len(out.new_token_ids) - 1
+        for i, token_id in enumerate(out.new_token_ids):
+            one = dataclasses.replace(
+                out, new_token_ids=[token_id],
+                new_logprobs=None if out.new_logprobs is None else out.new_logprobs[i : i + 1],
+                finish_reason=out.finish_reason if i == last else None,
+                stop_reason=out.stop_reason if i == last else None,
+                prompt_logprobs=out.prompt_logprobs if i == 0 else None,
+            )
+            if self._apply(seq, one, request_output):
+                return True
+        return False
 
     def _prompt_logprob_dicts(self, prompt_token_ids: list[int], scores: PromptLogprobs) -> PromptLogprobDicts:
         """vLLM's prompt_logprobs: None for the first token, then {token: Logprob, top-k alternatives...}."""

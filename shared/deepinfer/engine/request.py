@@ -93,6 +93,9 @@ class Request:
         self._hash_root: bytes = b""
         self._block_hashes: list[bytes] = []
         self._stop_rule: _StopRule | None = None
+        #: Speculative decoding: tokens the drafter proposed after the last step, fed with the next one (the
+        #: scheduler takes them; the same empty tuple while there are none: no list per request per step).
+        self.draft_token_ids: Sequence[int] = ()
         #: Structured output: the request's GrammarMatcher (deepinfer.structured), advanced by every output token.
         self.grammar: Any = None
         #: Asked prompt_logprobs: gathered by the runner as the prompt's chunks are computed, handed out (and set

@@ -14,6 +14,10 @@ execution mode (`execution`): decode-only steps a decode graph (`cuda_graphs`); 
 Llama-family model one graph per token bucket with attention inside (`full_graphs`), or piecewise graphs (all but
 attention, `piecewise_graphs`); every other step, and every step on the CPU or in eager mode, runs eagerly.
 
+Speculative decoding: a decode that carries k draft tokens feeds them after its last token and is sampled at
+all k + 1 rows (`execute_verify`, always eager); it emits the target's tokens up to the first draft it disagrees
+with (deepinfer.sampling.rejection).
+
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
 always splits into max_model_len / 512 partitions, prefill attention always uses its largest query tile,
 and a step that mixes decode rows with prefill rows runs them as two forwards, so no row's arithmetic
@@ -39,6 +43,7 @@ from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
 from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.rejection import accepted_prefix
 from deepinfer.sampling.sampler import Sampler, SamplerOutput
 
 if TYPE_CHECKING:
@@ -177,8 +182,36 @@ class ModelRunner:
         bare list of ScheduledRequest also works (rows of requests no longer running are then reclaimed from
         `requests` when the table runs out of rows).
         """
+        assert not getattr(output, "num_draft_tokens", 0), "a step with draft tokens goes through execute_verify"
         launched = self._forward_and_sample(output, requests)
         return {} if launched is None else self._to_host(launched.output, launched.requests)
+
+    @torch.inference_mode()
+    def execute_verify(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
+        """`execute` for a step whose decodes carry draft tokens (speculative decoding), always eager: every
+        sampled request's emitted tokens. A request with k drafts is sampled at its k + 1 rows as a step without
+        drafts would sample each (same processing, same noise for its seed and position), and emits the target's
+        tokens of its first m + 1 rows, m = the drafts equal to the target's (deepinfer.sampling.rejection)."""
+        launched = self._forward_and_sample(output, requests)
+        if launched is None:
+            return {}
+        out = launched.output
+        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+        top_ids = None if out.top_logprob_ids is None else out.top_logprob_ids.tolist()
+        top_logprobs = None if out.top_logprobs is None else out.top_logprobs.tolist()
+        emitted: dict[str, list[SampledToken]] = {}
+        row = 0
+        for s in launched.scheduled:
+            num_rows = s.num_draft_tokens + 1
+            num_accepted = accepted_prefix(s.token_ids[1:], token_ids[row : row + num_rows]) if num_rows > 1 else 0
+            k = requests[s.request_id].sampling_params.logprobs
+            tokens = []
+            for i in range(row, row + num_accepted + 1):
+                top = list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)) if k and top_ids else None
+                tokens.append(SampledToken(token_ids[i], logprobs[i], top))
+            emitted[s.request_id] = tokens
+            row += num_rows
+        return emitted
 
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> PendingSample:
@@ -198,6 +231,7 @@ class ModelRunner:
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
     ) -> _Sampled | None:
         """Forward the step and sample its sampled rows; None when no row samples."""
+        num_draft_tokens = 0
         if self.batch_invariant:
             forward, sampled = self._forward_invariant(self._release_rows(output, requests), requests)
             num_seqs = -1  # two forwards: the sampled rows' positions are counted per row
@@ -206,10 +240,13 @@ class ModelRunner:
             if not batch.num_seqs:
                 return None
             forward, sampled, num_seqs = self.forward(batch), batch.sampled, batch.num_seqs
+            num_draft_tokens = batch.num_draft_tokens
             if forward.prompt_hidden is not None:
                 self._score_prompt_rows(forward.prompt_hidden, batch.prompt_rows)
         if not sampled:
             return None
+        if num_draft_tokens:
+            return self._sample_with_drafts(forward.hidden, sampled, requests)
         chosen = [requests[s.request_id] for s in sampled]
         params = [r.sampling_params for r in chosen]
         graph_step, num_sampled = forward.graph_step, len(sampled)
@@ -241,6 +278,28 @@ class ModelRunner:
         # Penalties and grammars read the previous token on the host: async scheduling updates before the next step.
         needs_sync = meta.need_penalties or meta.allowed is not None
         return _Sampled(self.sampler(logits, meta), chosen, sampled, needs_sync, forward.staged_sampled_rows)
+
+    def _sample_with_drafts(
+        self, hidden: torch.Tensor, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
+    ) -> _Sampled:
+        """Sample every verified row: row j of a request with k drafts samples the token at position
+        num_computed_tokens + j + 1 after its output and drafts 0 .. j-1 (what penalties and min_tokens read)."""
+        rows = [(requests[s.request_id], s, j) for s in sampled for j in range(s.num_draft_tokens + 1)]
+        chosen = [r for r, _, _ in rows]
+        with self._linear_mode():
+            logits = self.model.compute_logits(hidden)  # [sum(k + 1), V]
+        meta = self.sampling_metadata.build(
+            [r.sampling_params for r in chosen],
+            positions=[s.num_computed_tokens + j + 1 for _, s, j in rows],
+            seeds=None,
+            prompt_token_ids=[r.prompt_token_ids for r in chosen],
+            output_token_ids=_DraftTokenLists(rows),
+            vocab_size=logits.shape[-1],
+            eos_token_ids=self.eos_token_ids,
+            # A request with drafts has no grammar (EngineCore drafts none for one), so row 0 is its only row.
+            grammar_bitmasks=[None if r.grammar is None else r.grammar.bitmask() for r in chosen],
+        )
+        return _Sampled(self.sampler(logits, meta), chosen, sampled, False, None)
 
     def _plain_greedy(self, chosen: Sequence[Request], params: Sequence[SamplingParams], vocab_size: int) -> bool:
         """True when the sampler would take every row's argmax of the raw logits (no grammar, penalties, bias
@@ -285,7 +344,8 @@ class ModelRunner:
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
-        if not batch.is_decode_only:
+        # A step verifying drafts runs eagerly in every mode: the prompt graphs keep one sampled row per sequence.
+        if not batch.is_decode_only and not batch.num_draft_tokens:
             if (self.full_graphs is not None and not batch.prompt_logits_indices
                     and self.full_graphs.can_run(batch.num_tokens)):
                 step = self.full_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
@@ -446,6 +506,25 @@ class _TokenLists(Sequence[list[int]]):
         if len(s.token_ids) < s.num_new_tokens and request.sampling_params.min_tokens:
             return [*request.output_token_ids, 0]
         return request.output_token_ids
+
+
+class _DraftTokenLists(Sequence[list[int]]):
+    """The output ids row (request, scheduled, j) of a verify step samples after: the request's output and its
+    first j drafts (read only for the rows the sampler asks: penalties, min_tokens)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[tuple[Request, ScheduledRequest, int]]) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> list[int]:  # type: ignore[override]
+        request, scheduled, j = self._rows[i]
+        if j == 0:
+            return request.output_token_ids
+        return [*request.output_token_ids, *scheduled.token_ids[1 : j + 1]]
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 One step, one token budget (max_num_batched_tokens), spent in this order:
 
-    1. running decodes         1 token each                      (decode-first: inter-token latency holds)
+    1. running decodes         1 token each                      (decode-first: inter-token latency holds),
+                               + its draft tokens when it has some (speculative decoding: `_schedule_drafts`)
     2. running prefills        the next chunk each               (min(remaining, budget, threshold))
     3. waiting requests, FCFS  prefix-cache lookup, then a chunk (only in a step that preempted nobody)
 
@@ -55,6 +56,8 @@ class _Step:
         # request_id → (request, num_new_tokens), in scheduling order
         self.entries: dict[str, tuple[Request, int]] = {}
         self.preempted_request_ids: list[str] = []
+        #: request_id → the draft tokens its entry feeds after its last token (speculative decoding)
+        self.draft_token_ids: dict[str, Sequence[int]] = {}
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.entries[request.request_id] = (request, num_new_tokens)
@@ -64,6 +67,7 @@ class _Step:
         entry = self.entries.pop(request.request_id, None)
         if entry is not None:
             self.token_budget += entry[1]
+        self.draft_token_ids.pop(request.request_id, None)
         self.preempted_request_ids.append(request.request_id)
 
 
@@ -177,13 +181,16 @@ class Scheduler(LoadingRequests):
         return self._build_output(step)
 
     def _schedule_decodes(self, decodes: list[Request], step: _Step) -> None:
-        """One token for each decode (its chunk whatever the budget left or the threshold), in order."""
+        """One token for each decode (its chunk whatever the budget left or the threshold), in order; with its
+        draft tokens when it has some and they fit without preempting anyone."""
         running_status, block_size = RequestStatus.RUNNING, self.config.block_size
         req_to_blocks, entries = self.kv_manager.req_to_blocks, step.entries
         for request in decodes:
             if step.token_budget == 0:
                 break
             if request.status is not running_status:  # preempted earlier in this step
+                continue
+            if request.draft_token_ids and self._schedule_drafts(request, step):
                 continue
             blocks = req_to_blocks.get(request.request_id)
             # allocate_slots' every-step case inline: the last block has room for the token (no new block).
@@ -192,6 +199,22 @@ class Scheduler(LoadingRequests):
                 continue
             entries[request.request_id] = (request, 1)  # step.add(request, 1)
             step.token_budget -= 1
+
+    def _schedule_drafts(self, request: Request, step: _Step) -> bool:
+        """Schedule a decode with its draft tokens (cut to the budget, max_model_len and max_tokens: a step
+        never computes a position the request could not keep); False when none fit or their blocks are not free
+        (it then decodes as usual, never preempting another request for a draft)."""
+        draft_token_ids, request.draft_token_ids = request.draft_token_ids, ()
+        num_drafts = min(len(draft_token_ids), step.token_budget - 1,
+                         self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.stop_rule.max_tokens
+        if max_tokens is not None:
+            num_drafts = min(num_drafts, max_tokens - request.num_output_tokens - 1)
+        if num_drafts <= 0 or self.kv_manager.allocate_slots(request, 1 + num_drafts) is None:
+            return False
+        step.add(request, 1 + num_drafts)
+        step.draft_token_ids[request.request_id] = draft_token_ids[:num_drafts]
+        return True
 
     def _split_running(self) -> tuple[list[Request], list[Request]]:
         """Running requests to schedule this step: (decodes, prefill chunks); decodes go first."""
@@ -219,6 +242,12 @@ class Scheduler(LoadingRequests):
                 continue  # aborted since schedule()
             num_computed = scheduled.num_computed_tokens
             assert request.num_computed_tokens == num_computed, "update() without schedule()"
+            if scheduled.num_draft_tokens:
+                update = self._update_verified(request, scheduled, sampled_token_ids[scheduled.request_id])
+                updates.append(update)
+                if request.status is not running_status:
+                    finished.append(request)
+                continue
             request.num_computed_tokens = num_computed + scheduled.num_new_tokens
             if (num_computed + scheduled.num_new_tokens) // block_size > num_computed // block_size:
                 cache_blocks(request, request.num_computed_tokens)  # a block became full this step
@@ -243,6 +272,30 @@ class Scheduler(LoadingRequests):
             for request in finished:
                 self._retire(request)
         return updates
+
+    def _update_verified(self, request: Request, scheduled: ScheduledRequest, token_ids: Sequence[int]) -> RequestUpdate:
+        """Apply a step that verified drafts: keep the emitted tokens up to the first that stops the request, keep
+        the KV of the fed token and of the drafts among them, and free the blocks past that (rejected drafts' KV)::
+
+            fed       | last | d0 | d1 | d2 |        k = 3, d0 d1 accepted, t2 emitted at d2's row (or a bonus)
+            emitted          | d0 | d1 | t2 |        3 tokens; KV kept for last, d0, d1: num_computed += 3
+            blocks    held for cdiv(num_computed, block_size) tokens, as a step without drafts would leave them
+
+        Only then are full blocks cached, so no rejected token is ever hashed, cached or announced."""
+        new_token_ids = self._append_sampled(request, token_ids, self.config.max_model_len)
+        num_computed = scheduled.num_computed_tokens
+        request.num_computed_tokens = num_computed + len(new_token_ids)
+        block_size = self.config.block_size
+        if request.num_computed_tokens // block_size > num_computed // block_size:
+            self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+        if self.kv_manager.free_tail(request, request.num_computed_tokens):
+            # The runner's row still lists the freed blocks: send it the whole table at the next step.
+            self._num_sent_blocks.pop(request.request_id, None)
+        return RequestUpdate(
+            request.request_id, new_token_ids, None, request.finish_reason, request.stop_reason,
+            request.num_cached_tokens, request.first_scheduled_time, request.num_store_cached_tokens,
+            request.num_host_cached_tokens,
+        )
 
     @staticmethod
     def _append_sampled(request: Request, token_ids: Sequence[int], max_model_len: int) -> list[int]:
@@ -382,12 +435,21 @@ class Scheduler(LoadingRequests):
             # The every-step case: no block since the last step.
             new_block_ids = [] if num_sent == len(blocks) else self._send_block_ids(request_id, blocks, num_sent)
             end = start + num_new_tokens
-            scheduled.append(
-                ScheduledRequest(
-                    request_id, all_token_ids[start:end], start, num_new_tokens, new_block_ids,
-                    end == len(all_token_ids), num_sent is None,
+            draft_token_ids = step.draft_token_ids.get(request_id) if step.draft_token_ids else None
+            if draft_token_ids:  # the last token, then the drafts: every row samples
+                num_drafts = len(draft_token_ids)
+                output.num_draft_tokens += num_drafts
+                scheduled.append(ScheduledRequest(
+                    request_id, [all_token_ids[start], *draft_token_ids], start, num_new_tokens, new_block_ids,
+                    True, num_sent is None, num_drafts,
+                ))
+            else:
+                scheduled.append(
+                    ScheduledRequest(
+                        request_id, all_token_ids[start:end], start, num_new_tokens, new_block_ids,
+                        end == len(all_token_ids), num_sent is None,
+                    )
                 )
-            )
             num_batched_tokens += num_new_tokens
         output.num_batched_tokens = num_batched_tokens
         return output

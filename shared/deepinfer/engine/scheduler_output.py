@@ -13,7 +13,8 @@ class ScheduledRequest:
     """One request's share of a step: which tokens to feed and where their KV goes."""
 
     request_id: str
-    #: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    #: all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]; a step verifying drafts feeds
+    #: the request's last token then its num_draft_tokens draft tokens (not in all_token_ids).
     token_ids: list[int]
     #: Tokens whose KV is already in the cache, before this step.
     num_computed_tokens: int
@@ -26,6 +27,9 @@ class ScheduledRequest:
     #: The runner holds no state for this request (first step since admission, since resuming after preemption
     #: or since a disaggregated handoff): it (re)builds the request's block-table row from new_block_ids.
     is_new: bool
+    #: Draft tokens at the end of token_ids, verified by this step (speculative decoding; 0 = none): the step
+    #: samples at all of their num_draft_tokens + 1 rows (deepinfer.sampling.rejection).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -38,16 +42,19 @@ class SchedulerOutput:
     #: Requests finished (stopped, length or aborted) since the previous step.
     finished_request_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    #: Draft tokens the step verifies, over all requests (0: a step without speculation).
+    num_draft_tokens: int = 0
 
     @property
     def kind(self) -> str:
-        """decode (every request feeds one token), prefill (none does), mixed (both), or empty; O(1) for decode."""
+        """decode (every request feeds one token, and its drafts), prefill (none does), mixed (both), or empty;
+        O(1) for decode."""
         num_scheduled = len(self.scheduled)
         if num_scheduled == 0:
             return "empty"
-        if self.num_batched_tokens == num_scheduled:
+        if self.num_batched_tokens - self.num_draft_tokens == num_scheduled:
             return "decode"
-        return "mixed" if any(s.num_new_tokens == 1 for s in self.scheduled) else "prefill"
+        return "mixed" if any(s.num_new_tokens - s.num_draft_tokens == 1 for s in self.scheduled) else "prefill"
 
 
 #: Result of a step for one request: tokens it gained and, when it ended, why. It is the EngineOutput the engine

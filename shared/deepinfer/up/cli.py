@@ -8,6 +8,7 @@ in <data_dir>/up/logs/<name>.log (DEEPINFER_DATA_DIR; rewritten on every start).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -58,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gateways", type=_count_positive, default=None, metavar="G",
         help="gateway processes sharing the API port (default: one per 4 cores, 1 to 4)",
     )
+    parser.add_argument(
+        "--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+        help='the decode workers\' speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (docs/speculative.md; default: off)',
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         num_gateways=args.gateways,
         num_kvcache=args.kvcache,
         log_dir=common.data_dir / "up" / "logs",
+        env_overrides=_worker_env(args),
     )
     handler = _setup_logging(width=max(len(name) for name in _child_names(stack)))
     echo = LogEcho(sys.stderr)
@@ -200,6 +207,26 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1..65535, got {value}")
     return value
+
+
+def _speculative_config(text: str) -> str:
+    """The flag's JSON, checked as the engine will check it (a bad one stops `up` before anything starts)."""
+    from deepinfer.engine.spec_config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.of(json.loads(text))
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """Settings of the flags that only some children read, by environment."""
+    if args.speculative_config is None:
+        return {}
+    return {"DEEPINFER_DECODE_SPECULATIVE_CONFIG": args.speculative_config}
 
 
 def _count(text: str) -> int:

@@ -58,6 +58,7 @@ from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.model_server_metrics import ModelServerGauges
 from deepinfer.worker.outbox import Outbox
 from deepinfer.worker.settings import engine_args
+from deepinfer.worker.spec_decode_metrics import SpecDecodeMetrics
 from deepinfer.worker.store_tier import StoreTier, start_store_client
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class WorkerRuntime:
         self.store: StoreTier | None = None
         #: Metrics of the engine's host-memory KV tier (None when the tier is off).
         self.host_tier_metrics: HostTierMetrics | None = None
+        #: vLLM's spec_decode counters, on a worker that speculates (None: it does not).
+        self.spec_decode_metrics: SpecDecodeMetrics | None = None
         self.data_plane_address = ""
         self.internal_address = ""
         self.draining = False
@@ -176,6 +179,8 @@ class WorkerRuntime:
             report = engine.host_tier_report()
             self.host_tier_metrics = HostTierMetrics(self._registry, report.capacity_bytes)
             self.host_tier_metrics.update(report)
+        if engine.args.speculative_config is not None:
+            self.spec_decode_metrics = SpecDecodeMetrics(self._registry)
         gauge(self._registry, "worker_kernel_compiles_serving",
               "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
               ).set_function(lambda: engine.num_serving_compiles)
@@ -268,6 +273,8 @@ class WorkerRuntime:
         self._model_server_gauges.set(self.stats)
         if self.host_tier_metrics is not None:
             self.host_tier_metrics.update(self.engine.host_tier_report())
+        if self.spec_decode_metrics is not None:
+            self.spec_decode_metrics.update(self.engine.spec_decode_stats())
         load = self._worker_load()
         self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
         self._last_heartbeat_s = time.monotonic()

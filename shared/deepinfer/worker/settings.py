@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import random
 import secrets
 from typing import Any
 
-from deepinfer.config import WorkerSettings
+from deepinfer.config import DecodeSettings, WorkerSettings
 from deepinfer.defaults import DEFAULT_CPU_PREFILL_CHUNK_S
 from deepinfer.engine import EngineArgs
 from deepinfer.protocol import WireSamplingParams
@@ -45,7 +46,16 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         model_revision=common.model_revision,
         model_cache_dir=common.model_cache_dir,
         progress=False,
+        speculative_config=speculative_config(settings),
     )
+
+
+def speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:
+    """A decode worker's speculative_config (its JSON setting, parsed; EngineArgs validates it). A prefill worker
+    computes one token per request and never drafts: None."""
+    if not isinstance(settings, DecodeSettings) or settings.speculative_config is None:
+        return None
+    return json.loads(settings.speculative_config)
 
 
 def worker_prefill_chunk_s(settings: WorkerSettings) -> float:

@@ -1,0 +1,70 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config`, validated when the engine is built. No torch.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 5})
+
+Unset (None) = no speculation, the engine exactly as without it. Only `ngram` is implemented; the other methods
+of issue #32 (suffix, mtp, draft_model) are refused by name until they are (deepinfer.engine.drafter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Methods a config may name (vLLM's names), and those this build can run.
+KNOWN_METHODS = ("ngram", "suffix", "mtp", "draft_model")
+IMPLEMENTED_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """How a running sequence's decode steps propose and verify draft tokens (docs/speculative.md)."""
+
+    method: str
+    #: Draft tokens verified per step at most (k: a step feeds k + 1 query positions).
+    num_speculative_tokens: int
+    #: n-gram prompt lookup: the shortest and longest suffix n-gram matched against the context (vLLM: both
+    #: default to 5 when neither is given, and either one to the other when only one is).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in KNOWN_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(KNOWN_METHODS)}, "
+                             f"got {self.method!r}")
+        if self.method not in IMPLEMENTED_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not implemented yet "
+                             f"(implemented: {', '.join(IMPLEMENTED_METHODS)})")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """The config from vLLM's dict form (or as given); None stays None. ValueError names an unknown key, a
+        missing one or a bad value."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {', '.join(sorted(known))})")
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in value]
+        if missing:
+            raise ValueError(f"speculative_config: missing {', '.join(missing)}")
+        return cls(**value)

@@ -1,0 +1,262 @@
+"""Speculative decoding through `LLM` on a tiny random Llama (CPU, float32): the same tokens as without it.
+
+Each test runs the same requests without speculation (the reference) and with it. The n-gram drafter proposes
+from repetitive prompts, but a random model rarely continues them, so most of its drafts are rejected; the
+`ScriptedDrafter` proposes the reference's own tokens (all accepted) or those with every third one wrong (partial
+accepts, rollbacks), so the paths where drafts are kept are exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing.drafters import ScriptedDrafter
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+#: Repetitive prompts of different lengths (n-gram lookup finds their suffixes earlier).
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 42, 99, 7] * 5},
+    {"prompt_token_ids": [9, 8, 7, 9, 8]},
+    {"prompt_token_ids": list(range(40, 60)) * 2 + [40, 41]},
+    {"prompt_token_ids": [100, 3, 100, 3, 100, 3, 100]},
+]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return LLM(str(tiny_dir), block_size=4, progress=False)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_dir):
+    return LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+
+
+def greedy(max_tokens=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run(llm, params, prompts=PROMPTS):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def scripted(llm, reference, prompts=PROMPTS, wrong_every=0):
+    """Make `llm` draft the reference outputs (token ids) of `prompts`."""
+    continuations = {tuple(p["prompt_token_ids"]): out.token_ids for p, out in zip(prompts, reference, strict=True)}
+    llm.engine.core.drafter = drafter = ScriptedDrafter(continuations, wrong_every)
+    return drafter
+
+
+def test_ngram_drafts_greedy_equal_plain_on_a_ragged_batch(plain, spec):
+    before = spec.engine.spec_decode_stats()
+    reference = run(plain, greedy())
+    outputs = run(spec, greedy())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    stats = spec.engine.spec_decode_stats()
+    assert stats.num_drafts > before.num_drafts  # the repetitive prompts were drafted from
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_scripted_drafts_give_the_plain_tokens_and_logprobs(plain, spec, wrong_every):
+    params = greedy(logprobs=2)
+    reference = run(plain, params)
+    drafter = scripted(spec, reference, wrong_every=wrong_every)
+    before = spec.engine.spec_decode_stats()
+    outputs = run(spec, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    for out, ref in zip(outputs, reference, strict=True):
+        # The target's logprobs, top 2 included. A verify step computes its rows as one multi-row query (other
+        # GEMM shapes, the prefill attention path): float32 rounding apart, ~1e-5.
+        for got, want in zip(out.logprobs, ref.logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-4) for t in want)
+    stats = spec.engine.spec_decode_stats()
+    drafted = stats.num_draft_tokens - before.num_draft_tokens
+    accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+    assert drafter.num_proposed > 0 and drafted > 0
+    assert (accepted == drafted) == (wrong_every == 0) and accepted > 0
+
+
+def test_acceptance_counters_of_a_fully_accepted_run(tiny_dir, plain):
+    prompt = [PROMPTS[1]]
+    reference = run(plain, greedy(max_tokens=13), prompt)
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    scripted(llm, reference, prompt)
+    assert run(llm, greedy(max_tokens=13), prompt)[0].token_ids == reference[0].token_ids
+    # Token 1 from the prompt step; then 4 drafts (+1) -> 6 tokens; 4 (+1) -> 11; max_tokens leaves 1 draft (+1).
+    stats = llm.engine.spec_decode_stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 9)
+    assert stats.num_accepted_tokens_per_pos == [3, 2, 2, 2]
+    assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length == 4.0
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(plain, spec):
+    reference = run(plain, greedy(max_tokens=24))
+    scripted(spec, reference)
+    for out in reference:
+        tokens = out.token_ids
+        i = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])  # first occurrence past 3
+        stopped = greedy(max_tokens=24, stop_token_ids=[tokens[i]])
+        for params in (stopped, greedy(max_tokens=i + 1)):
+            want = run(plain, params, PROMPTS)
+            got = run(spec, params, PROMPTS)
+            assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in got] == [
+                (o.token_ids, o.finish_reason, o.stop_reason) for o in want]
+
+
+def test_stop_string_inside_an_accepted_run_cuts_text_and_tokens_as_plain(plain, spec):
+    reference = run(plain, greedy())
+    scripted(spec, reference)
+    for out in reference:
+        text = out.text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        if not stop.strip():
+            continue
+        params = greedy(stop=[stop])
+        want, got = run(plain, params), run(spec, params)
+        assert [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in got] == [
+            (o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in want]
+
+
+def test_seeded_sampling_gives_the_plain_tokens(plain, spec):
+    # Verification samples every row with the noise of its (seed, position), as the plain run does: a one-hot
+    # draft is kept exactly when it equals that sample (deepinfer.sampling.rejection), so the outputs coincide.
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=20, ignore_eos=True, seed=1234,
+                            repetition_penalty=1.2, frequency_penalty=0.3)
+    reference = run(plain, params)
+    assert [o.token_ids for o in run(spec, params)] == [o.token_ids for o in reference]  # n-gram drafts
+    scripted(spec, reference, wrong_every=3)
+    first = run(spec, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in reference]
+    assert [o.token_ids for o in run(spec, params)] == [o.token_ids for o in first]
+
+
+def test_penalties_and_min_tokens_see_the_accepted_drafts(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.5,
+                            min_tokens=6)
+    reference = run(plain, params)
+    scripted(spec, reference, wrong_every=4)
+    assert [(o.token_ids, o.finish_reason) for o in run(spec, params)] == [
+        (o.token_ids, o.finish_reason) for o in reference]
+
+
+def test_block_pool_after_a_run_is_as_without_speculation(tiny_dir):
+    def pool_after(llm, params):
+        run(llm, params)
+        pool = llm.engine.core.scheduler.block_pool
+        events = llm.engine.take_kv_events()
+        return pool.num_free_blocks, set(pool.cached_block_hash_to_block), sorted(
+            h for e in events for h in e.block_hashes)
+
+    kwargs = dict(block_size=4, progress=False, enable_kv_events=True)
+    plain = LLM(str(tiny_dir), **kwargs)
+    reference = run(LLM(str(tiny_dir), block_size=4, progress=False), greedy(max_tokens=30))
+    spec = LLM(str(tiny_dir), speculative_config=NGRAM, **kwargs)
+    scripted(spec, reference, wrong_every=3)
+    want = pool_after(plain, greedy(max_tokens=30))
+    assert pool_after(spec, greedy(max_tokens=30)) == want
+    assert want[0] == plain.engine.num_kv_blocks - 1 and want[1]
+
+
+def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
+    cases = {
+        "method must be one of": {"method": "eagle", "num_speculative_tokens": 2},
+        "not implemented yet": {"method": "mtp", "num_speculative_tokens": 1},
+        "missing num_speculative_tokens": {"method": "ngram"},
+        "num_speculative_tokens must be an int >= 1": {"method": "ngram", "num_speculative_tokens": 0},
+        "unknown keys": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup": 3},
+        "prompt_lookup_min=4 must be <= prompt_lookup_max=2": {
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+    }
+    for message, config in cases.items():
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_dir), progress=False, speculative_config=config)
+    with pytest.raises(ValueError, match="async_scheduling=True"):
+        LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, async_scheduling=True)
+
+
+def test_steps_with_drafts_run_eagerly_beside_prompt_graphs(tiny_dir, plain):
+    """With a (CPU, uncaptured) full-graph runner for prompt steps, a step verifying drafts still runs eagerly:
+    the full graphs keep one sampled row per sequence, the verify step needs k + 1."""
+    from deepinfer.engine.full_graphs import FullGraphRunner
+
+    reference = run(plain, greedy())
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    runner, core = llm.engine.core.runner, llm.engine.core
+    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
+                                         runner.device, use_graphs=False, logits=runner.model.compute_logits)
+    graph_steps = []
+    graph_run = runner.full_graphs.run
+
+    def run_and_count(input_ids, positions, meta, logits_indices):
+        assert len(logits_indices) <= meta.num_seqs  # never a step with drafts
+        graph_steps.append(meta.num_seqs)
+        return graph_run(input_ids, positions, meta, logits_indices)
+
+    runner.full_graphs.run = run_and_count
+    scripted(llm, reference, wrong_every=3)
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert graph_steps and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
+    # 16 blocks of 4 tokens cannot hold four 22+20-token sequences at once: requests are preempted (and resumed
+    # from the prefix cache) between steps that verify drafts; the drafts never preempt by themselves.
+    prompts = [{"prompt_token_ids": list(range(40, 60)) + [40, 41 + i]} for i in range(4)]
+    reference = run(plain, greedy(max_tokens=20), prompts)
+    bytes_per_block = plain.engine.core.kv_plan.bytes_per_block
+    small = LLM(str(tiny_dir), block_size=4, kv_cache_bytes=16 * bytes_per_block, max_model_len=48, progress=False,
+                speculative_config=NGRAM)
+    scripted(small, reference, prompts, wrong_every=3)
+    scheduler, preempted = small.engine.core.scheduler, []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda request, step: preempted.append(request.request_id) or preempt(request, step)
+    assert [o.token_ids for o in run(small, greedy(max_tokens=20), prompts)] == [o.token_ids for o in reference]
+    assert preempted and scheduler.block_pool.num_free_blocks == 15
+    assert small.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_the_gpu_kv_budget_leaves_room_for_the_logits_of_every_verified_row(plain, spec):
+    args = spec.engine.args
+    assert plain.engine.core._max_sampled_rows() == args.max_num_seqs
+    assert spec.engine.core._max_sampled_rows() == min(args.max_num_seqs * 5, args.max_num_batched_tokens)
+
+
+def test_the_default_model_accepts_ngram_drafts_when_asked_to_repeat_text(prepared_dir):
+    """The real default model copying a text: n-gram drafts are mostly accepted, the tokens those of a plain run
+    (a batch of two chat prompts of different lengths; max_tokens 40, a stop on <|im_end|> possible)."""
+    import torch
+
+    torch.set_num_threads(1)
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm windowsill."
+    conversations = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                     [{"role": "user", "content": f"Repeat this text exactly, twice:\n\n{text} {text}"}]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(str(prepared_dir), progress=False)
+    spec = LLM(str(prepared_dir), progress=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    reference = [o.outputs[0] for o in plain.chat(conversations, params, use_tqdm=False)]
+    outputs = [o.outputs[0] for o in spec.chat(conversations, params, use_tqdm=False)]
+    assert [(o.token_ids, o.text) for o in outputs] == [(o.token_ids, o.text) for o in reference]
+    assert text[:20] in reference[0].text
+    stats = spec.engine.spec_decode_stats()
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5, stats
+
+
+def test_a_request_with_a_grammar_gets_no_drafts_beside_one_that_does(plain, spec):
+    from deepinfer.structured import json_object_grammar
+
+    prompts = PROMPTS[:2]
+    params = [SamplingParams(temperature=0, max_tokens=16, grammar=json_object_grammar()), greedy(max_tokens=16)]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    drafter = scripted(spec, reference, prompts)
+    asked, propose = [], drafter.propose
+    drafter.propose = lambda request, k: asked.append(request.prompt_token_ids) or propose(request, k)
+    before = spec.engine.spec_decode_stats().num_drafts
+    outputs = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert reference[0].text.startswith("{")
+    # The free request drafted (its verify steps sat beside the grammar's masked row); the grammar's never did.
+    assert asked and all(p == prompts[1]["prompt_token_ids"] for p in asked)
+    assert spec.engine.spec_decode_stats().num_drafts > before
