@@ -1,0 +1,63 @@
+"""Speculative decoding on the GPU (float32, tiny Llama): in every execution mode a run with drafts gives the
+tokens of the same run without them. Verify steps run eagerly beside the mode's graphs (decode graphs, piecewise
+or full prompt graphs), so this checks the fall-back and the KV rollback against the graphs' own steps. A scripted
+drafter proposes the plain run's tokens with every third one wrong: full accepts, partial accepts and rollbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from tiny_checkpoints import checkpoints  # noqa: E402  (deepinfer.testing by path: no bus on the GPU image)
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 17, 42, 99, 7] * 5},
+    {"prompt_token_ids": [9, 8, 7, 9, 8]},
+    {"prompt_token_ids": list(range(40, 60)) * 2 + [40, 41]},
+    {"prompt_token_ids": [100, 3, 100, 3, 100, 3, 100]},
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("speculative") / "llama", "llama")
+
+
+def build(model_dir, mode: str, speculative: bool):
+    from deepinfer import LLM
+
+    return LLM(str(model_dir), dtype="float32", execution_mode=mode, max_num_seqs=8, max_model_len=256,
+               kv_cache_bytes=64 << 20, progress=False, speculative_config=NGRAM if speculative else None)
+
+
+def outputs(llm, params):
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "decode", "piecewise", "full"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_drafts_give_the_plain_tokens_in_every_mode(model_dir, mode, sampling):
+    from deepinfer import SamplingParams
+    from deepinfer.testing.drafters import ScriptedDrafter
+
+    extra = {"temperature": 0.0} if sampling == "greedy" else {"temperature": 0.8, "seed": 7}
+    params = SamplingParams(max_tokens=32, ignore_eos=True, logprobs=1, **extra)
+    reference = outputs(build(model_dir, mode, speculative=False), params)
+    spec = build(model_dir, mode, speculative=True)
+    assert [o.token_ids for o in outputs(spec, params)] == [o.token_ids for o in reference]  # n-gram drafts
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    spec.engine.core.drafter = ScriptedDrafter(continuations, 3)
+    before = spec.engine.spec_decode_stats()
+    got = outputs(spec, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in reference]
+    for out, ref in zip(got, reference, strict=True):
+        for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in b)
+    stats = spec.engine.spec_decode_stats()
+    assert 0 < stats.num_accepted_tokens - before.num_accepted_tokens < stats.num_draft_tokens - before.num_draft_tokens
