@@ -8,8 +8,10 @@ against `generate(max_new_tokens=1)`). Decode at batch B over a --decode-context
 time(1 + N tokens) - time(1 token), N = --decode-steps: ours with the prompts already cached (the prefill step of the
 difference is then one row per sequence), transformers re-running its prefill in both terms. The sides alternate
 which goes first, repeat by repeat, so the load of a shared machine falls on both alike; every repeat is printed,
-the table holds medians and the ratio ours/transformers (> 1 = ours faster). Ends with one JSON line (--out: also
-to a file). --hf-dtype differs from --dtype for the `auto` comparison (ours bf16 against transformers float32).
+the table holds medians and the ratio ours/transformers (> 1 = ours faster), by wall time and by this process's CPU
+time (user + system: with --threads 1 the work done, whatever the machine's load; with more threads it counts
+OpenMP's spin-waits too). Ends with one JSON line (--out: also to a file). --hf-dtype differs from --dtype for the
+`auto` comparison (ours bf16 against transformers float32).
 """
 
 from __future__ import annotations
@@ -20,35 +22,52 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from results_io import emit_json_line
 
 
-def _ours_s(llm, prompts: list[list[int]], max_tokens: int) -> float:
+class Timing(NamedTuple):
+    """Seconds of one measured call: wall clock, and this process's CPU time (user + system, all threads)."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def _timed(fn) -> Timing:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return Timing(time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def _ours(llm, prompts: list[list[int]], max_tokens: int) -> Timing:
     from deepinfer import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outs = []
+    timing = _timed(lambda: outs.extend(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                     use_tqdm=False)))
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-    return elapsed
+    return timing
 
 
-def _hf_s(model, prompts: list[list[int]], max_tokens: int) -> float:
+def _hf(model, prompts: list[list[int]], max_tokens: int) -> Timing:
     ids = torch.tensor(prompts)  # equal lengths: no padding
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == ids.shape[1] + max_tokens
-    return elapsed
+    outs = []
+
+    def generate():
+        with torch.inference_mode():
+            outs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0))
+
+    timing = _timed(generate)
+    assert outs[0].shape[1] == ids.shape[1] + max_tokens
+    return timing
 
 
-def _both(ours, hf, ours_first: bool) -> tuple[float, float]:
+def _both(ours, hf, ours_first: bool) -> tuple[Timing, Timing]:
     if ours_first:
         o = ours()
         return o, hf()
@@ -56,15 +75,21 @@ def _both(ours, hf, ours_first: bool) -> tuple[float, float]:
     return ours(), h
 
 
+def _rate(num_tokens: int, long: Timing, short: Timing) -> Timing:
+    """Tokens per second of the difference of two calls (wall and CPU)."""
+    return Timing(num_tokens / (long.wall_s - short.wall_s), num_tokens / (long.cpu_s - short.cpu_s))
+
+
 def prefill_row(llm, hf, rng, vocab: int, length: int, repeats: int) -> dict:
     """Seconds of a cold prefill of `length` tokens, each repeat on a fresh random prompt."""
     ours_runs, hf_runs = [], []
     for r in range(repeats):
         prompt = rng.integers(0, vocab, length).tolist()
-        o, h = _both(lambda p=prompt: _ours_s(llm, [p], 1), lambda p=prompt: _hf_s(hf, [p], 1), r % 2 == 0)
+        o, h = _both(lambda p=prompt: _ours(llm, [p], 1), lambda p=prompt: _hf(hf, [p], 1), r % 2 == 0)
         ours_runs.append(o)
         hf_runs.append(h)
-        print(f"  prefill {length:>6} repeat {r}: ours {o:7.2f} s  transformers {h:7.2f} s  {_load()}", flush=True)
+        print(f"  prefill {length:>6} repeat {r}: ours {o.wall_s:7.2f} s ({o.cpu_s:.2f} cpu)  transformers "
+              f"{h.wall_s:7.2f} s ({h.cpu_s:.2f} cpu)  {_load()}", flush=True)
     return _summary(f"prefill {length}", "s", ours_runs, hf_runs, lower_is_better=True)
 
 
@@ -73,27 +98,33 @@ def decode_row(llm, hf, rng, vocab: int, batch: int, context: int, steps: int, r
     ours_runs, hf_runs = [], []
     for r in range(repeats):
         prompts = [rng.integers(0, vocab, context).tolist() for _ in range(batch)]
-        _ours_s(llm, prompts, 1)  # cache the prompts
+        _ours(llm, prompts, 1)  # cache the prompts
 
         def ours(p=prompts):
-            return batch * steps / (_ours_s(llm, p, 1 + steps) - _ours_s(llm, p, 1))
+            return _rate(batch * steps, _ours(llm, p, 1 + steps), _ours(llm, p, 1))
 
         def theirs(p=prompts):
-            return batch * steps / (_hf_s(hf, p, 1 + steps) - _hf_s(hf, p, 1))
+            return _rate(batch * steps, _hf(hf, p, 1 + steps), _hf(hf, p, 1))
 
         o, h = _both(ours, theirs, r % 2 == 0)
         ours_runs.append(o)
         hf_runs.append(h)
-        print(f"  decode B={batch:<3} repeat {r}: ours {o:7.1f} tok/s  transformers {h:7.1f} tok/s  {_load()}",
-              flush=True)
+        print(f"  decode B={batch:<3} repeat {r}: ours {o.wall_s:7.1f} tok/s ({o.cpu_s:.1f} per cpu s)  transformers "
+              f"{h.wall_s:7.1f} tok/s ({h.cpu_s:.1f} per cpu s)  {_load()}", flush=True)
     return _summary(f"decode B={batch}", "tok/s", ours_runs, hf_runs, lower_is_better=False)
 
 
-def _summary(name: str, unit: str, ours_runs: list[float], hf_runs: list[float], lower_is_better: bool) -> dict:
-    ours, hf = statistics.median(ours_runs), statistics.median(hf_runs)
-    return {"name": name, "unit": unit, "ours": round(ours, 3), "transformers": round(hf, 3),
-            "ratio": round(hf / ours if lower_is_better else ours / hf, 2),
-            "ours_runs": [round(x, 3) for x in ours_runs], "transformers_runs": [round(x, 3) for x in hf_runs]}
+def _summary(name: str, unit: str, ours_runs: list[Timing], hf_runs: list[Timing], lower_is_better: bool) -> dict:
+    """Medians and ratios (> 1 = ours faster) by wall and by CPU time, and every run."""
+    row = {"name": name, "unit": unit}
+    for field, suffix in (("wall_s", ""), ("cpu_s", "_cpu")):
+        ours = statistics.median(getattr(t, field) for t in ours_runs)
+        hf = statistics.median(getattr(t, field) for t in hf_runs)
+        row |= {f"ours{suffix}": round(ours, 3), f"transformers{suffix}": round(hf, 3),
+                f"ratio{suffix}": round(hf / ours if lower_is_better else ours / hf, 2),
+                f"ours{suffix}_runs": [round(getattr(t, field), 3) for t in ours_runs],
+                f"transformers{suffix}_runs": [round(getattr(t, field), 3) for t in hf_runs]}
+    return row
 
 
 def _load() -> str:
@@ -132,16 +163,17 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     rng = np.random.default_rng(args.seed)
     warm = rng.integers(0, vocab, 64).tolist()
-    _ours_s(llm, [warm], 4)
-    _hf_s(hf, [warm], 4)
+    _ours(llm, [warm], 4)
+    _hf(hf, [warm], 4)
     print(f"model={llm.engine.model_dir.name} ours dtype={ours_dtype} transformers dtype={hf_dtype} "
           f"threads={torch.get_num_threads()} repeats={args.repeats} {_load()}", flush=True)
     rows = [prefill_row(llm, hf, rng, vocab, n, args.repeats) for n in lengths]
     rows += [decode_row(llm, hf, rng, vocab, b, args.decode_context, args.decode_steps, args.repeats)
              for b in batches]
-    print(f"{'row':<16}{'unit':>7}{'transformers':>14}{'deepinfer':>12}{'ratio':>8}")
+    print(f"{'row':<16}{'unit':>7}{'transformers':>14}{'deepinfer':>12}{'ratio':>8}{'cpu ratio':>11}")
     for row in rows:
-        print(f"{row['name']:<16}{row['unit']:>7}{row['transformers']:>14.2f}{row['ours']:>12.2f}{row['ratio']:>8.2f}")
+        print(f"{row['name']:<16}{row['unit']:>7}{row['transformers']:>14.2f}{row['ours']:>12.2f}{row['ratio']:>8.2f}"
+              f"{row['ratio_cpu']:>11.2f}")
     emit_json_line({
         "bench": "cpu", "model": llm.engine.model_dir.name, "dtype": str(ours_dtype), "hf_dtype": str(hf_dtype),
         "threads": torch.get_num_threads(), "repeats": args.repeats, "decode_context": args.decode_context,
