@@ -79,17 +79,8 @@ def _decode_rows(
     out[token_rows] = attended.reshape(len(rows), -1, head_dim).to(out.dtype)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new rows over its whole context in the paged cache (GQA aware).
-
-    Rows past query_start_loc[-1] (batch padding) come back as zeros.
-    """
+def check_attention_call(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Assert the shapes and dtypes of a `paged_attention` call (shared with its CPU version, sdpa_paged)."""
     _check_kv_cache(kv_cache)
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     assert query.dim() == 3 and query.shape[2] == head_dim, (
@@ -102,7 +93,23 @@ def paged_attention(
     assert len(starts) == len(seq_lens) + 1 and starts[-1] <= query.shape[0], (
         f"query_start_loc_cpu {starts} does not fit seq_lens_cpu {seq_lens} and T={query.shape[0]}"
     )
-    group = num_heads // num_kv_heads
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new rows over its whole context in the paged cache (GQA aware).
+
+    Rows past query_start_loc[-1] (batch padding) come back as zeros.
+    """
+    check_attention_call(query, kv_cache, meta)
+    num_kv_heads = kv_cache.shape[3]
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    group = query.shape[1] // num_kv_heads
     out = torch.zeros_like(query)
     decode_rows = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
     if len(decode_rows) > 1:  # one batched gather for all single-token rows: the CPU decode hot path
