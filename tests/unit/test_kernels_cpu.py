@@ -1,12 +1,13 @@
-"""The CPU's fused-SDPA attention (kernels.sdpa_paged) against the torch twins on random inputs: cold prompts,
-prefix hits, chunked prefill, ragged decode batches, empty and padding rows, GQA, sliding windows, MLA."""
+"""The CPU's ops (kernels.cpu_ops, kernels.sdpa_paged) against the torch twins on random inputs: attention over cold
+prompts, prefix hits, chunked prefill, ragged decode batches, empty and padding rows, GQA, sliding windows, MLA,
+the step's gather plan shared by the layers; the KV write and RoPE."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deepinfer.kernels import build_attention_metadata, get_ops, sdpa_paged, torch_mla, torch_ops
+from deepinfer.kernels import build_attention_metadata, cpu_ops, get_ops, sdpa_paged, torch_mla, torch_ops
 
 
 @pytest.fixture(autouse=True)
@@ -73,6 +74,26 @@ def test_paged_attention_bfloat16_stays_close_to_the_twin():
                                atol=2e-2, rtol=2e-2)
 
 
+def test_one_gather_plan_serves_every_layer_of_the_step():
+    """The decode rows' gather indices are built by the first call and reused for the other layers' caches; a
+    different window, other tables (replaced metadata sharing the dict, or static tables rewritten) its own."""
+    cache, query, meta = _case([9, 30, 2, 17], [1, 1, 1, 1], 4, 6, 2, 16, torch.float32, seed=9)
+    query = query[:4]  # decodes only: the output is the attention itself
+    other_layer = torch.randn(cache.shape, generator=torch.Generator().manual_seed(10))
+    for layer_cache, window in ((cache, None), (other_layer, None), (other_layer, 5), (cache, 5)):
+        torch.testing.assert_close(sdpa_paged.paged_attention(query, layer_cache, meta, 0.3, window),
+                                   torch_ops.paged_attention(query, layer_cache, meta, 0.3, window), atol=2e-5,
+                                   rtol=2e-5)
+    assert len(meta.layer_shared) == 2  # one plan per window
+    shuffled = build_attention_metadata([1] * 4, meta.seq_lens_cpu, meta.block_tables.flip(0).tolist(), [0] * 4)
+    shuffled.layer_shared = meta.layer_shared  # as dataclasses.replace would share it
+    torch.testing.assert_close(sdpa_paged.paged_attention(query, cache, shuffled, 0.3),
+                               torch_ops.paged_attention(query, cache, shuffled, 0.3), atol=2e-5, rtol=2e-5)
+    meta.block_tables.copy_(meta.block_tables.roll(1, 0))  # a graph runner's static tables, rewritten in place
+    torch.testing.assert_close(sdpa_paged.paged_attention(query, cache, meta, 0.3),
+                               torch_ops.paged_attention(query, cache, meta, 0.3), atol=2e-5, rtol=2e-5)
+
+
 def test_attention_plan_writes_the_fast_attention_into_out():
     cache, query, meta = _case([33, 5], [33, 1], 4, 4, 2, 16, torch.float32, seed=6)
     out = torch.full_like(query, 7.0)
@@ -91,9 +112,40 @@ def test_mla_paged_attention_matches_the_twin(batch):
     assert out.shape == (query.shape[0], 4, kv_lora_rank) and not out[meta.query_start_loc_cpu[-1]:].any()
 
 
-def test_get_ops_cpu_takes_the_fused_attention():
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_the_twin(padding, dtype):
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(2, 9, 4, 2, 8, generator=g).to(dtype)
+    key, value = torch.randn(7, 2, 8, generator=g).to(dtype), torch.randn(7, 2, 8, generator=g).to(dtype)
+    slots = torch.randperm(36, generator=g)[:7]
+    if padding:
+        slots[[1, 5]] = -1
+    expected = cache.clone()
+    torch_ops.reshape_and_cache(key, value, expected, slots)
+    cpu_ops.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_equals_the_twin(is_neox, head_dim, rotary_dim, dtype):
+    """Bit for bit: the same products and sums, each rounded in the query's dtype as the twin's."""
+    g = torch.Generator().manual_seed(12)
+    cos_sin_cache = torch.randn(300, rotary_dim, generator=g)
+    positions = torch.randint(0, 300, (9,), generator=g)
+    qkv = torch.randn(9, 6 * head_dim, generator=g).to(dtype)
+    query, key = qkv[:, : 4 * head_dim].view(9, 4, head_dim), qkv[:, 4 * head_dim :].view(9, 2, head_dim)  # views
+    for got, want in zip(cpu_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox),
+                         torch_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_get_ops_cpu_takes_the_cpu_ops():
     ops = get_ops("cpu")
     assert ops.paged_attention is sdpa_paged.paged_attention
     assert ops.attention_plan is sdpa_paged.AttentionPlan
     assert ops.mla_paged_attention is sdpa_paged.mla_paged_attention
+    assert ops.reshape_and_cache is cpu_ops.reshape_and_cache and ops.rotary_embedding is cpu_ops.rotary_embedding
     assert ops.rms_norm is torch_ops.rms_norm  # the rest stay the twins
