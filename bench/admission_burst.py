@@ -79,7 +79,7 @@ async def measure(server, model_dir: Path, args, data_dir: Path) -> dict:
     from deepinfer import subjects
     from deepinfer.bus import Bus
     from deepinfer.config import CommonSettings, DecodeSettings
-    from deepinfer.protocol import DecodeRequest, SamplingParams
+    from deepinfer.protocol import DecodeRequest, WireSamplingParams
     from deepinfer.service import ServiceContext
     from deepinfer.telemetry import new_registry
     from deepinfer.telemetry.tracing import setup_tracing
@@ -112,7 +112,7 @@ async def measure(server, model_dir: Path, args, data_dir: Path) -> dict:
         await handler.start()
         running = [DecodeRequest(request_id=f"bg{i}", gateway_id="gw-background",
                                  prompt_token_ids=_prompt(10_000 + i, args.prompt_len, 0, args.distinct_prompts),
-                                 sampling=SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 2 * args.prompt_len,
+                                 sampling=WireSamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 2 * args.prompt_len,
                                                          ignore_eos=True))
                    for i in range(args.running)]
         accepted = await asyncio.gather(*(handler.decode(r) for r in running))
@@ -244,7 +244,7 @@ def client(url: str, token: str, decode_subject: str, tokens_subject: str) -> No
     """Client process: per command line on stdin, send a burst at once; print per-request times (JSON)."""
     import nats
 
-    from deepinfer.protocol import DecodeRequest, SamplingParams, TokenBatch
+    from deepinfer.protocol import DecodeRequest, TokenBatch, WireSamplingParams
 
     async def main() -> None:
         nc = await nats.connect(url, token=token)
@@ -272,7 +272,7 @@ def client(url: str, token: str, decode_subject: str, tokens_subject: str) -> No
                 request_id=f"b{burst}-{i}", gateway_id=command["gateway"],
                 prompt_token_ids=_prompt(1000 * burst + i, command["prompt_len"], command["shared_prefix"],
                                          command["distinct"]),
-                sampling=SamplingParams(temperature=0, max_tokens=BURST_MAX_TOKENS, ignore_eos=True)).to_bytes()
+                sampling=WireSamplingParams(temperature=0, max_tokens=BURST_MAX_TOKENS, ignore_eos=True)).to_bytes()
                 for i in range(command["n"])}
 
             async def send(request_id: str, payload: bytes) -> None:

@@ -16,7 +16,7 @@ import time
 
 from deepinfer.config import CommonSettings
 from deepinfer.model_store import resolve_model
-from deepinfer.protocol import SamplingParams, TokenChunk
+from deepinfer.protocol import TokenChunk, WireSamplingParams
 from deepinfer.tokenizer import Tokenizer
 from services.gateway.output import ChoiceOutput
 
@@ -32,7 +32,7 @@ def main() -> None:
     while len(ids) < args.tokens:
         ids += tokenizer.encode(TEXT * 200, add_special_tokens=False)
     chunks = [TokenChunk(request_id="r", token_ids=[token_id]) for token_id in ids[: args.tokens]]
-    output = ChoiceOutput(0, tokenizer, [], SamplingParams(max_tokens=None))
+    output = ChoiceOutput(0, tokenizer, [], WireSamplingParams(max_tokens=None))
     edges = [n for n in (1024, 2048, 4096, 8192, 16384, 32768, 65536) if n <= args.tokens]
     ranges, start, started_s = {}, 0, time.perf_counter()
     for position, chunk in enumerate(chunks, 1):

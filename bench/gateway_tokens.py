@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deepinfer.protocol import SamplingParams, TokenBatch, TokenChunk  # noqa: E402
+from deepinfer.protocol import TokenBatch, TokenChunk, WireSamplingParams  # noqa: E402
 from deepinfer.testing import FakeBroker, FakeBus  # noqa: E402
 from services.gateway.openai_models import DeltaMessage  # noqa: E402
 from services.gateway.output import ChoiceOutput  # noqa: E402
@@ -41,7 +41,7 @@ async def run(num_streams: int, num_steps: int, fast: bool) -> dict[str, float]:
     streams = TokenStreams(FakeBus(FakeBroker()), "m", "gw")
     ids = [f"r{i}" for i in range(num_streams)]
     opened = [streams.open(request_id) for request_id in ids]
-    sampling = SamplingParams(stop=["never appears"])
+    sampling = WireSamplingParams(stop=["never appears"])
     outputs = [ChoiceOutput(0, model.tokenizer, [1, 2, 3], sampling) for _ in ids]
     generation = SimpleNamespace(response_id="chatcmpl-x", created=0, model_name="m", include_usage=False,
                                  logprobs=False, top_logprobs=False, tokenizer=model.tokenizer, outputs=outputs[:1])

@@ -104,7 +104,7 @@ for variant in "$@"; do
                 --env DEEPINFER_DECODE_ADMISSION_WINDOW_S="$(python3 -c "print($ms / 1000)")" ;;
         egil*-*) us=${variant#egil}; us=${us%%-*}
             run "$variant" 150 --random-model llama-1b --sweep 64,256 --no-offline \
-                --env DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_EAGER_STEP_S="$(python3 -c "print($us / 1e6)")" ;;
+                --env DEEPINFER_DECODE_EAGER_STEP_SWITCH_INTERVAL_S="$(python3 -c "print($us / 1e6)")" ;;
         onek-*) run "$variant" 200 --random-model llama-1b --sweep 1,64,256 --no-offline --one-attention-kernel ;;
         mixedprof) timeout 150 py-spy record --rate 1000 --nonblocking --threads --format raw --output "$OUT/mixedprof-pyspy.txt" \
             -- python3 bench/mixed_step.py --random-model llama-1b --decode-rows 64 --prompt-tokens 32 --steps 400 \

@@ -78,12 +78,12 @@ def _settings(nats_url: str, nats_token: str, model_dir: Path, cache_dir: Path, 
 
 
 def _requests(concurrency: int, max_tokens: int):
-    from deepinfer.protocol import DecodeRequest, SamplingParams
+    from deepinfer.protocol import DecodeRequest, WireSamplingParams
 
     return [
         DecodeRequest(request_id=f"r{i}", gateway_id=GATEWAY,
                       prompt_token_ids=[(7 * i + 13 * k) % 300 + 3 for k in range(PROMPT_LEN)],
-                      sampling=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
+                      sampling=WireSamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
         for i in range(concurrency)
     ]
 

@@ -98,11 +98,11 @@ class CommandClock:
 
 def _requests(run: int, concurrency: int, max_tokens: int):
     """The run's requests: a first token of its own, so no block of another run's is held by the store already."""
-    from deepinfer.protocol import DecodeRequest, SamplingParams
+    from deepinfer.protocol import DecodeRequest, WireSamplingParams
 
     return [DecodeRequest(request_id=f"r{run}-{i}", gateway_id=GATEWAY,
                           prompt_token_ids=[301 + run, *((7 * i + 13 * k) % 300 + 3 for k in range(PROMPT_LEN - 1))],
-                          sampling=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
+                          sampling=WireSamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=i))
             for i in range(concurrency)]
 
 

@@ -5,8 +5,9 @@
     python scripts/chart_schema.py --check  # exit 1 if the committed schema differs (tests/unit/test_deploy.py)
 
 A settings map allows exactly the fields of its settings class (camelCase, `deepinfer.config.to_camel`), minus
-secrets (they come from the Secret) and the fields the templates set themselves (CHART_SET): a typo or a removed
-setting fails `helm lint`.
+secrets (they come from the Secret) and the fields the templates set themselves (CHART_SET), plus the old key of a
+renamed setting for the release that deprecates it (deepinfer.config.renamed): a typo or a removed setting fails
+`helm lint`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from deepinfer.config import SERVICE_SETTINGS, CommonSettings, to_camel
 from deepinfer.config.describe import is_secret, setting_fields
+from deepinfer.config.renamed import renamed_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "helm" / "deepinfer" / "values.schema.json"
@@ -62,6 +64,9 @@ def settings_schema(group: str, cls: type) -> dict:
         for name, info in fields.items()
         if not is_secret(info) and to_camel(name) not in CHART_SET[group]
     }
+    for old, new in renamed_fields(cls).items():  # the old key, for the release that deprecates it
+        if to_camel(new) in properties:
+            properties[to_camel(old)] = properties[to_camel(new)] | {"description": f"deprecated: use {to_camel(new)}"}
     return {"type": "object", "additionalProperties": False, "properties": dict(sorted(properties.items()))}
 
 

@@ -3,7 +3,8 @@
     receive → pull the prompt's KV by handle (device to device on one host, else data plane) → Release to the
     prefill worker
     → join the running batch → reply DecodeAccepted
-    → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs)
+    → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs); a request that
+      asked for prompt_logprobs and whose prompt was computed here gets them on its first chunk
 
 A handle whose layout differs from ours is refused (LAYOUT_MISMATCH), as is an invalid request (BAD_REQUEST,
 CONTEXT_LENGTH) or any request while draining (OVERLOADED); an expired lease or a failed pull recomputes the
@@ -61,6 +62,7 @@ from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
 from deepinfer.telemetry.hops import TokenSpans
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.prompt_logprobs import wire_prompt_logprobs
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
 from deepinfer.worker.store_tier import cached_tokens_by_tier
@@ -113,6 +115,8 @@ class DecodeHandler:
         #: Each gateway's batch of the step in progress, by gateway id: one list per gateway, kept from step to step
         #: (emptied as each step starts) and held by its streams, so a chunk goes to it without a lookup.
         self._batches: dict[str, list[bytes]] = {}
+        #: (gateway id, batch) of the step's chunks that go alone: those carrying prompt logprobs.
+        self._solo: list[tuple[str, list[bytes]]] = []
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
         self._admitted: dict[str, Counter] = {}
@@ -315,7 +319,7 @@ class DecodeHandler:
             if output.finish_reason is not None:
                 del streams[output.request_id]
         batches = {gateway_id: pieces for gateway_id, pieces in self._batches.items() if len(pieces) > 1}
-        if batches:
+        if batches or self._solo:
             self._publish(batches, started_s, traced)
 
     def _batch_pieces(self, gateway_id: str) -> list[bytes]:
@@ -332,8 +336,9 @@ class DecodeHandler:
         """Send this step's batches; with tracing on each is a `token_batch` hop observation (outputs received →
         published), and the traced requests' batches that their `TokenSpans` picked are `decode.token_batch` spans."""
         step, writer = self._step, self._writer
-        messages = [(self._token_subject(gateway_id), writer.close(pieces, step)) for gateway_id, pieces in
-                    batches.items()]
+        solo, self._solo = self._solo, []  # before the step's batches: a request's first chunk stays its first
+        messages = [(self._token_subject(gateway_id), writer.close(pieces, step))
+                    for gateway_id, pieces in [*solo, *batches.items()]]
         self.runtime.outbox.publish(messages, "token-batch")  # with the step's KV event batch when it has one
         hops = self.runtime.hops
         if hops.recording:
@@ -341,19 +346,26 @@ class DecodeHandler:
             hops.observe("token_batch", published_s - started_s, len(messages))
             for gateway_id, context, num_tokens in traced or ():
                 hops.record_span("token_batch", started_s, published_s, context, step=step, num_tokens=num_tokens,
-                                 num_chunks=num_chunks(batches[gateway_id]))
+                                 num_chunks=num_chunks(batches[gateway_id]) if gateway_id in batches else 1)
 
     def _add_chunk(self, pieces: list[bytes], stream: _Stream, output: EngineOutput) -> None:
-        """A chunk other than a steady one: the first (cached tokens), with logprobs, or the last."""
+        """A chunk other than a steady one: the first (cached tokens, the prompt's logprobs), with logprobs, or the
+        last. A chunk with prompt logprobs is a TokenBatch of its own (`_solo`): a long prompt's scores must not
+        push its gateway's whole step over the bus's message size (the gateway sized them against it)."""
         first = not stream.sent_first
         stream.sent_first = True
         stream.steady = not stream.want_logprobs
+        prompt_logprobs = wire_prompt_logprobs(output) if first else None
+        if prompt_logprobs is not None:
+            pieces = self._writer.open()
+            self._solo.append((stream.gateway_id, pieces))
         self._writer.add(
             pieces, stream.prefix, output.new_token_ids,
             logprobs=_logprobs(output) if stream.want_logprobs else None,
             finish_reason=output.finish_reason,
             num_cached_tokens=output.num_cached_tokens if first else None,
             cached_tokens_by_tier=cached_tokens_by_tier(output) if first else None,
+            prompt_logprobs=prompt_logprobs,
             num_previous_tokens=stream.num_tokens,
         )
 

@@ -35,7 +35,7 @@ from services.gateway.errors import ApiError
 from services.gateway.openai_models import ToolCall
 from services.gateway.output import ChoiceDelta, ChoiceOutput
 from services.gateway.presenters import Presenter, StreamFormatter
-from services.gateway.recipe import ModelInfo, chat_prompt_token_ids
+from services.gateway.recipe import ModelInfo, Prompt, chat_prompt_token_ids
 from services.gateway.structured import OutputRules, output_rules
 from services.gateway.tool_calls import ToolCallBuffer
 
@@ -124,10 +124,10 @@ class MessagesPresenter(Presenter):
         """Anthropic's error shape."""
         return anthropic_error_response(exc)
 
-    def prompt_token_ids(self, model: ModelInfo, body: MessagesRequest) -> list[int]:
+    def prompts(self, model: ModelInfo, body: MessagesRequest) -> list[Prompt]:
         """System, turns and tools through the model's chat template, as the chat route renders them; a last
         assistant turn is continued (prefill)."""
-        return chat_prompt_token_ids(model, body.chat_request)
+        return [Prompt(chat_prompt_token_ids(model, body.chat_request))]
 
     def max_tokens(self, body: MessagesRequest) -> int | None:
         """max_tokens (required by the API)."""

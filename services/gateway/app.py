@@ -54,7 +54,13 @@ from services.gateway.openapi import openapi_document
 from services.gateway.output import ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import CHAT, COMPLETIONS, Presenter
-from services.gateway.recipe import ModelInfo, check_model, sampling_params, split_choices
+from services.gateway.recipe import (
+    ModelInfo,
+    check_model,
+    check_prompt_logprobs_fit,
+    sampling_params,
+    split_choices,
+)
 from services.gateway.structured import compiles_grammar
 from services.gateway.tokenizer_routes import detokenize, tokenize
 
@@ -191,7 +197,8 @@ class Routes:
 
     def _card(self) -> ModelCard:
         model = self.state.model
-        return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len)
+        return ModelCard(id=model.served_model_name, created=model.created, max_model_len=model.max_model_len,
+                         default_sampling_params=model.default_sampling)
 
     async def openapi(self, request: Request) -> Response:
         """GET /openapi.json: built once, from the typed request and response models."""
@@ -297,27 +304,34 @@ class Routes:
         check_model(state.model, body.model)
         presenter.check(state.model, body, state.settings)
         with state.hops.span("tokenize"):
-            prompt_token_ids = await off_loop_if(
-                body_bytes > INLINE_PROMPT_BYTES, presenter.prompt_token_ids, state.model, body
-            )
-        logprobs = presenter.logprobs(body)
-        sampling = sampling_params(state.model, body, len(prompt_token_ids), presenter.max_tokens(body), logprobs)
+            prompts = await off_loop_if(body_bytes > INLINE_PROMPT_BYTES, presenter.prompts, state.model, body)
+        logprobs, prompt_logprobs = presenter.logprobs(body), presenter.prompt_logprobs(body)
+        if prompt_logprobs is not None:
+            check_prompt_logprobs_fit(prompts, prompt_logprobs, state.pipeline.bus.max_payload)
+        samplings = [sampling_params(state.model, body, len(p.token_ids), presenter.max_tokens(body), logprobs,
+                                     prompt_logprobs) for p in prompts]
         rules = None
         if any(getattr(body, name, None) is not None for name in ("response_format", "tools", "tool_choice")):
             with state.hops.span("grammar"):
                 rules = await off_loop_if(compiles_grammar(body), presenter.output_rules, state.model, body)
         if rules is not None:
-            sampling = rules.apply(sampling)
+            samplings = [rules.apply(sampling) for sampling in samplings]
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         if state.limits:
-            headers.update(state.limits.admit(tenant or "", len(prompt_token_ids) + (sampling.max_tokens or 0)))
+            headers.update(state.limits.admit(
+                tenant or "", num_prompt_tokens + sum(sampling.max_tokens or 0 for sampling in samplings)))
         salt = cache_salt(tenant, body.cache_salt)
-        requests = split_choices(
-            request_id, prompt_token_ids, sampling, salt, body.n, deadline_s, request.is_disconnected
-        )
-        record.prompt(len(prompt_token_ids))
-        record.span.set_attribute("num_prompt_tokens", len(prompt_token_ids))
+        requests = [
+            choice
+            for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True))
+            for choice in split_choices(request_id, prompt.token_ids, sampling, salt, body.n, deadline_s,
+                                        request.is_disconnected, first_index=i * body.n,
+                                        num_choices=len(prompts) * body.n)
+        ]
+        record.prompt(num_prompt_tokens)
+        record.span.set_attribute("num_prompt_tokens", num_prompt_tokens)
         runs = await start_choices(state.pipeline, requests)
-        tokenizer = state.model.tokenizer
+        tokenizer, scores_only = state.model.tokenizer, presenter.scores_only(body)
         generation = Generation(
             presenter=presenter,
             response_id=request_id,
@@ -327,15 +341,19 @@ class Routes:
             runs=runs,
             outputs=[
                 ChoiceOutput(i, tokenizer, r.request.prompt_token_ids, r.request.sampling,
-                             None if rules is None else rules.checker(state.model))
+                             None if rules is None else rules.checker(state.model), scores_only=scores_only)
                 for i, r in enumerate(runs)
             ],
             logprobs=logprobs is not None,
-            top_logprobs=bool(logprobs),
+            num_top_logprobs=logprobs or 0,
             include_usage=body.include_usage,
             record=record,
             hops=state.hops,
             rules=rules,
+            prompts=prompts,
+            n=body.n,
+            echo=bool(getattr(body, "echo", False)),
+            prompt_logprobs=getattr(body, "prompt_logprobs", None) is not None,
         )
         return body.stream, generation
 

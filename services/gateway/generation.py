@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
@@ -26,7 +26,7 @@ from services.gateway.openai_models import PromptTokensDetails, Usage
 from services.gateway.output import ChoiceDelta, ChoiceOutput
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.presenters import Presenter
-from services.gateway.recipe import GenerateRequest
+from services.gateway.recipe import GenerateRequest, Prompt
 from services.gateway.running import RunningRequest
 from services.gateway.structured import OutputRules
 
@@ -46,44 +46,55 @@ class Generation:
     runs: list[RunningRequest]
     outputs: list[ChoiceOutput]
     logprobs: bool
-    top_logprobs: bool
+    #: The alternatives asked per position (logprobs / top_logprobs; 0 without).
+    num_top_logprobs: int
     include_usage: bool
     record: RequestRecord
     hops: Hops
     #: Structured output: the grammar and tool parsing the request asked for (None: free text).
     rules: OutputRules | None = None
+    #: The request's prompts (a completions batch has several): output i is prompts[i // n]'s choice i % n.
+    prompts: list[Prompt] = field(default_factory=list)
+    n: int = 1
+    #: Completions' echo: each choice starts with its prompt (text, and logprobs when asked).
+    echo: bool = False
+    #: vLLM's prompt_logprobs field was asked: the response carries them in vLLM's shape.
+    prompt_logprobs: bool = False
+
+    def prompt_of(self, output: ChoiceOutput) -> Prompt:
+        """The prompt a choice continues."""
+        return self.prompts[output.index // self.n]
 
     def usage(self) -> Usage:
-        """Token counts; the prompt counts once however many choices ran."""
-        num_prompt_tokens = len(self.runs[0].request.prompt_token_ids)
-        num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
-        return Usage(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(
-                cached_tokens=self.outputs[0].num_cached_tokens or 0,
-                cached_tokens_by_tier=self.outputs[0].cached_tokens_by_tier or {},
-            ),
-        )
+        """Token counts; each prompt counts once however many choices ran."""
+        usage = self.usage_dict()
+        return Usage(**{**usage, "prompt_tokens_details": PromptTokensDetails(**usage["prompt_tokens_details"])})
 
     def usage_dict(self) -> dict[str, Any]:
         """`usage()` as the JSON object it dumps to, built without the models (a streamed response's last event)."""
-        num_prompt_tokens = len(self.runs[0].request.prompt_token_ids)
+        num_prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
-        first = self.outputs[0]
+        by_tier: dict[str, int] = {}
+        for first in self.outputs[:: self.n]:  # each prompt's first choice
+            for tier, num_tokens in (first.cached_tokens_by_tier or {}).items():
+                by_tier[tier] = by_tier.get(tier, 0) + num_tokens
         return {
             "prompt_tokens": num_prompt_tokens,
             "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens or 0,
-                                      "cached_tokens_by_tier": dict(first.cached_tokens_by_tier or {})},
+            "prompt_tokens_details": {"cached_tokens": _num_cached_tokens(self.outputs, self.n),
+                                      "cached_tokens_by_tier": by_tier},
         }
 
     def end(self, status: int) -> None:
         """Close the request's metrics."""
         num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
-        self.record.end(status, num_completion_tokens, self.outputs[0].num_cached_tokens or 0)
+        self.record.end(status, num_completion_tokens, _num_cached_tokens(self.outputs, self.n))
+
+
+def _num_cached_tokens(outputs: list[ChoiceOutput], n: int) -> int:
+    """Prompt tokens served from a cache, each prompt counted once (by its first choice)."""
+    return sum(first.num_cached_tokens or 0 for first in outputs[::n])
 
 
 async def start_choices(pipeline: RequestPipeline, requests: list[GenerateRequest]) -> list[RunningRequest]:

@@ -54,6 +54,7 @@ class GatewayHandler:
         self.pipeline = RequestPipeline(
             bus, settings, model.served_model_name, self.membership, self.streams, hops,
             on_reissue=lambda kind: metrics.reissues.labels(kind).inc(),
+            on_fallback_route=lambda reason: metrics.fallback_routes.labels(reason).inc(),
         )
         self.state = ApiState(self.pipeline, model, metrics, settings, hops)
         self.app = create_app(self.state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 from typing import TYPE_CHECKING
 
 from deepinfer.config import GatewaySettings, load_settings
@@ -16,18 +17,28 @@ from deepinfer.service import ServiceContext, service_main
 if TYPE_CHECKING:
     from services.gateway.handler import GatewayHandler
 
+logger = logging.getLogger(__name__)
+
 
 async def build(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
     """Load the tokenizer (no weights), then build the gateway on the runtime's bus and registry."""
     from deepinfer.model_store import resolve_model
     from services.gateway.handler import GatewayHandler
-    from services.gateway.recipe import ModelInfo
+    from services.gateway.recipe import ModelInfo, model_sampling_defaults
 
     settings = ctx.settings
     common = settings.common
     model_dir = await asyncio.to_thread(resolve_model, common.model, common.model_cache_dir, False)
     served_model_name = common.served_model_name or common.model
-    model = await asyncio.to_thread(ModelInfo.from_dir, model_dir, served_model_name)
+    default_sampling = {}
+    if settings.sampling_defaults == "model":
+        default_sampling = model_sampling_defaults(model_dir, common.model)
+        if default_sampling:
+            logger.info("sampling defaults of the model, for fields a request leaves out: %s "
+                        "(DEEPINFER_GATEWAY_SAMPLING_DEFAULTS=openai: none)", default_sampling)
+    model = await asyncio.to_thread(
+        ModelInfo.from_dir, model_dir, served_model_name, None, settings.max_prompt_chars, default_sampling
+    )
     _ = model.chat_encoder  # built (and checked on its probes) before the first request, not by it
     gateway = GatewayHandler(settings, ctx.bus, ctx.registry, model, ctx.tracer)
     ctx.advertise_port("api", settings.port)

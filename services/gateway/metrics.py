@@ -30,6 +30,10 @@ class GatewayMetrics:
             registry, "gateway_reissues", "Requests re-issued to another worker: kind=start (a prefill or decode "
             "admission retried) or migration (resumed mid-stream)", ["kind"],
         )
+        self.fallback_routes = counter(
+            registry, "gateway_fallback_routes", "Requests the gateway routed itself because no scheduler answered "
+            "(reason: no_scheduler, timeout, error)", ["reason"],
+        )
         #: The in-flight count as a plain int (the drain waits for it to reach 0).
         self.num_in_flight = 0
 

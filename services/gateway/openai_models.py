@@ -15,6 +15,10 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 #: Most tools one request may offer.
 MAX_TOOLS = 128
+#: Most messages of one conversation (OpenAI's limit), and most content parts over all of them: each is a model
+#: pydantic builds (~6 µs, with the event loop held), so 250k one-part messages in a 15 MB body held it ~7 s.
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048
 #: Most stop strings, and the longest one (every generated token is checked against them).
 MAX_STOP = 64
 MAX_STOP_CHARS = 1024
@@ -22,6 +26,10 @@ MAX_STOP_CHARS = 1024
 MAX_TOKEN_ID_ENTRIES = 1024
 #: Longest cache_salt (it is hashed into every block's identity; 1 KiB is ample for any tenant scheme).
 MAX_CACHE_SALT_CHARS = 1024
+#: Most prompts one completions request may batch (each runs as its own request on the workers, n each).
+MAX_PROMPTS = 256
+#: The lowest logprob written (-inf has no JSON form; OpenAI and vLLM write this floor too).
+MIN_LOGPROB = -9999.0
 _MAX_TOKEN_ID_DIGITS = 20
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -121,8 +129,29 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+#: vLLM's request extensions this server does not implement, with the value that asks for nothing (vLLM's
+#: default): any other value is a 400 naming the field, never a silent drop (`Presenter.parse`).
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
+    "structured_outputs": None, "logits_processors": None, "priority": 0, "kv_transfer_params": None,
+    "vllm_xargs": None, "spaces_between_special_tokens": True, "prompt_embeds": None, "documents": None,
+    "mm_processor_kwargs": None, "media_io_kwargs": None, "return_logprobs": None,
+}
+
+
 class SamplingFields(_Body):
-    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras).
+
+    Refused with a 400 naming the field: `UNSUPPORTED` (OpenAI's fields this server cannot honour) and
+    `VLLM_UNSUPPORTED` unless at their no-op value; accepted without effect, unlogged: `IGNORED` (OpenAI's
+    bookkeeping fields); any other unknown field is ignored with a warning in the log (as vLLM does)."""
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = VLLM_UNSUPPORTED
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"request_id"})  # vLLM's id for its logs: ours are our own
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -147,6 +176,8 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_ENTRIES)
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    #: vLLM's extension: each prompt token's logprob, rank and the top k at its position (not streamed).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -179,8 +210,15 @@ class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "audio", "prediction", "web_search_options", "functions", "function_call",
     )
+    #: vLLM's chat `echo` (the last message repeated) and the template's special tokens are not served either.
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = {**VLLM_UNSUPPORTED, "echo": False, "add_special_tokens": False}
+    #: OpenAI's fields that change nothing for this server.
+    IGNORED: ClassVar[frozenset[str]] = frozenset({
+        "request_id", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention", "reasoning_effort", "verbosity",
+    })
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -209,19 +247,32 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions (one prompt: a string or a list of token ids)."""
+    """POST /v1/completions: one prompt (a string or token ids) or a batch of them."""
 
-    #: One prompt: a string, token ids, or a list holding one of those (batches are refused).
-    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[list[int]], Field(min_length=1, max_length=1)
+    #: vLLM's completions tokenize prompts with special tokens, as here; asking otherwise is not served.
+    VLLM_UNSUPPORTED: ClassVar[dict[str, Any]] = {**VLLM_UNSUPPORTED, "add_special_tokens": True}
+
+    #: A string, token ids, or a batch of either (choice i * n + j is prompt i's j-th).
+    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)
     ]
-    max_tokens: int | None = Field(16, ge=1)
+    #: 0 with echo: the prompt alone, scored (its logprobs with `logprobs`); nothing is generated.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: The prompt comes back before the completion, in the text and (with logprobs) the logprobs.
     echo: bool = False
     suffix: str | None = None
     #: vLLM's extension: structured output on completions too.
     response_format: ResponseFormat | None = None
     best_of: int | None = Field(None, ge=1)
+
+    @property
+    def prompt_list(self) -> list[str] | list[list[int]]:
+        """The prompts of the batch (one prompt is a batch of one)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return prompt  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------- responses
@@ -265,12 +316,34 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """`choices[i].logprobs` of a completions response or chunk (the legacy parallel lists)."""
+    """`choices[i].logprobs` of a completions response or chunk (the legacy parallel lists). With echo the prompt's
+    tokens come first, and its first token has no logprob (null, as its top_logprobs); each top_logprobs entry
+    holds the position's token and the `logprobs` most likely ones (up to logprobs + 1 entries, as OpenAI)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptTokenLogprob(BaseModel):
+    """One token of vLLM's prompt_logprobs: its logprob, rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+#: vLLM's prompt_logprobs: null for the first prompt token, then per token {token id: its entry, and the top k'}.
+PromptLogprobList = list[dict[int, PromptTokenLogprob] | None]
+
+
+def _without_absent(data: dict[str, Any], *names: str) -> dict[str, Any]:
+    """`data` without the fields of vLLM's extensions the request did not ask for (absent, not null)."""
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
 
 
 class FunctionCall(BaseModel):
@@ -321,6 +394,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    #: vLLM's extension, when asked: the (templated) prompt's, once for every choice.
+    prompt_logprobs: PromptLogprobList | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extensions(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "prompt_logprobs")
 
 
 class ToolCallDelta(BaseModel):
@@ -367,6 +446,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's extension, when asked: the choice's prompt's.
+    prompt_logprobs: PromptLogprobList | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extensions(self, handler: Any) -> dict[str, Any]:
+        return _without_absent(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -388,6 +473,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "deepinfer"
     max_model_len: int | None = None
+    #: Sampling fields a request that leaves them out gets (the model's recommended; {} = OpenAI's defaults).
+    default_sampling_params: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):

@@ -12,6 +12,8 @@ that goes silent ends the request within `stream_timeout_s` / the heartbeat leas
 past its deadline (`request_timeout_s`) ends with a 504 and a Cancel to every worker. With migration on (the
 default) a worker lost before the first token is retried on another, and one lost mid-stream is resumed there
 (`running.py`), within `migration_budget` re-issues; the errors above are what is left when the budget runs out.
+When no scheduler answers (none subscribed, or every route attempt timed out), the gateway routes the request
+itself from its heartbeat table (`fallback_routing.py`, `route_fallback`): a router restart fails no request.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from deepinfer.protocol import (
 from deepinfer.tasks import BackgroundTasks
 from deepinfer.telemetry.hops import Hops
 from services.gateway.errors import ApiError, client_gone, from_wire, overloaded, timed_out
+from services.gateway.fallback_routing import FallbackRouter
 from services.gateway.recipe import GenerateRequest
 from services.gateway.running import REISSUE_CODES, RunningRequest, attempt_id
 from services.gateway.streams import RequestStream, TokenStreams
@@ -67,6 +70,7 @@ class RequestPipeline:
         streams: TokenStreams,
         hops: Hops,
         on_reissue: Callable[[str], None] = lambda kind: None,
+        on_fallback_route: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.bus = bus
         self.hops = hops
@@ -81,6 +85,10 @@ class RequestPipeline:
         self.closing = False
         #: Called per re-issue with its kind ("start": a prefill or admission retried, "migration": mid-stream).
         self.on_reissue = on_reissue
+        #: Routes requests while no scheduler answers (None: route_fallback off, those requests get a 503).
+        self.fallback = FallbackRouter(membership, self.gateway_id) if settings.route_fallback else None
+        #: Called per request routed by `fallback`, with why no scheduler did (no_scheduler, timeout, error).
+        self.on_fallback_route = on_fallback_route
 
     async def start(self, request: GenerateRequest) -> RunningRequest:
         """route → prefill (when the decision names a prefill worker) → decode; then stream the result. A prefill
@@ -200,19 +208,32 @@ class RequestPipeline:
             except PayloadTooLarge as exc:
                 raise _too_large_to_forward(exc) from None
             except NoResponders:
-                raise overloaded("no scheduler is available", retry_after_s) from None
+                decision = self._route_without_scheduler(route_request, "no_scheduler", "no scheduler is available")
+                break
             except BusTimeout as exc:  # the replica that got it may have died: another one answers the retry
                 if attempt + 1 < ROUTE_ATTEMPTS:
                     continue
                 self._check_deadline(request)
-                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+                decision = self._route_without_scheduler(route_request, "timeout",
+                                                         f"the scheduler did not answer: {exc}")
             except BusError as exc:
                 self._check_deadline(request)
-                raise overloaded(f"the scheduler did not answer: {exc}", retry_after_s) from None
+                decision = self._route_without_scheduler(route_request, "error", f"the scheduler did not answer: {exc}")
+                break
         if decision.status is RouteStatus.OVERLOADED:
             raise overloaded("the server is overloaded", decision.retry_after_s or retry_after_s)
         if decision.decode_worker_id is None:
             raise overloaded("no decode worker is available", retry_after_s)
+        return decision
+
+    def _route_without_scheduler(self, route_request: RouteRequest, reason: str, why: str) -> RouteDecision:
+        """No scheduler answered: this gateway's own least-loaded pick (fail-open, `route_fallback`), else 503."""
+        if self.fallback is None:
+            raise overloaded(why, self.settings.retry_after_s)
+        decision = self.fallback.route(route_request)
+        if decision.decode_worker_id is None:
+            raise overloaded(f"{why}, and no decode worker is alive", self.settings.retry_after_s)
+        self.on_fallback_route(reason)
         return decision
 
     async def prefill(
@@ -247,13 +268,17 @@ class RequestPipeline:
         prefill_worker_id: str | None,
     ) -> None:
         """Hand the request (with the tokens already generated, and the prefill's KV handle if any) to the decode
-        worker; its refusal's code decides."""
+        worker; its refusal's code decides. Prompt logprobs are asked of the worker that computes the prompt: of
+        this one only when no token came before (no prefill worker ran, nothing was sent before a migration)."""
+        sampling = request.sampling
+        if output_token_ids and sampling.prompt_logprobs is not None:
+            sampling = sampling.model_copy(update={"prompt_logprobs": None})
         decode_request = DecodeRequest(
             request_id=request.request_id,
             gateway_id=self.gateway_id,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=output_token_ids,
-            sampling=request.sampling,
+            sampling=sampling,
             cache_salt=request.cache_salt,
             kv_handle=kv_handle,
             prefill_worker_id=prefill_worker_id,

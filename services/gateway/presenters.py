@@ -2,7 +2,7 @@
 
     presenter = CHAT                                   # or COMPLETIONS; the Anthropic shape is one more
     body = presenter.parse(data)                       # 400 naming the bad field
-    prompt_token_ids = presenter.prompt_token_ids(model, body)
+    prompts = presenter.prompts(model, body)           # token ids (a completions batch has several prompts)
     ... the pipeline runs the choices (deepinfer's wire types, whatever the API) ...
     presenter.response(generation)                     # the non-streamed body
     events = presenter.stream(generation)              # SSE text: opening, per delta, closing / error
@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -20,6 +24,8 @@ from starlette.responses import Response
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import ApiError, bad_request, from_validation_error
 from services.gateway.openai_models import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -33,18 +39,30 @@ from services.gateway.openai_models import (
     SamplingFields,
     ToolCallDelta,
 )
-from services.gateway.output import ChoiceDelta, ChoiceOutput, chat_logprobs, completion_logprobs
+from services.gateway.output import (
+    ChoiceDelta,
+    ChoiceOutput,
+    LogprobEntry,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_entries,
+    sampled_entries,
+    vllm_prompt_logprobs,
+)
 from services.gateway.recipe import (
     ModelInfo,
+    Prompt,
     chat_prompt_token_ids,
     check_request_template,
-    completion_prompt_token_ids,
+    completion_prompts,
 )
 from services.gateway.structured import OutputRules, output_rules
 from services.gateway.tool_calls import ToolCallBuffer
 
 if TYPE_CHECKING:
     from services.gateway.generation import Generation
+
+logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 #: Per chunk type, its dump with no choices (StreamFormatter._empty_chunk).
@@ -118,6 +136,21 @@ class StreamFormatter(ABC):
         return f'{self.head}{delta.index},{before}{text}{after},"logprobs":null,"finish_reason":{finish}}}{self.tail}'
 
 
+def check_message_counts(data: dict[str, Any]) -> None:
+    """400 for more than MAX_MESSAGES messages or MAX_CONTENT_PARTS content parts (blocks), counted on the raw
+    JSON before pydantic builds a model per item (pydantic checks a list's max_length only after its items)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"Invalid 'messages': array too long. Expected an array with maximum length "
+                          f"{MAX_MESSAGES}, but got an array with length {len(messages)} instead.", param="messages")
+    num_parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if num_parts > MAX_CONTENT_PARTS:
+        raise bad_request(f"Invalid 'messages': {num_parts} content parts; at most {MAX_CONTENT_PARTS} are accepted "
+                          "over all messages", param="messages")
+
+
 class Presenter(ABC):
     """One API shape: request parsing, prompt building, response and stream formatting."""
 
@@ -130,26 +163,42 @@ class Presenter(ABC):
     response_type: type[BaseModel]
 
     def parse(self, data: dict[str, Any]) -> Any:
-        """The validated body; 400 naming the first bad field, or a field this server does not support."""
-        for name in getattr(self.body_type, "UNSUPPORTED", ()):
+        """The validated body; 400 naming the first bad field, or a field this server does not support (an
+        OpenAI field it cannot honour, a vLLM extension it does not implement); other unknown fields are logged."""
+        body_type = self.body_type
+        for name in getattr(body_type, "UNSUPPORTED", ()):
             if data.get(name) is not None:
                 raise bad_request(f"{name} is not supported by this server", param=name)
+        check_message_counts(data)
+        vllm_unsupported = getattr(body_type, "VLLM_UNSUPPORTED", {})
+        for name, no_op in vllm_unsupported.items():
+            value = data.get(name)
+            if value is not None and value != no_op and value != [] and value != {}:
+                raise bad_request(f"{name} (a vLLM extension) is not supported by this server", param=name)
         try:
-            return self.body_type.model_validate(data)
+            body = body_type.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+        if vllm_unsupported:
+            unknown = data.keys() - _known_fields(body_type)
+            if unknown:
+                logger.warning("%s: fields ignored (unknown to this server): %s", self.route, sorted(unknown))
+        return body
 
     def error_response(self, exc: ApiError) -> Response:
         """An error in this API's shape (OpenAI's error object)."""
         return exc.response()
 
     def check(self, model: ModelInfo, body: Any, settings: GatewaySettings) -> None:
-        """400 for what this deployment refuses of a valid body (none by default)."""
-        return None
+        """400 for what this server refuses of a valid body: prompt_logprobs with stream (vLLM's rule: they come
+        with the whole response)."""
+        if getattr(body, "prompt_logprobs", None) is not None and body.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     @abstractmethod
-    def prompt_token_ids(self, model: ModelInfo, body: Any) -> list[int]:
-        """The prompt's token ids (chat template, tokenizer); CPU work, run off the event loop."""
+    def prompts(self, model: ModelInfo, body: Any) -> list[Prompt]:
+        """The prompt's token ids (chat template, tokenizer), one per prompt of a batch; CPU work, run off the
+        event loop."""
 
     @abstractmethod
     def max_tokens(self, body: Any) -> int | None:
@@ -158,6 +207,14 @@ class Presenter(ABC):
     @abstractmethod
     def logprobs(self, body: Any) -> int | None:
         """None = no logprobs; k = the sampled token's and the top k alternatives."""
+
+    def prompt_logprobs(self, body: Any) -> int | None:
+        """The alternatives per prompt position the workers must score the prompt with (None: no scores)."""
+        return getattr(body, "prompt_logprobs", None)
+
+    def scores_only(self, body: Any) -> bool:
+        """True when the response is the scored prompt alone (nothing generated is shown)."""
+        return False
 
     def output_rules(self, model: ModelInfo, body: Any) -> OutputRules | None:
         """The grammar and tool parsing the body asks for (None: free text); CPU work, run off the event loop."""
@@ -193,12 +250,14 @@ class ChatPresenter(Presenter):
     response_type = ChatCompletionResponse
 
     def check(self, model: ModelInfo, body: ChatCompletionRequest, settings: GatewaySettings) -> None:
-        """A template sent in the request runs only where the operator trusts request templates."""
+        """As every presenter; and a template sent in the request runs only where the operator trusts request
+        templates."""
+        super().check(model, body, settings)
         check_request_template(model, body, settings.trust_request_chat_template)
 
-    def prompt_token_ids(self, model: ModelInfo, body: ChatCompletionRequest) -> list[int]:
+    def prompts(self, model: ModelInfo, body: ChatCompletionRequest) -> list[Prompt]:
         """The conversation through the model's chat template."""
-        return chat_prompt_token_ids(model, body)
+        return [Prompt(chat_prompt_token_ids(model, body))]
 
     def max_tokens(self, body: ChatCompletionRequest) -> int | None:
         """max_completion_tokens, else the legacy max_tokens."""
@@ -211,6 +270,18 @@ class ChatPresenter(Presenter):
     def output_rules(self, model: ModelInfo, body: ChatCompletionRequest) -> OutputRules | None:
         """response_format and tools / tool_choice."""
         return output_rules(model, body)
+
+    def response(self, generation: Generation) -> dict[str, Any]:
+        """The chat.completion body; vLLM's prompt_logprobs beside the choices when asked (the prompt is theirs)."""
+        g = generation
+        prompt_logprobs = None
+        if g.prompt_logprobs and g.outputs[0].prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(g.tokenizer, g.prompts[0].token_ids, g.outputs[0].prompt_logprobs)
+        body = ChatCompletionResponse(
+            id=g.response_id, created=g.created, model=g.model_name,
+            choices=[self.choice(g, output) for output in g.outputs], usage=g.usage(), prompt_logprobs=prompt_logprobs,
+        )
+        return body.model_dump(mode="json")
 
     def choice(self, generation: Generation, output: ChoiceOutput) -> ChatChoice:
         """The assistant message of one choice (its tool calls parsed out when the request has tools)."""
@@ -305,30 +376,57 @@ class CompletionsPresenter(Presenter):
     body_type = CompletionRequest
     response_type = CompletionResponse
 
-    def prompt_token_ids(self, model: ModelInfo, body: CompletionRequest) -> list[int]:
-        """One prompt: a string or token ids."""
-        return completion_prompt_token_ids(model, body)
+    def check(self, model: ModelInfo, body: CompletionRequest, settings: GatewaySettings) -> None:
+        """As every presenter; and max_tokens 0 only with echo (the prompt scored alone)."""
+        super().check(model, body, settings)
+        if body.max_tokens == 0 and not body.echo:
+            raise bad_request("max_tokens 0 needs echo (it returns the prompt alone, scored with logprobs)",
+                              param="max_tokens")
+
+    def prompts(self, model: ModelInfo, body: CompletionRequest) -> list[Prompt]:
+        """Each prompt of the batch: a string or token ids."""
+        return completion_prompts(model, body)
 
     def max_tokens(self, body: CompletionRequest) -> int | None:
-        """max_tokens (OpenAI's default 16)."""
-        return body.max_tokens
+        """max_tokens (OpenAI's default 16); 0 (echo: the prompt alone) runs as 1, its token dropped (as vLLM)."""
+        return 1 if body.max_tokens == 0 else body.max_tokens
 
     def logprobs(self, body: CompletionRequest) -> int | None:
         """The legacy integer logprobs."""
         return body.logprobs
+
+    def prompt_logprobs(self, body: CompletionRequest) -> int | None:
+        """vLLM's prompt_logprobs, and echo with logprobs: the echoed prompt's (the larger k serves both)."""
+        echoed = body.logprobs if body.echo else None
+        if echoed is None or body.prompt_logprobs is None:
+            return body.prompt_logprobs if echoed is None else echoed
+        return max(echoed, body.prompt_logprobs)
+
+    def scores_only(self, body: CompletionRequest) -> bool:
+        """echo with max_tokens 0."""
+        return body.echo and body.max_tokens == 0
 
     def output_rules(self, model: ModelInfo, body: CompletionRequest) -> OutputRules | None:
         """response_format (vLLM's extension)."""
         return output_rules(model, body)
 
     def choice(self, generation: Generation, output: ChoiceOutput) -> CompletionChoice:
-        """The text of one choice."""
+        """The text of one choice (after its prompt with echo), its logprobs, and vLLM's prompt_logprobs if asked."""
         g = generation
+        prompt, text, entries = g.prompt_of(output), output.text, sampled_entries(output.logprobs)
+        if g.echo:
+            text = prompt.echo_text(g.tokenizer) + text
+            if g.logprobs:
+                entries = itertools.chain(_echoed_entries(output), entries)
+        prompt_logprobs = None
+        if g.prompt_logprobs and output.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(g.tokenizer, prompt.token_ids, output.prompt_logprobs)
         return CompletionChoice(
             index=output.index,
-            text=output.text,
-            logprobs=completion_logprobs(g.tokenizer, output.logprobs, 0, g.top_logprobs)[0] if g.logprobs else None,
+            text=text,
+            logprobs=completion_logprobs(g.tokenizer, entries, 0, g.num_top_logprobs)[0] if g.logprobs else None,
             finish_reason=output.finish_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def stream(self, generation: Generation) -> StreamFormatter:
@@ -342,22 +440,44 @@ class _CompletionsStream(StreamFormatter):
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.text_offsets = [0] * len(generation.outputs)
+        #: echo: whether each choice's prompt went out (with its first event).
+        self.echoed = [not generation.echo] * len(generation.outputs)
 
     def delta(self, delta: ChoiceDelta) -> list[str]:
-        if not (delta.text or delta.finish_reason is not None or delta.logprobs):
+        echo = not self.echoed[delta.index]
+        if not (echo or delta.text or delta.finish_reason is not None or delta.logprobs):
             return []
         g = self.generation
-        if not g.logprobs:  # the per-token path: no models built
+        if not (g.logprobs or echo):  # the per-token path: no models built
             return [self._text_event(delta, '"text":', "")]
+        text, entries = delta.text, sampled_entries(delta.logprobs)
+        if echo:  # the choice's first event: its prompt, then what it generated so far
+            self.echoed[delta.index] = True
+            output = g.outputs[delta.index]
+            text = g.prompt_of(output).echo_text(g.tokenizer) + text
+            if g.logprobs:
+                entries = itertools.chain(_echoed_entries(output), entries)
         logprobs = None
         if g.logprobs:
             logprobs, self.text_offsets[delta.index] = completion_logprobs(
-                g.tokenizer, delta.logprobs, self.text_offsets[delta.index], g.top_logprobs
+                g.tokenizer, entries, self.text_offsets[delta.index], g.num_top_logprobs
             )
-        choice = CompletionChoice(
-            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
-        )
+        choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
         return [sse(_without_usage(CompletionResponse(**self._base(), choices=[choice]), g.include_usage))]
+
+
+def _echoed_entries(output: ChoiceOutput) -> Iterator[LogprobEntry]:
+    """The logprob entries of an echoed prompt (echo with logprobs always asks the workers for its scores)."""
+    assert output.prompt_logprobs is not None, "echo with logprobs: the prompt's scores came with the first chunk"
+    return prompt_entries(output.prompt_token_ids, output.prompt_logprobs)
+
+
+@functools.cache
+def _known_fields(body_type: type[BaseModel]) -> frozenset[str]:
+    """Every field name a body type reads, refuses or ignores knowingly (aliases included)."""
+    names = {name for name, info in body_type.model_fields.items() for name in (name, info.alias) if name}
+    names |= set(getattr(body_type, "UNSUPPORTED", ())) | set(getattr(body_type, "VLLM_UNSUPPORTED", {}))
+    return frozenset(names | getattr(body_type, "IGNORED", frozenset()))
 
 
 def _without_usage(chunk: BaseModel, include_usage: bool) -> dict[str, Any]:

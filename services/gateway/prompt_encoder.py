@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.tokenizer.tokenizer import encode_ids
 
 #: Pieces kept (a piece is the text between two added tokens); when full the cache starts over (no LRU
 #: bookkeeping per lookup: the pieces that repeat are back after one request each).
@@ -70,7 +71,7 @@ class SegmentEncoder:
                 continue
             ids = pieces.get(piece)
             if ids is None:
-                ids = backend.encode(piece, add_special_tokens=False).ids
+                ids = encode_ids(backend, piece)  # a long piece with the GIL released
                 if cache and len(piece) <= MAX_PIECE_CHARS:
                     if len(pieces) >= MAX_PIECES:
                         pieces.clear()

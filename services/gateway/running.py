@@ -220,4 +220,5 @@ def _first_chunk(prefill: PrefillResult) -> TokenChunk:
         finish_reason=prefill.finish_reason,
         num_cached_tokens=prefill.num_cached_tokens,
         cached_tokens_by_tier=prefill.cached_tokens_by_tier or None,
+        prompt_logprobs=prefill.prompt_logprobs,
     )

@@ -128,6 +128,7 @@ def merge_chunks(first: TokenChunk, then: TokenChunk) -> TokenChunk:
             first.cached_tokens_by_tier if first.num_cached_tokens is not None else then.cached_tokens_by_tier
         ),
         error=then.error,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
         num_previous_tokens=first.num_previous_tokens,
     )
 

@@ -2,7 +2,7 @@
 enforce while decoding, and the tool-call parsing the presenter applies after.
 
     rules = output_rules(model, body)     # 400 naming the field for a bad or unsupported schema; None: free text
-    sampling = rules.apply(sampling)      # the grammar travels in the wire SamplingParams
+    sampling = rules.apply(sampling)      # the grammar travels in WireSamplingParams
     checker = rules.checker(model)        # per choice: the output's tokens re-checked against the grammar
 
 | request                                   | grammar (workers)            | parsed into tool_calls |
@@ -20,7 +20,7 @@ from typing import Any
 
 import llguidance
 
-from deepinfer.protocol import SamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.structured import (
     GrammarError,
     GrammarMatcher,
@@ -45,7 +45,7 @@ class OutputRules:
     grammar: str | None
     tools: ToolFormat | None
 
-    def apply(self, sampling: SamplingParams) -> SamplingParams:
+    def apply(self, sampling: WireSamplingParams) -> WireSamplingParams:
         """The sampling params carrying the grammar."""
         return sampling.model_copy(update={"grammar": self.grammar})
 

@@ -13,7 +13,14 @@ from pydantic import BaseModel, ValidationError
 
 from deepinfer.config import GatewaySettings
 from services.gateway.errors import bad_request, from_validation_error
-from services.gateway.recipe import ModelInfo, chat_text, check_model, check_request_template
+from services.gateway.presenters import check_message_counts
+from services.gateway.recipe import (
+    ModelInfo,
+    chat_text,
+    check_model,
+    check_prompt_chars,
+    check_request_template,
+)
 from services.gateway.vllm_models import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -38,6 +45,7 @@ def _check_model(model: ModelInfo, name: str | None) -> None:
 async def tokenize(model: ModelInfo, settings: GatewaySettings, data: dict[str, Any]) -> dict[str, Any]:
     """A prompt (or a conversation, through the chat template) as token ids, as vLLM answers /tokenize."""
     if "messages" in data:
+        check_message_counts(data)
         body: TokenizeChatRequest | TokenizeCompletionRequest = _parse(TokenizeChatRequest, data)
     else:
         body = _parse(TokenizeCompletionRequest, data)
@@ -49,6 +57,7 @@ async def tokenize(model: ModelInfo, settings: GatewaySettings, data: dict[str, 
 
 def _tokenize(model: ModelInfo, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
     text = chat_text(model, body) if isinstance(body, TokenizeChatRequest) else body.prompt
+    check_prompt_chars(model, len(text), "messages" if isinstance(body, TokenizeChatRequest) else "prompt")
     tokens = model.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     token_strs = None
     if body.return_token_strs:

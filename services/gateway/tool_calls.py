@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.structured.schema import JSON_OPTIONS, check_schema
+from deepinfer.structured.schema import JSON_OPTIONS, prepared_schema
 from deepinfer.tokenizer import Tokenizer
 from services.gateway.openai_models import FunctionCall, ToolCall
 
@@ -45,8 +45,7 @@ class ToolFormat:
         """The JSON schema of one call to any of `tools` (function dicts: name, parameters)."""
         calls = []
         for function in tools:
-            parameters = function.get("parameters") or _ANY_OBJECT
-            check_schema(parameters)
+            parameters = prepared_schema(function.get("parameters") or _ANY_OBJECT)
             calls.append({
                 "type": "object",
                 "properties": {"name": {"const": function["name"]}, self.arguments_key: parameters},

@@ -1,7 +1,8 @@
 """The prefill worker. Per PrefillRequest on `prefill(model, worker_id)`:
 
     receive → prefill (engine computes the prompt, samples the first token, holds the KV blocks)
-    → reply PrefillResult{first token, KvHandle} → serve the blocks on the data plane → Release or lease expiry
+    → reply PrefillResult{first token, KvHandle, the prompt's logprobs when asked} → serve the blocks on the data
+    plane → Release or lease expiry
 
 A request whose first token already ends it (eos, a stop token, max_tokens 1) releases its blocks at once and
 its result carries the finish reason and no handle.
@@ -45,6 +46,7 @@ from deepinfer.protocol.kv import KvDeviceExport
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.prompt_logprobs import wire_prompt_logprobs
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
 from deepinfer.worker.store_tier import cached_tokens_by_tier
@@ -197,6 +199,7 @@ class PrefillHandler:
             num_cached_tokens=output.num_cached_tokens,
             cached_tokens_by_tier=cached_tokens_by_tier(output),
             finish_reason=finish,
+            prompt_logprobs=wire_prompt_logprobs(output),
         )
         if finish is not None:
             await self.runtime.run(ReleaseHeld(request_id))

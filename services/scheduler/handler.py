@@ -342,10 +342,10 @@ def build_policy(settings: SchedulerSettings, index: KvIndex, rng: random.Random
     if settings.routing_policy == "least_loaded":
         return LeastLoadedPolicy(settings.scheduler_id, rng=rng)
     weights = CostWeights(
-        host_weight=settings.host_hit_weight,
-        store_weight=settings.store_hit_weight,
+        host_hit_weight=settings.host_hit_weight,
+        store_hit_weight=settings.store_hit_weight,
         load_weight=settings.load_weight,
-        kv_weight=settings.kv_usage_weight,
-        direct_min_fraction=settings.direct_decode_min_fraction,
+        kv_usage_weight=settings.kv_usage_weight,
+        direct_decode_min_fraction=settings.direct_decode_min_fraction,
     )
     return PrefixPolicy(settings.scheduler_id, index, weights, rng=rng)

@@ -25,10 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from deepinfer.defaults import DEFAULT_KV_INDEX_MAX_ENTRIES
 from deepinfer.protocol import KvEventBatch, KvEventKind, KvStoreEventBatch, KvTier, SnapshotPage
 
-#: Default cap on (holder, block) entries (~250 bytes each).
-DEFAULT_MAX_ENTRIES = 4_000_000
 #: Batches held per worker while its snapshot is paged; more restarts the snapshot.
 MAX_PENDING_BATCHES = 4096
 
@@ -76,7 +75,7 @@ class PrefixMatch:
 class KvIndex:
     """See the module docstring."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_KV_INDEX_MAX_ENTRIES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries

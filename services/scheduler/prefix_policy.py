@@ -3,19 +3,20 @@ cache saving is worth. Pure: the KV index is read (and touched), nothing else.
 
 For a request of P prompt tokens, every usable worker w gets a cost in prompt tokens:
 
-    credit(w)  = block_size × (device blocks + host_weight × lower-tier blocks + store_weight × store blocks)
+    credit(w)  = block_size × (device blocks + host_hit_weight × lower-tier blocks
+                                + store_hit_weight × store blocks)
                  of w's cached prefix (KvIndex.match: the walk ends at the first block none of them holds)
     pending(w) = running + waiting (its heartbeat) + in-flight decisions not yet in it
-    cost(w)    = (P − min(credit, P)) + P × (load_weight × pending(w) + kv_weight × kv_usage(w))
+    cost(w)    = (P − min(credit, P)) + P × (load_weight × pending(w) + kv_usage_weight × kv_usage(w))
 
-so a request ahead costs `load_weight` of this prompt and a full KV pool `kv_weight` of it. A prefix every request
-carries (a system prompt) wins only while the worker holding it has fewer than saving / (load_weight × P) more
-requests than the others: past that the load term wins and the prompt is computed (and then cached) elsewhere.
+so a request ahead costs `load_weight` of this prompt and a full KV pool `kv_usage_weight` of it. A prefix every
+request carries (a system prompt) wins only while the worker holding it has fewer than saving / (load_weight × P)
+more requests than the others: past that the load term wins and the prompt is computed (and then cached) elsewhere.
 
 The decode worker is the cheapest of role decode or both; the prefill worker the cheapest of role prefill or
-both with its layout. When the decode worker holds at least `direct_min_fraction` of the prompt's blocks itself (the
-next turn of a conversation it decoded) — or no prefill worker is usable — it computes the prompt itself
-(prefill_worker_id None). Equal costs are broken at random. expected_cached_tokens = the computing worker's
+both with its layout. When the decode worker holds at least `direct_decode_min_fraction` of the prompt's blocks
+itself (the next turn of a conversation it decoded) — or no prefill worker is usable — it computes the prompt
+itself (prefill_worker_id None). Equal costs are broken at random. expected_cached_tokens = the computing worker's
 cached prefix in tokens (all tiers), at most P.
 """
 
@@ -25,6 +26,13 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from deepinfer.defaults import (
+    DEFAULT_DIRECT_DECODE_MIN_FRACTION,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_KV_USAGE_WEIGHT,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_STORE_HIT_WEIGHT,
+)
 from deepinfer.membership import Member
 from deepinfer.protocol import RouteDecision, RouteRequest
 from services.scheduler.kv_index import KvIndex, PrefixMatch
@@ -33,13 +41,13 @@ from services.scheduler.policy import DEFAULT_RETRY_AFTER_S, accepted, overloade
 
 @dataclass(frozen=True)
 class CostWeights:
-    """The knobs of the cost (SchedulerSettings sets them)."""
+    """The knobs of the cost: SchedulerSettings' fields of the same names (their meaning is described there)."""
 
-    host_weight: float = 0.8
-    store_weight: float = 0.5
-    load_weight: float = 0.5
-    kv_weight: float = 1.0
-    direct_min_fraction: float = 0.9
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
+    store_hit_weight: float = DEFAULT_STORE_HIT_WEIGHT
+    load_weight: float = DEFAULT_LOAD_WEIGHT
+    kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT
+    direct_decode_min_fraction: float = DEFAULT_DIRECT_DECODE_MIN_FRACTION
 
 
 def kv_usage(member: Member) -> float:
@@ -82,7 +90,7 @@ class PrefixPolicy:
         )
         num_blocks = len(request.block_hashes)
         own_blocks = decode.match.device_blocks + decode.match.lower_blocks
-        direct = num_blocks > 0 and own_blocks >= self.weights.direct_min_fraction * num_blocks
+        direct = num_blocks > 0 and own_blocks >= self.weights.direct_decode_min_fraction * num_blocks
         if prefill is None or direct or prefill.member.worker_id == decode.member.worker_id:
             prefill = None
         computing = decode if prefill is None else prefill
@@ -108,9 +116,9 @@ class PrefixPolicy:
         """Prompt tokens left to compute after the cached-prefix credit, plus the load term, in tokens."""
         w, num_tokens = self.weights, request.num_prompt_tokens
         credit = member.block_size * (
-            match.device_blocks + w.host_weight * match.lower_blocks + w.store_weight * match.store_blocks
+            match.device_blocks + w.host_hit_weight * match.lower_blocks + w.store_hit_weight * match.store_blocks
         )
-        load = w.load_weight * worker_load(member, in_flight) + w.kv_weight * kv_usage(member)
+        load = w.load_weight * worker_load(member, in_flight) + w.kv_usage_weight * kv_usage(member)
         return num_tokens - min(credit, num_tokens) + num_tokens * load
 
     def _cheapest(self, scored: Sequence[Scored]) -> Scored | None:

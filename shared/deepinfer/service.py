@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 
-#: Default time a handler gets to finish in-flight work after SIGTERM (Kubernetes' default grace is 30 s).
-DEFAULT_DRAIN_GRACE_S = 20.0
 #: Past the grace, the time a handler gets to end what is left (error events, aborts, their publishes).
 DRAIN_OVERRUN_S = 5.0
 
@@ -153,6 +151,7 @@ class Service(Generic[S]):
 
     `started` is set once the handler has started and the signal handlers are installed; `internal_port` is
     the bound internal port (the real one when settings ask for 0). `stop()` does what SIGTERM does.
+    `drain_grace_s` None = the settings' own.
     """
 
     def __init__(
@@ -161,13 +160,13 @@ class Service(Generic[S]):
         build: Build[S],
         *,
         name: str | None = None,
-        drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+        drain_grace_s: float | None = None,
         connect: BusFactory = connect_bus,
         install_signal_handlers: bool = True,
     ) -> None:
         self.settings = settings
         self.name = name or type(settings).service
-        self.drain_grace_s = drain_grace_s
+        self.drain_grace_s = settings.drain_grace_s if drain_grace_s is None else drain_grace_s
         self.started = asyncio.Event()
         self.internal_port: int | None = None
         self._build = build
@@ -312,5 +311,4 @@ def service_main(settings_cls: type[S], build: Build[S], **options: Any) -> int:
     """A service's sync entry point: settings from the environment (exit 2 on a bad value), then run."""
     settings = load_settings(settings_cls)
     sys.setswitchinterval(settings.gil_switch_interval_s)
-    options.setdefault("drain_grace_s", settings.drain_grace_s)
     return asyncio.run(run_service(settings, build, **options))

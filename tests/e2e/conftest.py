@@ -36,7 +36,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=60)
+    # the timeout only stops a hang: the first json_schema request took over 60 s with both cores busy
+    return openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=300)
 
 
 def metrics(stack: Stack, name: str) -> dict[str, float]:

@@ -169,5 +169,5 @@ def test_shutdown_past_the_grace_ends_the_stream_and_the_workers_drop_it(pair):
                 pair.kill("gateway-grace", signal.SIGTERM)
                 stopped_at = time.monotonic()
     assert received > 5  # tokens kept flowing through the grace
-    assert time.monotonic() - stopped_at < 1 + 4.0
-    wait_until(lambda: _decoders_idle(pair), 5, "the decode workers to drop the request")
+    assert time.monotonic() - stopped_at < 1 + 10.0  # the 1 s grace, not the 2000 tokens (minutes)
+    wait_until(lambda: _decoders_idle(pair), 30, "the decode workers to drop the request")

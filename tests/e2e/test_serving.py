@@ -69,9 +69,7 @@ def test_client_disconnect_releases_everything(client, stack):
         if received >= 5:
             break
     stream.close()
-    started = time.monotonic()
-    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the cancelled request")
-    assert time.monotonic() - started < 10
+    wait_until(lambda: workers_idle(stack), 30, "the workers to drop the cancelled request")
 
 
 REQUEST_TIMEOUT_S = 3.0
@@ -88,15 +86,16 @@ def test_request_timeout_is_504_or_an_error_event_and_every_worker_drops_it(stac
         client.chat.completions.create(**long)
     assert failure.value.status_code == 504
     assert failure.value.body["code"] == "timeout" and "request_timeout_s" in failure.value.message
-    assert REQUEST_TIMEOUT_S <= time.monotonic() - started < REQUEST_TIMEOUT_S + 2.0
-    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the timed-out request")
+    # at its timeout, not when the 2000 tokens are done (minutes): the bound leaves room for a busy machine
+    assert REQUEST_TIMEOUT_S <= time.monotonic() - started < REQUEST_TIMEOUT_S + 10.0
+    wait_until(lambda: workers_idle(stack), 30, "the workers to drop the timed-out request")
 
     received = 0
     with pytest.raises(openai.APIError, match="request_timeout_s"):  # the SSE error event
         for _ in client.chat.completions.create(**long, stream=True):
             received += 1
     assert received > 1  # tokens flowed, then the deadline ended the stream
-    wait_until(lambda: workers_idle(stack), 10, "the workers to drop the timed-out stream")
+    wait_until(lambda: workers_idle(stack), 30, "the workers to drop the timed-out stream")
 
 
 def test_a_value_the_workers_refuse_is_a_400_not_a_retryable_503(client, stack):
@@ -122,7 +121,9 @@ def test_a_non_streaming_client_that_goes_away_is_dropped_by_every_worker(stack,
     wait_until(lambda: workers_idle(stack), 30, "the workers to drop the abandoned request")
     released_s = time.monotonic() - gone
     print(f"{what}: workers idle {released_s:.2f} s after the client left")
-    assert released_s < 1.0 + (STEP_ALLOWANCE_S if what == "long prefill" else 0.0)
+    # seconds (the gateway's poll for the closed connection, the Cancel, the workers' next metrics), not the
+    # minutes 2000 tokens take; room for a busy machine (1.36 s for the decode case with both cores busy)
+    assert released_s < 5.0 + (STEP_ALLOWANCE_S if what == "long prefill" else 0.0)
 
 
 #: A prefill step already running when the cancel arrives finishes first: on the 2-core CPU, a chunk of a long

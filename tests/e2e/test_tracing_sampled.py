@@ -6,6 +6,7 @@ flag); with otel_token_spans=all every token batch and SSE write of a sampled re
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import openai
@@ -32,15 +33,26 @@ def sampled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-def _settled_spans(stack: Stack, timeout_s: float = 20) -> list[dict]:
-    """Every span written, once two reads a second apart (the exporters flush every 0.2 s) agree."""
+def _whole(spans: list[dict]) -> bool:
+    """Every trace written so far has each worker's span and all its token batches (the decode worker records a
+    batch's span after publishing it: a stream can end, and its root be written, before its last batch's span)."""
+    names = Counter((s["trace_id"], s["name"]) for s in spans)
+    roots = [s["trace_id"] for s in spans if s["name"] == "gateway.request"]
+    return all(names[trace_id, name] for trace_id in roots
+               for name in ("scheduler.route", "prefill.request", "decode.admission")) and \
+        all(names[trace_id, "decode.token_batch"] >= MAX_TOKENS - 1 for trace_id in roots)
+
+
+def _settled_spans(stack: Stack, timeout_s: float = 60) -> list[dict]:
+    """Every span written: each trace whole, and two reads a second apart (the exporters flush every 0.2 s) agree
+    (a sampled request's root may still come; how many are sampled is not known beforehand)."""
     deadline, previous = time.monotonic() + timeout_s, None
     while True:
         spans = read_spans(stack.trace_dir)
-        if spans and previous is not None and len(spans) == len(previous):
+        if spans and previous is not None and len(spans) == len(previous) and _whole(spans):
             return spans
         if time.monotonic() > deadline:
-            pytest.fail(f"spans in {stack.trace_dir} still changing after {timeout_s} s")
+            pytest.fail(f"spans in {stack.trace_dir} still changing, or a trace not whole, after {timeout_s} s")
         previous = spans
         time.sleep(1.0)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import openai
 import pytest
 
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import metrics, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -32,29 +33,53 @@ def test_decode_killed_mid_stream_gives_a_clean_error_then_serving_resumes(clien
             if received == 5:
                 stack.kill("decode-0", signal.SIGKILL)
                 killed_at = time.monotonic()
-    assert time.monotonic() - killed_at < 5.0
+    # by the gateway's worker lease (3 s) or its stream_timeout_s (5 s of silence), whichever a busy machine lets
+    # come first; not the 120 s first-token timeout or a hang
+    assert time.monotonic() - killed_at < 15.0
     assert received >= 5
     assert failure.value.message
     # The supervisor restarts the worker (model load included); then the stack serves again.
-    wait_until(lambda: stack.restart_count("decode-0") >= 1, 10, "decode-0 to be restarted")
+    wait_until(lambda: stack.restart_count("decode-0") >= 1, 30, "decode-0 to be restarted")
     text = wait_until(lambda: _try(ask, client, stack), 120, "a completion after decode-0 came back", 1.0)
     assert "Paris" in text
 
 
-def test_scheduler_killed_requests_fail_fast_with_503_until_it_is_back(client, stack):
+def test_scheduler_killed_under_streaming_clients_fails_no_request(client, stack):
+    def fallback_routes() -> float:
+        samples = metrics(stack, "gateway-0")
+        return sum(v for k, v in samples.items() if k.startswith("deepinfer_gateway_fallback_routes_total"))
+
+    before = fallback_routes()
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def stream_forever() -> None:
+        while not stop.is_set():
+            try:
+                stream = client.chat.completions.create(model=stack.model_name, messages=QUESTION, max_tokens=4,
+                                                        stream=True)
+                for _ in stream:
+                    pass
+                outcomes.append("ok")
+            except openai.APIError as exc:
+                outcomes.append(repr(exc))
+
+    clients = [threading.Thread(target=stream_forever) for _ in range(8)]
+    for thread in clients:
+        thread.start()
+    time.sleep(1.0)
     stack.kill("scheduler-0", signal.SIGKILL)
-    # NATS drops a dead client's queue subscription when it sees the socket close; a request sent in that
-    # instant can still be routed to it, which is the route timeout (2 s) rather than a NoResponders.
-    time.sleep(0.2)
-    started = time.monotonic()
-    with pytest.raises(openai.APIStatusError) as failure:
-        ask(client, stack)
-    assert failure.value.status_code == 503
-    assert time.monotonic() - started < 2.5
-    assert failure.value.response.headers.get("retry-after")
+    # every scheduler replica dead: the gateway routes from its own heartbeat table until one is back
+    wait_until(lambda: stack.restart_count("scheduler-0") >= 1, 10, "scheduler-0 to be restarted")
+    time.sleep(5.0)
+    stop.set()
+    for thread in clients:
+        thread.join(timeout=60)
+    assert outcomes and all(outcome == "ok" for outcome in outcomes), outcomes
+    if stack.num_schedulers == 1:
+        assert fallback_routes() > before
     text = wait_until(lambda: _try(ask, client, stack), 30, "a completion after the scheduler came back", 0.5)
     assert "Paris" in text
-    assert stack.restart_count("scheduler-0") >= 1
 
 
 def _try(fn, *args):

@@ -29,7 +29,7 @@ from tests.deploy_harness import (
 yaml = pytest.importorskip("yaml")
 
 CASES = {"default": (), **{name: ("-f", str(path)) for name, path in VALUES_FILES.items()}}
-DRAIN_GRACE_S = 20  # deepinfer.service.DEFAULT_DRAIN_GRACE_S
+DRAIN_GRACE_S = 20  # deepinfer.defaults.DEFAULT_DRAIN_GRACE_S
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,8 @@ def test_the_default_install_runs_every_service_and_bundled_nats(rendered):
     kvcache = by_name["rel-kvcache"]["spec"]
     assert kvcache["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
     env = {e["name"]: e.get("value") for e in pod_spec(by_name["rel-kvcache"])["containers"][0]["env"]}
-    assert env["DEEPINFER_KVCACHE_TTL_S"] == str(72 * 3600)
+    assert env["DEEPINFER_KVCACHE_DISK_BYTES"] == "64GiB"
+    assert "DEEPINFER_KVCACHE_TTL_S" not in env  # a null value: the setting's own default
     assert "authorization" in by_name["rel-nats-config"]["data"]["nats.conf"]  # token auth on
 
 

@@ -21,8 +21,8 @@ from deepinfer.protocol import (
     DecodeRequest,
     DecodeStatus,
     KvEventBatch,
-    SamplingParams,
     TokenBatch,
+    WireSamplingParams,
     WorkerLoad,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
@@ -30,12 +30,13 @@ from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 from services.decode.handler import DecodeHandler
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 GATEWAY = "gw-steps"
 PROMPTS = [[5 + i, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200 + i] for i in range(3)]
-SAMPLING = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=1)
+SAMPLING = WireSamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=1)
 #: Longer than the test: every heartbeat it sees after the first is one sent because the load changed.
 PERIODIC_S = 60.0
 
@@ -72,7 +73,7 @@ async def test_batches_events_and_load_heartbeats_of_a_running_batch(decode, bus
     token = CommonSettings(model=str(tiny_dir)).model_token
     batches: list[TokenBatch] = []
     kv_seqs: list[int] = []
-    beats: list[tuple[float, WorkerLoad]] = []
+    beats: list[WorkerLoad] = []
     done = asyncio.Event()
 
     async def on_batch(batch: TokenBatch, msg) -> None:
@@ -84,20 +85,21 @@ async def test_batches_events_and_load_heartbeats_of_a_running_batch(decode, bus
         kv_seqs.append(batch.seq)
 
     async def on_beat(load: WorkerLoad, msg) -> None:
-        beats.append((time.monotonic(), load))
+        beats.append(load)
 
     await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
     await bus.subscribe(subjects.kv_events(token, "decode-steps"), on_events, message_type=KvEventBatch)
     await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
     await decode.start()  # the first heartbeat: registered, idle
-    admitted_s = time.monotonic()
     replies = await asyncio.gather(*(bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
         request_id=f"r{i}", gateway_id=GATEWAY, prompt_token_ids=prompt, sampling=SAMPLING), DecodeAccepted,
         timeout_s=30) for i, prompt in enumerate(PROMPTS)))
     assert all(r.status is DecodeStatus.ACCEPTED for r in replies)
     await asyncio.wait_for(done.wait(), 30)
-    finished_s = time.monotonic()
-    await asyncio.sleep(1.0)  # the load-change heartbeat of the finish
+    # the load-change heartbeat of the finish; any beat but the first is one (PERIODIC_S outlasts the test)
+    finished = (0, 0, len(PROMPTS))  # (running, waiting, received)
+    await wait_until(lambda: (beats[-1].num_running, beats[-1].num_waiting, beats[-1].num_received) == finished,
+                     "the finish's heartbeat")
 
     # Token batches: one per step, steps increasing; each request's chunks gapless and the reference's tokens.
     steps = [b.step for b in batches]
@@ -112,14 +114,11 @@ async def test_batches_events_and_load_heartbeats_of_a_running_batch(decode, bus
     assert kv_seqs and kv_seqs == list(range(1, len(kv_seqs) + 1))
 
     # Heartbeats: besides the first (idle), the admissions and the finish were announced long before the
-    # periodic one was due.
-    assert beats[0][1].num_running == 0 and beats[0][1].num_received == 0
-    loads = [(load.num_running, load.num_received) for _, load in beats[1:]]
+    # periodic one was due (PERIODIC_S: every beat after the first was sent because the load changed).
+    assert beats[0].num_running == 0 and beats[0].num_received == 0
+    loads = [(load.num_running, load.num_received) for load in beats[1:]]
     assert any(received == len(PROMPTS) for _, received in loads), loads
-    first_change_s = next(t for t, load in beats[1:] if load.num_received)
-    assert first_change_s - admitted_s < 5.0
     assert loads[-1] == (0, len(PROMPTS))
-    assert beats[-1][0] - finished_s < 1.0
     assert len(beats) < 20  # coalesced: at most one per LOAD_CHANGE_HEARTBEAT_S while the load moves
 
 
@@ -132,7 +131,7 @@ async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decod
 
     await bus.subscribe(subjects.heartbeat(token, "decode-steps"), on_beat, message_type=WorkerLoad)
     await decode.start()
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     reply = await bus.request(subjects.decode(token, "decode-steps"), DecodeRequest(
         request_id="r-long", gateway_id=GATEWAY, prompt_token_ids=PROMPTS[0], sampling=long), DecodeAccepted,
         timeout_s=30)
@@ -142,11 +141,9 @@ async def test_a_cancel_is_announced_by_a_heartbeat_though_no_step_follows(decod
         await asyncio.sleep(0.01)
     assert any(b.num_running == 1 for b in beats), beats
     await bus.publish(subjects.cancel(token), Cancel(request_id="r-long"))
-    cancelled_s = time.monotonic()
-    while beats[-1].num_running != 0 and time.monotonic() - cancelled_s < 5:
-        await asyncio.sleep(0.01)
-    # The abort ran as an engine command, with no step after it: announced at once, not by the periodic beat.
-    assert beats[-1].num_running == 0 and time.monotonic() - cancelled_s < 1.0
+    # The abort ran as an engine command, with no step after it: announced at once, not by the periodic beat
+    # (PERIODIC_S outlasts the wait).
+    await wait_until(lambda: beats[-1].num_running == 0, "a heartbeat announcing the cancel")
 
 
 @pytest.mark.parametrize("token_spans", ["first_last", "all"])

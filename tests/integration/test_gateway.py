@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -64,11 +63,11 @@ async def test_completions(harness: Harness):
 
 async def test_no_scheduler_is_a_fast_503(harness: Harness):
     await harness.fake.stop()
-    started = time.monotonic()
     with pytest.raises(openai.APIStatusError) as info:
         await harness.openai().chat.completions.create(model=MODEL, messages=MESSAGES)
     assert info.value.status_code == 503
-    assert time.monotonic() - started < 1.0  # NoResponders, not the route timeout
+    # NoResponders (the server answers at once), not the route timeout ("the scheduler did not answer")
+    assert "no scheduler is available" in info.value.message
 
 
 async def test_client_disconnect_sends_cancel_over_nats(harness: Harness):

@@ -19,9 +19,9 @@ from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import (
     KvEventBatch,
     KvTier,
-    SamplingParams,
     SnapshotPage,
     SnapshotRequest,
+    WireSamplingParams,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6, 70]  # 21 tokens: 5 blocks
 FILLERS = [[(7 * i + 13 * j) % 300 + 1 for j in range(36)] for i in range(1, 3)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = WireSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS, MAX_MODEL_LEN = 4, 16, 256, 48
 GATEWAY = "gw-host"
 

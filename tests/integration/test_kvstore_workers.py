@@ -34,7 +34,7 @@ from deepinfer.protocol import (
     KvStoreHeartbeat,
     PrefillRequest,
     PrefillResult,
-    SamplingParams,
+    WireSamplingParams,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
@@ -51,7 +51,7 @@ SECRET = "k" * 32
 SHARD = "kvw"
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6, 70]  # 21 tokens
 NUM_STORED_TOKENS = 20  # 5 full blocks of 4; the last token is always computed
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = WireSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 GATEWAY = "gw-kv"
 
 
@@ -316,7 +316,8 @@ async def test_a_full_write_behind_queue_drops_blocks_and_counts_them(nats_serve
         address = store.address
         model = CommonSettings(model=str(tiny_dir)).model_token
         worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-f",
-                                    address, kv_store_write_queue_blocks=2)
+                                    address, kv_store_write_queue_blocks=2,
+                                    prefill_chunk_s=0)  # the prompt in one step, not cut by measured time
         store.workers.append(worker)
         tokens, _ = await generate(bus, model, "dec-f", "r6")
         assert tokens == reference  # the step never waits for the store

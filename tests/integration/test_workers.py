@@ -22,8 +22,8 @@ from deepinfer.protocol import (
     FinishReason,
     PrefillRequest,
     PrefillResult,
-    SamplingParams,
     TokenBatch,
+    WireSamplingParams,
 )
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.service import ServiceContext
@@ -31,6 +31,7 @@ from deepinfer.telemetry import new_registry
 from deepinfer.testing.checkpoints import make_tiny_checkpoint
 from services.decode.handler import DecodeHandler
 from services.prefill.handler import PrefillHandler
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ def reference(tiny_dir, params: EngineSamplingParams) -> list[int]:
     return tokens
 
 
-async def run_request(bus, prefill_id: str | None, sampling: SamplingParams, request_id: str, mutate=None,
+async def run_request(bus, prefill_id: str | None, sampling: WireSamplingParams, request_id: str, mutate=None,
                       wait_before_decode_s: float = 0.0, resume_from: list[int] | None = None):
     """Drive one request like the gateway: prefill → decode → collect the token stream (`resume_from`: the
     tokens a lost worker already sent, as a migrated request carries them)."""
@@ -122,8 +123,8 @@ def _model_token(tiny_dir):
     MODEL_TOKEN["value"] = CommonSettings(model=str(tiny_dir)).model_token
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1)
-SEEDED = SamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=True, seed=77)
+GREEDY = WireSamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=1)
+SEEDED = WireSamplingParams(temperature=0.9, top_k=30, max_tokens=10, ignore_eos=True, seed=77)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -154,7 +155,7 @@ async def test_layout_mismatch_is_refused(workers, bus):
 async def test_invalid_values_are_refused_with_typed_codes(workers, bus, tiny_dir):
     token = MODEL_TOKEN["value"]
     # Valid on the wire, invalid for the engine: min_tokens above max_tokens.
-    bad = SamplingParams(temperature=0, max_tokens=2, min_tokens=5)
+    bad = WireSamplingParams(temperature=0, max_tokens=2, min_tokens=5)
     for worker, request_type, reply_type in (("prefill", PrefillRequest, PrefillResult),
                                              ("decode", DecodeRequest, DecodeAccepted)):
         subject = subjects.prefill(token, "prefill-t") if worker == "prefill" else subjects.decode(token, "decode-t")
@@ -186,6 +187,44 @@ async def test_decode_without_prefill_computes_the_prompt(workers, bus, tiny_dir
     assert decode._requests.labels("local")._value.get() == 1
 
 
+async def test_prompt_logprobs_come_from_the_worker_that_computed_the_prompt(workers, bus, tiny_dir):
+    """prompt_logprobs: in the PrefillResult when a prefill worker computed the prompt, on the first TokenChunk
+    when the decode worker did (and on no other chunk); the offline engine's numbers either way."""
+    sampling = WireSamplingParams(temperature=0, max_tokens=3, ignore_eos=True, seed=1, prompt_logprobs=2)
+    core = EngineCore(EngineArgs(model=str(tiny_dir), block_size=4, progress=False))
+    core.add_request("r", PROMPT, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
+    expected = next(out.prompt_logprobs for out in core.step() if out.prompt_logprobs is not None)
+    token = MODEL_TOKEN["value"]
+
+    def check(scores) -> None:
+        assert scores is not None and len(scores.logprobs) == len(PROMPT) - 1
+        assert scores.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+        assert scores.ranks == expected.ranks and scores.top_token_ids == expected.top_token_ids
+
+    result = await bus.request(subjects.prefill(token, "prefill-t"), PrefillRequest(
+        request_id="r-plp-prefill", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling),
+        PrefillResult, timeout_s=30)
+    check(result.prompt_logprobs)
+    chunks: list = []
+    done = asyncio.Event()
+
+    async def on_batch(batch: TokenBatch, msg) -> None:
+        chunks.extend(c for c in batch.chunks if c.request_id == "r-plp-decode")
+        if chunks and chunks[-1].finish_reason is not None:
+            done.set()
+
+    sub = await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
+    accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
+        request_id="r-plp-decode", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=sampling), DecodeAccepted,
+        timeout_s=30)
+    assert accepted.status is DecodeStatus.ACCEPTED
+    await asyncio.wait_for(done.wait(), 30)
+    await sub.unsubscribe()
+    check(chunks[0].prompt_logprobs)
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids][:1] == [result.first_token_id]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 async def test_a_resumed_request_continues_as_the_lost_worker_would_have(workers, bus, tiny_dir, sampling):
     # A migrated request: prompt + the 4 tokens the lost worker sent, no KV; the rest is the uninterrupted run's.
@@ -201,7 +240,7 @@ async def test_a_resumed_request_replays_its_grammar(workers, bus, tiny_dir):
     from deepinfer.structured import json_schema_grammar
 
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-    sampling = SamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
+    sampling = WireSamplingParams(temperature=0.9, top_k=30, max_tokens=12, seed=5, grammar=grammar)
     expected = reference(tiny_dir, EngineSamplingParams(**sampling.model_dump(exclude={"v"})))
     assert len(expected) > 4
     accepted, tokens = await run_request(bus, None, sampling, "r-resume-grammar", resume_from=expected[:4])
@@ -227,15 +266,14 @@ async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
         chunks.extend(batch.chunks)
 
     await bus.subscribe(subjects.tokens(token, GATEWAY), on_batch, message_type=TokenBatch)
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id="r-drain", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
         timeout_s=30)
     assert accepted.status is DecodeStatus.ACCEPTED
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: chunks, "the request's first tokens")  # it is generating
     await asyncio.wait_for(decode.drain(0.2), 5.0)
-    await bus.flush()
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: chunks[-1].finish_reason is not None, "the request's last chunk")
     last = chunks[-1]
     assert last.request_id == "r-drain" and last.finish_reason is FinishReason.ERROR
     assert last.error is not None and last.error.code is ErrorCode.OVERLOADED and "drain grace" in last.error.message
@@ -247,7 +285,7 @@ async def test_drain_past_the_grace_aborts_and_tells_the_gateway(workers, bus):
 
 async def test_cancel_stops_decoding_and_frees_blocks(workers, bus):
     _, decode = workers
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
+    long = WireSamplingParams(temperature=0, max_tokens=400, ignore_eos=True, seed=1)
     token = MODEL_TOKEN["value"]
     accepted = await bus.request(subjects.decode(token, "decode-t"), DecodeRequest(
         request_id="r-cancel", gateway_id=GATEWAY, prompt_token_ids=PROMPT, sampling=long), DecodeAccepted,
@@ -279,17 +317,16 @@ async def test_workers_publish_kv_events_with_the_prompt_block_hashes(workers, b
     sub = await bus.subscribe(subjects.kv_events_all(token), on_events, message_type=KvEventBatch)
     accepted, _ = await run_request(bus, "prefill-t", GREEDY, "r-events")
     assert accepted.status is DecodeStatus.ACCEPTED
-    await asyncio.sleep(0.3)
-    await sub.unsubscribe()
     expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
-    stored = {
-        (batch.worker_id, h)
-        for batch in batches for event in batch.events if event.event_kind is KvEventKind.STORED
-        for h in event.block_hashes
-    }
+
+    def stored() -> set[tuple[str, bytes]]:
+        return {(batch.worker_id, h) for batch in batches for event in batch.events
+                if event.event_kind is KvEventKind.STORED for h in event.block_hashes}
+
     # Both workers announce the prompt's full blocks: prefill computed them, decode imported them.
-    assert {("prefill-t", h) for h in expected} <= stored
-    assert {("decode-t", h) for h in expected} <= stored
+    announced = {(worker, h) for worker in ("prefill-t", "decode-t") for h in expected}
+    await wait_until(lambda: announced <= stored(), "both workers' stored events for the prompt")
+    await sub.unsubscribe()
     for worker in ("prefill-t", "decode-t"):
         seqs = [b.seq for b in batches if b.worker_id == worker]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -330,7 +367,8 @@ async def test_snapshot_pages_are_cut_at_the_event_seq_and_match_the_stream(work
             break
         request = SnapshotRequest(cursor=page.next_cursor, seq=page.seq, page_size=2)
     assert from_pages.end_snapshot("prefill-t")
-    await asyncio.sleep(0.3)
+    # every batch up to the snapshot's seq has arrived (the worker publishes its events in the background)
+    await wait_until(lambda: seen and seen[-1].seq >= pages[0].seq, "the events up to the snapshot's seq")
     await sub.unsubscribe()
     expected = hash_blocks(PROMPT, 4, prefill.runtime.engine.fingerprint, "")
     assert len(pages) == 3 and {p.seq for p in pages} == {seen[-1].seq} and {p.epoch for p in pages} == {epoch}

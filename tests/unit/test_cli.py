@@ -53,6 +53,15 @@ def test_unknown_setting_is_warned_about():
     assert result.stderr.splitlines() == ["deepinfer: warning: unknown setting DEEPINFER_GATEWAY_PROT is ignored"]
 
 
+def test_a_renamed_settings_old_env_name_still_sets_it_with_a_warning():
+    old, new = "DEEPINFER_DECODE_GIL_SWITCH_INTERVAL_EAGER_STEP_S", "DEEPINFER_DECODE_EAGER_STEP_SWITCH_INTERVAL_S"
+    result = run_cli("config", "--json", **{old: "5e-05"})
+    assert result.returncode == 0, result.stderr
+    rows = {row["env"]: row for row in json.loads(result.stdout)}
+    assert rows[new]["value"] == "5e-05" and old not in rows
+    assert result.stderr.splitlines() == [f"{old} is deprecated: use {new} (the old name goes in the next release)"]
+
+
 def test_config_service_filter():
     result = run_cli("config", "--json", "--service", "scheduler")
     assert {row["group"] for row in json.loads(result.stdout)} == {"scheduler"}

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from deepinfer import subjects
+from deepinfer import cli, subjects
 from deepinfer.config import (
     ALL_SETTINGS,
     SERVICE_SETTINGS,
@@ -20,6 +23,7 @@ from deepinfer.config import (
     describe_settings,
     env_name,
     load_settings,
+    renamed,
     to_camel,
 )
 from deepinfer.config.describe import setting_fields
@@ -179,3 +183,121 @@ def test_describe_defaults_and_secrets():
 )
 def test_to_camel(name: str, camel: str):
     assert to_camel(name) == camel
+
+
+# -- renamed settings: the old env name for one release ------------------------------------------------------------
+@pytest.fixture
+def max_seqs_renamed(monkeypatch):
+    """A rename max_seqs -> max_num_seqs (a worker field) and nats_address -> nats_url (a common one)."""
+    monkeypatch.setitem(renamed.RENAMED, "max_seqs", "max_num_seqs")
+    monkeypatch.setitem(renamed.RENAMED, "nats_address", "nats_url")
+
+
+def test_an_old_env_name_sets_the_renamed_field_with_a_warning(monkeypatch, caplog, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_NATS_ADDRESS", "nats://old:4222")
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        decode = load_settings(DecodeSettings)
+        prefill = load_settings(PrefillSettings)
+    assert (decode.max_num_seqs, prefill.max_num_seqs) == (8, 256)  # each service reads its own prefix
+    assert decode.common.nats_url == prefill.common.nats_url == "nats://old:4222"
+    assert "DEEPINFER_DECODE_MAX_SEQS is deprecated: use DEEPINFER_DECODE_MAX_NUM_SEQS" in caplog.text
+    assert "DEEPINFER_NATS_ADDRESS is deprecated: use DEEPINFER_NATS_URL" in caplog.text
+
+
+def test_the_new_env_name_wins_over_the_old(monkeypatch, caplog, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_NUM_SEQS", "16")
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        assert load_settings(DecodeSettings).max_num_seqs == 16
+    assert "DEEPINFER_DECODE_MAX_SEQS is deprecated and ignored: DEEPINFER_DECODE_MAX_NUM_SEQS is set" in caplog.text
+    assert DecodeSettings(max_num_seqs=4).max_num_seqs == 4  # init arguments before both
+
+
+def test_a_bad_value_under_an_old_name_exits_2(monkeypatch, capsys, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "many")
+    with pytest.raises(SystemExit) as info:
+        load_settings(DecodeSettings)
+    assert info.value.code == 2
+    assert "invalid setting DEEPINFER_DECODE_MAX_NUM_SEQS='many'" in capsys.readouterr().err
+
+
+def test_deepinfer_config_lists_only_new_names_and_knows_the_old(monkeypatch, capsys, max_seqs_renamed):
+    monkeypatch.setenv("DEEPINFER_DECODE_MAX_SEQS", "8")
+    assert cli.main(["config", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = {row["env"]: row for row in json.loads(out)}
+    assert rows["DEEPINFER_DECODE_MAX_NUM_SEQS"]["value"] == "8"
+    assert not [env for env in rows if "MAX_SEQS" in env or "NATS_ADDRESS" in env]
+    assert "unknown setting" not in err
+
+
+def test_every_rename_names_a_field_and_retires_the_old_name():
+    fields = {name for cls in ALL_SETTINGS for name in setting_fields(cls)}
+    for old, new in renamed.RENAMED.items():
+        assert new in fields and old not in fields, (old, new)
+
+
+# -- one default per setting: the settings and the code they configure agree -----------------------------------------
+def _default(cls: type, name: str) -> object:
+    if dataclasses.is_dataclass(cls):
+        field = {f.name: f for f in dataclasses.fields(cls)}[name]
+        return field.default
+    return cls.model_fields[name].get_default(call_default_factory=True)
+
+
+def test_engine_args_and_worker_settings_share_every_default():
+    pytest.importorskip("torch")
+    from deepinfer.engine.args import EngineArgs
+
+    shared = {f.name for f in dataclasses.fields(EngineArgs)} & set(setting_fields(DecodeSettings))
+    assert {"block_size", "max_num_seqs", "gpu_memory_utilization", "eager_step_switch_interval_s"} <= shared
+    for name in sorted(shared):
+        assert _default(EngineArgs, name) == _default(DecodeSettings, name), name
+    assert _default(EngineArgs, "accelerator") == _default(CommonSettings, "accelerator")
+
+
+def test_the_router_and_the_store_read_their_settings_defaults():
+    from deepinfer.config import KvCacheSettings
+    from deepinfer.kvcache.store import StoreSettings
+    from services.scheduler.kv_index import KvIndex
+    from services.scheduler.prefix_policy import CostWeights
+
+    for field in dataclasses.fields(CostWeights):
+        assert field.default == _default(SchedulerSettings, field.name), field.name
+    assert KvIndex().max_entries == _default(SchedulerSettings, "kv_index_max_entries")
+    for name in ("ram_bytes", "disk_bytes", "ttl_s", "fsync"):
+        assert _default(StoreSettings, name) == _default(KvCacheSettings, name), name
+    assert _default(GatewaySettings, "worker_lease_s") == _default(SchedulerSettings, "worker_lease_s")
+
+
+@pytest.mark.parametrize(("env", "mode"), [
+    ({"DEEPINFER_DECODE_PIECEWISE_CUDA_GRAPHS": "false"}, "decode"),
+    ({"DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "false"}, "piecewise"),
+    ({"DEEPINFER_DECODE_PIECEWISE_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "false"}, "decode"),
+    ({"DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "true"}, "full"),
+    ({"DEEPINFER_DECODE_FULL_CUDA_GRAPHS": "false", "DEEPINFER_DECODE_EXECUTION_MODE": "eager"}, "eager"),
+])
+def test_the_old_graph_switches_set_the_execution_mode_with_a_warning(monkeypatch, caplog, env, mode):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DEEPINFER_DECODE_FULL_GRAPH_SAMPLING", "true")  # now part of graph_sampling (on)
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        settings = load_settings(DecodeSettings)
+    assert (settings.execution_mode, settings.graph_sampling) == (mode, True)
+    assert load_settings(PrefillSettings).execution_mode == "full"  # each service reads its own prefix
+    for name in env:
+        if name != "DEEPINFER_DECODE_EXECUTION_MODE":
+            assert f"{name}={env[name]} is deprecated" in caplog.text
+    assert "DEEPINFER_DECODE_FULL_GRAPH_SAMPLING=true is deprecated and has no effect" in caplog.text
+
+
+def test_a_cpu_worker_bounds_its_prompt_steps_by_time_and_the_offline_engine_does_not():
+    pytest.importorskip("torch")
+    from deepinfer.engine import EngineArgs
+    from deepinfer.worker.settings import engine_args
+
+    assert engine_args(DecodeSettings(device="cpu")).resolve_prefill_chunk_s() == 0.5  # an abort waits ~0.5 s
+    assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=0)).resolve_prefill_chunk_s() is None
+    assert engine_args(DecodeSettings(device="cpu", prefill_chunk_s=2)).resolve_prefill_chunk_s() == 2
+    assert EngineArgs().resolve_prefill_chunk_s() is None  # LLM: steps that do not depend on the machine's speed

@@ -11,6 +11,7 @@ from deepinfer.cpus import (
     affinity_cpus,
     cgroup_cpu_limit,
     default_gateway_processes,
+    default_num_schedulers,
     own_cgroup,
     parse_cpu_max,
     usable_cpus,
@@ -73,3 +74,7 @@ def test_gateway_processes_setting(monkeypatch: pytest.MonkeyPatch):
     assert GatewaySettings().resolved_processes() == default_gateway_processes()
     with pytest.raises(ValueError):
         GatewaySettings(processes=0)
+
+
+def test_up_runs_two_schedulers_from_four_cores():
+    assert [default_num_schedulers(n) for n in (1, 2, 3, 4, 64)] == [1, 1, 1, 2, 2]

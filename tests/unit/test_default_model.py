@@ -24,7 +24,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(cache_dir):
-    return LLM(cache_dir=cache_dir, progress=False)
+    return LLM(model_cache_dir=cache_dir, progress=False)
 
 
 def test_answers_paris_greedily(llm):
@@ -55,6 +55,6 @@ def test_gguf_path_and_prepared_dir_give_same_tokens(llm, cache_dir):
     from_name = llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0].token_ids
     prepared = resolve_model(None, cache_dir, progress=False)
     from_dir = LLM(str(prepared), progress=False).chat(QUESTION, params, use_tqdm=False)[0].outputs[0].token_ids
-    from_gguf = LLM(str(default_gguf_path()), cache_dir=cache_dir, progress=False).chat(
+    from_gguf = LLM(str(default_gguf_path()), model_cache_dir=cache_dir, progress=False).chat(
         QUESTION, params, use_tqdm=False)[0].outputs[0].token_ids
     assert from_name == from_dir == from_gguf

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.config import SERVICE_SETTINGS, CommonSettings, describe_settings, to_camel
+from deepinfer.config import SERVICE_SETTINGS, CommonSettings, describe_settings, renamed, to_camel
 from deepinfer.config.describe import is_secret, setting_fields
 from tests.deploy_harness import load_script
 
@@ -132,6 +132,16 @@ def test_values_schema_is_current():
     assert json.loads((CHART / "values.schema.json").read_text()) == module.build_schema(), (
         "helm/deepinfer/values.schema.json is stale: run python scripts/chart_schema.py"
     )
+
+
+def test_the_schema_accepts_a_renamed_settings_old_key_for_a_release(monkeypatch):
+    monkeypatch.setitem(renamed.RENAMED, "max_seqs", "max_num_seqs")
+    schema = load_script("chart_schema").build_schema()
+    for role in ("prefill", "decode"):
+        properties = schema["properties"][role]["properties"]["settings"]["properties"]
+        assert properties["maxSeqs"]["description"] == "deprecated: use maxNumSeqs"
+        assert properties["maxSeqs"]["type"] == properties["maxNumSeqs"]["type"]
+    assert "maxSeqs" not in schema["properties"]["gateway"]["properties"]["settings"]["properties"]
 
 
 def test_values_settings_map_one_to_one_to_settings_fields():

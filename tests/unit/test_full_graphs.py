@@ -117,7 +117,7 @@ def test_deepseek_has_no_full_graphs(tmp_path):
 def test_prompt_graphs_capture_into_the_decode_graphs_pool_with_their_tail(monkeypatch, full, sampling):
     """ModelRunner's choice between full and piecewise graphs (captured on CUDA only: the capture is recorded here):
     the decode graphs' pool, sequence count and context length go to the full graphs, and with `sampling` their
-    logits tail (off by default: full_graph_sampling)."""
+    logits tail (graph_sampling)."""
     from deepinfer.engine import full_graphs
     from deepinfer.engine.cuda_graphs import CudaGraphRunner
 

@@ -89,6 +89,15 @@ HOSTILE: dict[str, tuple[str, Any, int, str | None]] = {
     "audio modality": ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
     "legacy functions": ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     "prompt token ids as strings": ("/v1/completions", {"model": MODEL, "prompt": ["1", 2]}, 400, "prompt"),
+    # each message or part is a model pydantic builds with the loop held: counted on the raw JSON first
+    "25k messages": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 25_000},
+                      400, "messages"),
+    "25k content parts": ("/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 25_000}]}, 400, "messages"),
+    "25k messages to /tokenize": ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "a"}]
+                                                 * 25_000}, 400, "messages"),
+    "25k Anthropic blocks": ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}] * 25_000}]}, 400, None),
 }
 
 
@@ -119,6 +128,10 @@ async def test_hostile_input_is_a_cheap_4xx_and_the_gateway_still_serves(harness
     path, body, status, param = HOSTILE[case]
     response, seconds, peak = await _post(harness, path, body)
     assert response.status_code == status, response.text[:300]
+    if path == "/v1/messages":  # Anthropic's error shape
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert seconds < MAX_SECONDS
+        return
     error = _error(response)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param or error["param"].startswith(f"{param}."), error  # stop.0: the first entry
@@ -160,3 +173,51 @@ async def test_a_request_too_large_for_the_bus_is_413_naming_no_subject(model_di
     ok = await h.openai().chat.completions.create(model=MODEL, messages=CHAT["messages"])
     assert ok.choices[0].message.content == ANSWER
     await h.fake.stop()
+
+
+# A prompt longer than max_prompt_chars: a 400 on every route that tokenizes text, before any tokenizing.
+OVERSIZED = {
+    "/v1/completions": ({**PROMPT, "prompt": "x" * 1001}, "prompt"),
+    "/v1/chat/completions": ({**CHAT, "messages": [{"role": "user", "content": "x" * 1001}]}, "messages"),
+    "/tokenize": ({"model": MODEL, "prompt": "x" * 1001}, "prompt"),
+    "/v1/messages": ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 1001}]},
+                     None),
+}
+
+
+@pytest.mark.parametrize("path", list(OVERSIZED))
+async def test_a_prompt_over_max_prompt_chars_is_refused_before_it_is_tokenized(
+    model_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch
+):
+    h = await make_harness(model_dir, settings={"max_prompt_chars": 1000})
+    backend = type(h.tokenizer.backend)
+    encoded: list[int] = []
+    for name in ("encode", "encode_batch"):
+        original = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda self, text, *a, _f=original, **k: encoded.append(len(text))
+                            or _f(self, text, *a, **k))
+    body, param = OVERSIZED[path]
+    response, seconds, _ = await _post(h, path, body)
+    assert response.status_code == 400, response.text
+    if path == "/v1/messages":  # Anthropic's error shape
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert "max_prompt_chars" in response.json()["error"]["message"]
+    else:
+        error = _error(response)
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error", "context_length_exceeded", param)
+        assert "1000 characters (max_prompt_chars)" in error["message"], error
+    assert not any(n > 1000 for n in encoded), encoded  # the long text never reached the tokenizer
+    assert h.fake.route_requests == []
+    await h.fake.stop()
+
+
+def test_max_prompt_chars_defaults_to_what_the_context_can_hold(model_dir: Path):
+    from services.gateway.recipe import ModelInfo
+
+    model = ModelInfo.from_dir(model_dir, MODEL)
+    tokenizer = model.tokenizer
+    longest = max(len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size))
+    assert tokenizer.max_token_chars == longest
+    assert model.max_prompt_chars == model.max_model_len * longest
+    assert ModelInfo.from_dir(model_dir, MODEL, max_prompt_chars=123).max_prompt_chars == 123

@@ -14,6 +14,7 @@ import pytest
 from deepinfer.protocol import WorkerRole
 from deepinfer.testing.fake_workers import worker_load
 from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
+from tests.waiting import wait_until
 
 FAST = {"stream_timeout_s": 0.3, "first_token_timeout_s": 0.3, "poll_interval_s": 0.02, "retry_after_s": 0.05}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -181,6 +182,12 @@ async def test_migration_off_ends_the_stream_at_the_first_loss(model_dir: Path):
     assert len(h.fake.decode_requests) == 1
 
 
+def _num_first_tokens(h) -> float:
+    """Requests whose first token the gateway has seen (its TTFT histogram's count)."""
+    return next((sample.value for metric in h.state.metrics.ttft_s.collect() for sample in metric.samples
+                 if sample.name.endswith("_count") and sample.labels["route"] == "chat"), 0.0)
+
+
 async def test_shutdown_past_the_grace_ends_every_request_with_an_error(model_dir: Path):
     # the workers never finish (they stall): the drain grace runs out with a stream and a plain request open
     h = await make_harness(model_dir, settings={"stream_timeout_s": 30.0, "poll_interval_s": 0.02},
@@ -189,9 +196,8 @@ async def test_shutdown_past_the_grace_ends_every_request_with_an_error(model_di
         body = {"model": MODEL, "messages": MESSAGES}
         streamed = asyncio.create_task(http.post("/v1/chat/completions", json={**body, "stream": True}))
         plain = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-        while len(h.fake.decode_requests) < 2:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        # both have their first tokens (the stream has sent content) before the drain, whatever the machine's load
+        await wait_until(lambda: _num_first_tokens(h) == 2, "both requests' first token")
         await asyncio.wait_for(h.gateway.drain(0.2), 5.0)
         streamed_response, plain_response = await asyncio.wait_for(asyncio.gather(streamed, plain), 1.0)
     events = [e for e in streamed_response.text.split("\n\n") if e]

@@ -17,7 +17,7 @@ TEXTS = ["Hello", "", " world", 'quo"te \\ back', "line\nbreak\ttab", "é€😀
 
 def generation(include_usage: bool) -> SimpleNamespace:
     return SimpleNamespace(response_id="chatcmpl-1f\u00e9", created=1_700_000_000, model_name='m"odel',
-                           include_usage=include_usage, logprobs=False, top_logprobs=False,
+                           include_usage=include_usage, logprobs=False, num_top_logprobs=0, echo=False,
                            outputs=[SimpleNamespace(index=0), SimpleNamespace(index=1)], rules=None)
 
 
@@ -107,9 +107,11 @@ async def test_a_failed_send_ends_the_stream_and_closes_its_generator():
 def usage_generation(include_usage: bool) -> SimpleNamespace:
     """`generation` with token counts: two choices over a 7-token prompt, some of it cached by tier."""
     from services.gateway.generation import Generation
+    from services.gateway.recipe import Prompt
 
     g = generation(include_usage)
     g.runs = [SimpleNamespace(request=SimpleNamespace(prompt_token_ids=list(range(7))))] * 2
+    g.prompts, g.n = [Prompt(list(range(7)))], 2
     g.outputs = [SimpleNamespace(index=0, num_output_tokens=3, num_cached_tokens=4,
                                  cached_tokens_by_tier={"device": 4}),
                  SimpleNamespace(index=1, num_output_tokens=5, num_cached_tokens=None, cached_tokens_by_tier=None)]

@@ -314,8 +314,11 @@ async def test_a_traced_request_has_one_root_a_span_per_hop_and_its_chosen_sse_w
     else:  # the first (the first token's) and the last (the closing events), nothing between
         assert len(writes) == 2
         decode_admission = next(s for s in children if s["name"] == "gateway.decode_admission")
+        # guaranteed, not a race: the admission ends before the request's task hands over its stream, and a write
+        # span's monotonic readings are shifted by an offset read as it is recorded (Hops.record_span)
         assert writes[0]["start_ns"] >= decode_admission["end_ns"]
     assert all(s["trace_id"] == root["trace_id"] for s in spans)
+    # the root starts before its hops and ends after the stream's last write, in this one process
     assert all(root["start_ns"] <= s["start_ns"] <= s["end_ns"] <= root["end_ns"] for s in children)
 
 

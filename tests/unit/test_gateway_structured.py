@@ -88,6 +88,17 @@ async def test_output_that_breaks_the_grammar_is_an_error_not_a_200(harness: Har
     (json_schema({"type": "string", "format": "color"}), "response_format.json_schema.schema", "format"),
     (json_schema({"$ref": "#/definitions/missing"}), "response_format.json_schema.schema", "missing"),
     (json_schema({"type": "object", "description": "x" * 40_000}), "response_format.json_schema.schema", "bytes"),
+    # issue #40: schemas no finite document satisfies, and grammars past the limits (refused before routing)
+    (json_schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}),
+     "response_format.json_schema.schema", "no finite JSON document satisfies the schema: #/$defs/a requires itself"),
+    (json_schema({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),
+     "response_format.json_schema.schema", "#/properties/next requires # again"),
+    (json_schema({"type": "string", "pattern": "^a{100000}$"}), "response_format.json_schema.schema",
+     "exceeds this server's limits"),
+    (json_schema({"type": "string", "pattern": "^(x{1000}){1000}$"}), "response_format.json_schema.schema",
+     "exceeds this server's limits"),
+    (json_schema({"type": "integer", "minimum": 5, "maximum": 1}), "response_format.json_schema.schema",
+     "minimum (5) is greater than maximum (1)"),
     ({"type": "json_schema"}, "response_format", "json_schema"),
     ({"type": "yaml"}, "response_format.type", ""),
 ])
@@ -101,6 +112,8 @@ async def test_schemas_that_cannot_be_enforced_are_400s_naming_the_field(
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert words in error["message"]
+    assert "<state>" not in response.text and "compute_time_us" not in response.text
+    assert "\n" not in error["message"] and len(error["message"]) < 300
     assert harness.fake.route_requests == []  # refused before any worker saw it
 
 
@@ -111,6 +124,9 @@ async def test_schemas_that_cannot_be_enforced_are_400s_naming_the_field(
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
       "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/x"}}, "required": ["x"],
+        "$defs": {"x": {"$ref": "#/$defs/x"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 async def test_tool_choices_that_cannot_be_met_are_400s(harness: Harness, fields: dict, param: str):
     async with harness.http() as http:

@@ -38,7 +38,9 @@ def test_measure_async_reports_the_phases_and_unwraps_what_it_timed():
         res = host_overhead.measure_async(batch=4, context=40, steps=4, graph_sampling=False)
     finally:
         gc.unfreeze()  # the bench freezes what exists, as the worker does; not in the test process
-    assert res["mode"] == "async" and res["step_ms"] > res["step_ms_without_sampling"] > 0
+    # sampling is part of the step; not "> 0" without it: a median step less the mean sampling phases, which one
+    # preempted step on a busy machine can make negative
+    assert res["mode"] == "async" and res["step_ms"] > 0 and res["step_ms"] > res["step_ms_without_sampling"]
     phases = res["phases_ms"]
     for name in ("schedule", "update", "prepare", "graph_run", "graph_fill", "sampling_metadata", "sampler",
                  "finish_in_flight", "host_tier_offload"):

@@ -14,7 +14,7 @@ import deepinfer.protocol as p
 
 H = [hashlib.sha256(bytes([i])).digest()[:16] for i in range(4)]
 LAYOUT = p.KvLayout(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
-SAMPLING = p.SamplingParams(
+SAMPLING = p.WireSamplingParams(
     n=2,
     temperature=0.7,
     top_p=0.9,
@@ -31,10 +31,13 @@ SAMPLING = p.SamplingParams(
     stop_token_ids=[2, 3],
     ignore_eos=True,
     logprobs=5,
+    prompt_logprobs=2,
     skip_special_tokens=False,
     include_stop_str_in_output=True,
 )
 LOGPROBS = p.TokenLogprobs(token_id=42, logprob=-0.125, top=[(42, -0.125), (7, -2.5)])
+PROMPT_LOGPROBS = p.PromptLogprobs(logprobs=[-3.5, -0.25], ranks=[12, 1], top_token_ids=[[7, 9], [42, 7]],
+                                   top_logprobs=[[-0.5, -1.0], [-0.25, -2.0]])
 HANDLE = p.KvHandle(
     request_id="req-1",
     block_hashes=H[:2],
@@ -53,6 +56,7 @@ CHUNK = p.TokenChunk(
     finish_reason=p.FinishReason.LENGTH,
     num_cached_tokens=32,
     error=None,
+    prompt_logprobs=PROMPT_LOGPROBS,
 )
 
 MESSAGES: list[p.Message] = [
@@ -86,6 +90,7 @@ MESSAGES: list[p.Message] = [
         cached_tokens_by_tier={"device": 16, "store": 16},
         finish_reason=p.FinishReason.STOP,
         error=p.ErrorDetail(code=p.ErrorCode.CONTEXT_LENGTH, message="prompt too long"),
+        prompt_logprobs=PROMPT_LOGPROBS,
     ),
     LAYOUT,
     p.KvLayout(dtype="float8_e4m3", block_size=64, num_layers=61, num_kv_heads=0, head_dim=0, latent_dim=576),
@@ -156,6 +161,7 @@ MESSAGES: list[p.Message] = [
         ram_bytes=6 << 20, ram_capacity_bytes=4 << 30, disk_bytes=6 << 20, disk_capacity_bytes=64 << 30,
         ts=1_700_000_002.0,
     ),
+    PROMPT_LOGPROBS,
 ]
 
 
@@ -173,7 +179,7 @@ def test_round_trip(message: p.Message):
 
 
 def test_logit_bias_keys_stay_ints():
-    decoded = p.SamplingParams.from_bytes(SAMPLING.to_bytes())
+    decoded = p.WireSamplingParams.from_bytes(SAMPLING.to_bytes())
     assert decoded.logit_bias == {7: -100.0, 50256: 2.5}
     assert all(type(k) is int for k in decoded.logit_bias)
 
@@ -249,7 +255,7 @@ def test_layout_id_ignores_schema_version_and_changes_with_dtype():
 
 
 def test_sampling_defaults():
-    s = p.SamplingParams()
+    s = p.WireSamplingParams()
     assert (s.n, s.temperature, s.top_p, s.top_k, s.max_tokens, s.logprobs, s.stop) == (1, 1.0, 1.0, 0, 16, None, [])
 
 
@@ -281,7 +287,15 @@ def test_engine_sampling_params_use_the_same_field_names():
         if dataclasses.is_dataclass(engine)
         else set(inspect.signature(engine).parameters)
     )
-    assert names == set(p.SamplingParams.model_fields) - {"v"}
+    assert names == set(p.WireSamplingParams.model_fields) - {"v"}
+    assert not hasattr(p, "SamplingParams")  # one class per name: the engine's is deepinfer.SamplingParams
+
+
+def test_prompt_logprobs_lists_are_parallel():
+    raw = msgpack.unpackb(PROMPT_LOGPROBS.to_bytes())
+    raw["ranks"] = [12]
+    with pytest.raises(p.ProtocolError, match="one entry per position"):
+        p.PromptLogprobs.from_bytes(msgpack.packb(raw, use_bin_type=True))
 
 
 def test_handle_ids_cover_every_token_and_hashes_only_full_blocks():

@@ -277,7 +277,7 @@ def test_an_admission_window_reaches_the_engine_and_every_request_finishes(tmp_p
 
 
 def test_an_eager_step_runs_under_its_own_switch_interval(tmp_path):
-    """`gil_switch_interval_eager_step_s` (settings -> EngineArgs -> runner): the layers of a step that runs
+    """`eager_step_switch_interval_s` (settings -> EngineArgs -> runner): the layers of a step that runs
     eagerly launch under that switch interval, and the process's own comes back after the step."""
     import sys
 
@@ -285,7 +285,7 @@ def test_an_eager_step_runs_under_its_own_switch_interval(tmp_path):
     from deepinfer.config import DecodeSettings
     from deepinfer.worker.settings import engine_args
 
-    assert engine_args(DecodeSettings(gil_switch_interval_eager_step_s=5e-5)).eager_step_switch_interval_s == 5e-5
+    assert engine_args(DecodeSettings(eager_step_switch_interval_s=5e-5)).eager_step_switch_interval_s == 5e-5
     assert engine_args(DecodeSettings()).eager_step_switch_interval_s is None
     torch.set_num_threads(1)
     engine = tiny_engine(tmp_path, async_scheduling=False, eager_step_switch_interval_s=5e-5)

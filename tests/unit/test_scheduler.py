@@ -307,6 +307,22 @@ def test_decodes_go_before_prefills_in_the_budget():
     assert output.num_batched_tokens == 8
 
 
+def test_max_prefill_tokens_bounds_every_prompt_chunk_of_a_step_but_no_decode():
+    config = make_config(max_num_batched_tokens=64)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    scheduler.max_prefill_tokens = 4  # what a ChunkTimer sets on the CPU
+    scheduler.add_request(make_request("a", [1, 2, 3], 0.0, max_tokens=4))
+    scheduler.add_request(make_request("b", list(range(100, 110)), 1.0, max_tokens=1))
+    output, _ = run_step(scheduler, runner)
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 3), ("b", 1)]
+    scheduler.add_request(make_request("c", [4, 5, 6, 7, 8], 2.0, max_tokens=1))
+    output, _ = run_step(scheduler, runner)  # a decodes outside the bound; b's chunk takes it whole, c waits
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 1), ("b", 4)]
+    scheduler.max_prefill_tokens = 8
+    output, _ = run_step(scheduler, runner)
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 1), ("b", 5), ("c", 3)]
+
+
 def test_max_num_seqs():
     config = make_config(max_num_seqs=2)
     scheduler, runner = Scheduler(config), FakeRunner(config)
@@ -464,6 +480,7 @@ def test_policy_modules_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import deepinfer.engine.scheduler, deepinfer.engine.block_pool, deepinfer.engine.kv_manager\n"
+        "import deepinfer.engine.chunk_timer\n"
         "import deepinfer.hashing\n"
         "assert sys.modules['torch'] is None\n"
     )

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from deepinfer.engine.request import Request, check_stop
-from deepinfer.protocol import FinishReason
-from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.protocol import FinishReason, WireSamplingParams
 from deepinfer.sampling.metadata import SamplingMetadata
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler

@@ -48,7 +48,7 @@ async def test_drain_cancels_what_is_left_at_the_deadline(caplog: pytest.LogCapt
     started_s = loop.time()
     with caplog.at_level(logging.WARNING, logger="deepinfer.tasks"):
         assert await tasks.drain(timeout_s=0.1) is False
-    assert 0.1 <= loop.time() - started_s < 1.0
+    assert 0.1 <= loop.time() - started_s < 10.0  # at the deadline, not when the task's 60 s sleep ends
     assert cancelled.is_set() and len(tasks) == 0
     assert "worker-x: 1 background task(s) cancelled" in caplog.text
     assert tasks.num_failed == 0  # a cancelled task is not a failure

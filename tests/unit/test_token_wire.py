@@ -10,6 +10,7 @@ from deepinfer.protocol import (
     ErrorCode,
     ErrorDetail,
     FinishReason,
+    PromptLogprobs,
     TokenBatch,
     TokenBatchWriter,
     TokenChunk,
@@ -37,6 +38,9 @@ OTHER = [
                   TokenLogprobs(token_id=5, logprob=-2.0)]},
     {"request_id": "error", "token_ids": [], "finish_reason": FinishReason.ERROR,
      "error": ErrorDetail(code=ErrorCode.OVERLOADED, message="draining")},
+    {"request_id": "prompt-logprobs", "token_ids": [6], "num_cached_tokens": 0, "num_previous_tokens": 0,
+     "prompt_logprobs": PromptLogprobs(logprobs=[-3.25, -0.5], ranks=[40, 1], top_token_ids=[[2], [9]],
+                                       top_logprobs=[[-0.75], [-0.5]])},
 ]
 
 

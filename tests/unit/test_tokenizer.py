@@ -170,12 +170,12 @@ def test_incremental_detokenizer_equals_full_decode(ours, text, chunk):
 
 
 def test_output_text_is_every_delta_so_far_whenever_it_is_read(ours):
-    from deepinfer.protocol import SamplingParams, TokenChunk
+    from deepinfer.protocol import TokenChunk, WireSamplingParams
     from services.gateway.output import ChoiceOutput
 
     output_ids = ours.encode("".join(STREAM_TEXTS), add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(ours, [])
-    choice = ChoiceOutput(0, ours, [], SamplingParams(max_tokens=None))
+    choice = ChoiceOutput(0, ours, [], WireSamplingParams(max_tokens=None))
     emitted, chosen = "", ""
     for n, token_id in enumerate(output_ids):
         emitted += detokenizer.step([token_id])
@@ -265,3 +265,30 @@ def test_works_without_torch_or_transformers(prepared_dir):
     )
     result = subprocess.run([sys.executable, "-c", code, str(prepared_dir)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_long_text_is_encoded_with_the_gil_released(ours):
+    import threading
+
+    text = "Hello, world! This is a long prompt. " * 20_000  # 740k characters, ~0.5 s of encoding
+    assert len(text) > 4096
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:  # what an event loop beside the tokenizer thread sees
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.monotonic()
+    token_ids = ours.encode(text, add_special_tokens=False)
+    seconds = time.monotonic() - started
+    done.set()
+    ticker.join()
+    assert token_ids == ours.backend.encode(text, add_special_tokens=False).ids
+    assert max(gaps) < max(0.1, seconds / 4), (max(gaps), seconds)  # holding the GIL: one gap of `seconds`

@@ -8,7 +8,7 @@ import secrets
 
 import pytest
 
-from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.sampling.params import SamplingParamError
 from deepinfer.sampling.params import SamplingParams as EngineSamplingParams
 from deepinfer.worker import settings

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from deepinfer import subjects
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from deepinfer.config.renamed import RenamedEnvSource
+from deepinfer.defaults import DEFAULT_ACCELERATOR, DEFAULT_MODEL, default_model_cache_dir, xdg_dir
 
 
 def settings_config(env_prefix: str) -> SettingsConfigDict:
@@ -26,17 +26,6 @@ def settings_config(env_prefix: str) -> SettingsConfigDict:
         frozen=True,
         validate_default=True,
     )
-
-
-def xdg_dir(env_name: str, fallback: str, *parts: str) -> Path:
-    """An XDG base directory (e.g. XDG_CACHE_HOME, else ~/.cache) joined with `parts`."""
-    base = os.environ.get(env_name) or str(Path.home() / fallback)
-    return Path(base).expanduser().joinpath(*parts)
-
-
-def default_model_cache_dir() -> Path:
-    """~/.cache/deepinfer/models (XDG_CACHE_HOME respected)."""
-    return xdg_dir("XDG_CACHE_HOME", ".cache", "deepinfer", "models")
 
 
 def default_data_dir() -> Path:
@@ -58,7 +47,24 @@ def derive_served_model_name(model: str) -> str:
     return model
 
 
-class CommonSettings(BaseSettings):
+class EnvSettings(BaseSettings):
+    """Base of every settings class. Sources, first wins: init arguments, the env names, then the old env names of
+    renamed settings (deprecated: deepinfer.config.renamed)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Init arguments, env, then renamed settings' old env names (no .env file, no secrets directory)."""
+        return init_settings, env_settings, RenamedEnvSource(settings_cls)
+
+
+class CommonSettings(EnvSettings):
     """Settings shared by every service (env prefix DEEPINFER_)."""
 
     model_config = settings_config("DEEPINFER_")
@@ -78,7 +84,7 @@ class CommonSettings(BaseSettings):
         None, description="Pins the model fingerprint (otherwise computed from the weights' content)."
     )
     accelerator: Literal["auto", "cuda", "ascend", "cpu"] = Field(
-        "auto", description="Kernel backend: cuda (Triton), ascend (torch_npu), cpu (torch twins)."
+        DEFAULT_ACCELERATOR, description="Kernel backend: cuda (Triton), ascend (torch_npu), cpu (torch twins)."
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="json: one object per line; text: for humans.")

@@ -19,15 +19,41 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ByteSize, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode
+from pydantic_settings import NoDecode
 
 from deepinfer import subjects
-from deepinfer.config.common import CommonSettings, default_id, settings_config
+from deepinfer.config.common import CommonSettings, EnvSettings, default_id, settings_config
 from deepinfer.cpus import default_gateway_processes
-from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.defaults import (
+    DEFAULT_ADMISSION_WINDOW_S,
+    DEFAULT_BATCH_INVARIANT,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DIRECT_DECODE_MIN_FRACTION,
+    DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_DTYPE,
+    DEFAULT_ENABLE_PREFIX_CACHING,
+    DEFAULT_EXECUTION_MODE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_GRAPH_SAMPLING,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_KV_INDEX_MAX_ENTRIES,
+    DEFAULT_KV_USAGE_WEIGHT,
+    DEFAULT_LOAD_FORMAT,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MIXED_STEP_DECODE_KERNEL,
+    DEFAULT_STORE_DISK_BYTES,
+    DEFAULT_STORE_FSYNC,
+    DEFAULT_STORE_HIT_WEIGHT,
+    DEFAULT_STORE_RAM_BYTES,
+    DEFAULT_STORE_TTL_S,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
+    DEFAULT_WORKER_LEASE_S,
+)
 
 MiB = 1024**2
-GiB = 1024**3
 
 #: A listening port; 0 lets the OS pick one (advertised in heartbeats once bound).
 AnyPort = Annotated[int, Field(ge=0, le=65535)]
@@ -37,7 +63,7 @@ def _check_subject_id(value: str, info: Any) -> str:
     return subjects.check_id(value, info.field_name)
 
 
-class ServiceSettings(BaseSettings):
+class ServiceSettings(EnvSettings):
     """Base of the per-service settings: the shared settings ride along as `common`."""
 
     service: ClassVar[str] = ""
@@ -47,7 +73,7 @@ class ServiceSettings(BaseSettings):
     )
     internal_port: AnyPort = Field(0, description="Port of /health, /ready and /metrics (0 = any free port).")
     drain_grace_s: float = Field(
-        20.0, gt=0, description="After SIGTERM: time to finish in-flight work; past it the service ends what is left "
+        DEFAULT_DRAIN_GRACE_S, gt=0, description="After SIGTERM: time to finish in-flight work; past it the service ends what is left "
         "(a gateway: an error to each open request) and exits within a few seconds more.",
     )
     gil_switch_interval_s: float = Field(
@@ -111,13 +137,20 @@ class GatewaySettings(ServiceSettings):
     stream_timeout_s: float = Field(
         5.0, gt=0, description="Silence allowed between two token chunks before the request fails (502)."
     )
+    route_fallback: bool = Field(
+        True, description="When no scheduler answers (none subscribed, or every route attempt timed out), route the "
+        "request from this gateway's own view of worker heartbeats (least loaded, no prefix-cache credit; counted "
+        "in deepinfer_gateway_fallback_routes_total). Off: such requests get a 503.",
+    )
     poll_interval_s: float = Field(
         0.25, gt=0, description="How often a waiting request checks worker heartbeats, silence and the client."
     )
     retry_after_s: float = Field(
         1.0, ge=0, description="Retry-After of a 503 when the scheduler gives none."
     )
-    worker_lease_s: float = Field(3.0, gt=0, description="A worker is considered dead after this long without a heartbeat.")
+    worker_lease_s: float = Field(
+        DEFAULT_WORKER_LEASE_S, gt=0, description="A worker is considered dead after this long without a heartbeat."
+    )
     migration: bool = Field(
         True, description="Resume a request on another decode worker when its worker dies or goes silent mid-stream "
         "(prompt + the tokens already sent; the client sees one stream). Off: the stream ends with an error event.",
@@ -131,6 +164,17 @@ class GatewaySettings(ServiceSettings):
     )
     max_request_bytes: ByteSize = Field(
         ByteSize(16 * MiB), ge=1, description="Largest accepted request body (e.g. 16MiB)."
+    )
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="Longest prompt text (characters, after the chat template) that is tokenized: a "
+        "longer one is a 400 (context_length_exceeded) before any tokenization. Unset = the context length times "
+        "the tokenizer's longest token (a longer text cannot fit the context).",
+    )
+    sampling_defaults: Literal["model", "openai"] = Field(
+        "model", description="Sampling fields a request leaves out: model = the model's recommended ones "
+        "(generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty, else the model registry's, "
+        "e.g. SmolLM2's temperature 0.2, top_p 0.9; vLLM's --generation-config auto, SGLang's --sampling-defaults "
+        "model); openai = OpenAI's (temperature 1, top_p 1). A request's own values always win.",
     )
     trust_request_chat_template: bool = Field(
         False, description="Render chat templates sent in requests (`chat_template`, `chat_template_kwargs."
@@ -168,24 +212,37 @@ class SchedulerSettings(ServiceSettings):
     scheduler_id: str = Field(
         default_factory=partial(default_id, "scheduler"), description="This replica's id (a-z0-9_-)."
     )
-    worker_lease_s: float = Field(3.0, gt=0, description="A worker is dropped after this long without a heartbeat.")
+    worker_lease_s: float = Field(
+        DEFAULT_WORKER_LEASE_S, gt=0, description="A worker is dropped after this long without a heartbeat."
+    )
     routing_policy: Literal["prefix", "least_loaded", "round_robin"] = Field(
         "prefix", description="prefix: cached-prefix credit against load; least_loaded; round_robin (a baseline)."
     )
     kv_index_max_entries: int = Field(
-        4_000_000, ge=1, description="Most (worker, block) entries in the KV index (~250 B each); past it the "
-        "worker with the most entries loses its least recently stored or credited block.",
+        DEFAULT_KV_INDEX_MAX_ENTRIES, ge=1,
+        description="Most (worker, block) entries in the KV index (~250 B each); past it the worker with the most "
+        "entries loses its least recently stored or credited block.",
     )
-    host_hit_weight: float = Field(0.8, ge=0, le=1, description="Credit of a prefix block in a worker's host tier, "
-                                   "relative to one on its device.")
-    store_hit_weight: float = Field(0.5, ge=0, le=1, description="Credit of a prefix block in the kvcache store, "
-                                    "relative to one on the worker's device.")
-    load_weight: float = Field(0.5, ge=0, description="Cost of each request running, waiting or in flight on a "
-                               "worker, as a fraction of the routed prompt's tokens.")
-    kv_usage_weight: float = Field(1.0, ge=0, description="Cost of a worker's full KV pool (scaled by the fraction "
-                                   "in use), as a fraction of the routed prompt's tokens.")
+    host_hit_weight: float = Field(
+        DEFAULT_HOST_HIT_WEIGHT, ge=0, le=1,
+        description="Credit of a prefix block in a worker's host tier, relative to one on its device.",
+    )
+    store_hit_weight: float = Field(
+        DEFAULT_STORE_HIT_WEIGHT, ge=0, le=1,
+        description="Credit of a prefix block in the kvcache store, relative to one on the worker's device.",
+    )
+    load_weight: float = Field(
+        DEFAULT_LOAD_WEIGHT, ge=0,
+        description="Cost of each request running, waiting or in flight on a worker, as a fraction of the routed "
+        "prompt's tokens.",
+    )
+    kv_usage_weight: float = Field(
+        DEFAULT_KV_USAGE_WEIGHT, ge=0,
+        description="Cost of a worker's full KV pool (scaled by the fraction in use), as a fraction of the routed "
+        "prompt's tokens.",
+    )
     direct_decode_min_fraction: float = Field(
-        0.9, ge=0, le=1, description="Skip the separate prefill when the decode worker already holds this fraction "
+        DEFAULT_DIRECT_DECODE_MIN_FRACTION, ge=0, le=1, description="Skip the separate prefill when the decode worker already holds this fraction "
         "of the prompt's blocks.",
     )
     snapshot_timeout_s: float = Field(2.0, gt=0, description="Wait for one KV snapshot page before trying again.")
@@ -219,9 +276,9 @@ class WorkerSettings(ServiceSettings):
     )
     data_plane_port: AnyPort = Field(0, description="KV data-plane port (0 = any free port).")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between WorkerLoad heartbeats.")
-    device: str = Field("auto", description="torch device, e.g. cuda:0, npu:0, cpu; auto = the best available.")
+    device: str = Field(DEFAULT_DEVICE, description="torch device, e.g. cuda:0, npu:0, cpu; auto = the best available.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="Weights and KV dtype; auto = the model's (float32 on CPU)."
+        DEFAULT_DTYPE, description="Weights and KV dtype; auto = bfloat16 on a device, float32 on the CPU."
     )
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="Tokens per KV block (a power of two).")
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, description="Most sequences in one batch.")
@@ -230,7 +287,7 @@ class WorkerSettings(ServiceSettings):
     )
     max_model_len: int | None = Field(None, ge=1, description="Context length limit; unset = the model's.")
     gpu_memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0, description="Fraction of device memory this worker may use (weights + KV)."
+        DEFAULT_GPU_MEMORY_UTILIZATION, gt=0.0, le=1.0, description="Fraction of device memory this worker may use (weights + KV)."
     )
     kv_cache_bytes: ByteSize | None = Field(
         None, ge=1, description="KV cache budget in bytes (e.g. 2GiB); overrides gpu_memory_utilization, used on CPU."
@@ -240,10 +297,15 @@ class WorkerSettings(ServiceSettings):
         "are copied there as they are computed and loaded back instead of recomputed. Unset = 8 GiB on one CUDA "
         "device (at most a quarter of the host memory), off on the CPU and with tensor parallelism; 0 = off.",
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
+    enable_prefix_caching: bool = Field(DEFAULT_ENABLE_PREFIX_CACHING, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "
         "for one CUDA device, off on the CPU and with tensor parallelism.",
+    )
+    prefill_chunk_s: float | None = Field(
+        None, ge=0, description="Seconds of compute the prompt tokens of one engine step aim at (measured seconds "
+        "per token), so an abandoned prompt frees the worker and a new request starts within about that long; "
+        "unset = 0.5 on the CPU, off on accelerators (the token budget alone); 0 = off.",
     )
     engine_step_deadline_s: float = Field(
         120.0, gt=0,
@@ -252,40 +314,40 @@ class WorkerSettings(ServiceSettings):
         "well above them.",
     )
     load_format: Literal["auto", "dummy"] = Field(
-        "auto",
+        DEFAULT_LOAD_FORMAT,
         description="auto: the checkpoint's weights; dummy: random weights from config.json alone (vLLM's name), "
         "the same on every worker, for benchmarks without weight files.",
     )
     batch_invariant: bool = Field(
-        False, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
+        DEFAULT_BATCH_INVARIANT, description="Same tokens and logprobs for a request whatever the batch (slower; docs/gpu.md)."
     )
     execution_mode: Literal["eager", "decode", "piecewise", "full"] = Field(
-        "full", description="Which steps replay CUDA graphs (docs/gpu.md): eager = none; decode = decode-only "
+        DEFAULT_EXECUTION_MODE, description="Which steps replay CUDA graphs (docs/gpu.md): eager = none; decode = decode-only "
         "steps; piecewise = also prefill and mixed steps of Llama-family models, all but attention captured per "
         "token bucket; full = those steps as one graph per token bucket with attention inside. Eager on the CPU "
         "and with tensor parallelism, decode at most with batch_invariant.",
     )
     mixed_step_decode_kernel: bool = Field(
-        True, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
+        DEFAULT_MIXED_STEP_DECODE_KERNEL, description="In a mixed prefill+decode step, attend the single-row sequences with the split-K decode "
         "kernel and only the prompts with the prefill kernel (off: the prefill kernel takes every row; docs/gpu.md).",
     )
     graph_sampling: bool = Field(
-        True, description="Every CUDA graph that ends a step (decode graphs, full graphs of prompt steps) also "
+        DEFAULT_GRAPH_SAMPLING, description="Every CUDA graph that ends a step (decode graphs, full graphs of prompt steps) also "
         "computes the logits and each row's greedy token: an all-greedy step without penalties, bias or top "
         "logprobs launches no sampler (docs/gpu.md).",
     )
     admission_window_s: float = Field(
-        0.0, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "
+        DEFAULT_ADMISSION_WINDOW_S, ge=0, le=1, description="New requests that arrive in a burst while others run wait until the burst "
         "is over (no arrival for a quarter of this) or this long, and join the batch in one step: fewer mixed "
         "steps in running streams (0 = admit at the next step; docs/configuration.md).",
     )
-    gil_switch_interval_eager_step_s: float | None = Field(
+    eager_step_switch_interval_s: float | None = Field(
         None, gt=0, le=0.1, description="Python's switch interval while a prefill or mixed step launches its "
         "layers (attention runs eagerly there, and each Triton launch lets the event loop take the GIL until the "
         "interval forces it back); unset: gil_switch_interval_s throughout (docs/serving-path.md).",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
+        DEFAULT_TENSOR_PARALLEL_SIZE, ge=1, description="Devices one worker shards every layer over (one process each; CUDA graphs off if > 1)."
     )
     kv_store: bool = Field(
         True, description="Use the kvcache store (docs/kvstore.md, Workers): load stored prefixes instead of "
@@ -361,12 +423,14 @@ class KvCacheSettings(ServiceSettings):
         "127.0.0.1", description="Interface the data plane binds and advertises (the pod IP in Kubernetes)."
     )
     data_plane_port: AnyPort = Field(8105, description="Data-plane port (0 = any free port).")
-    ram_bytes: ByteSize = Field(ByteSize(4 * GiB), ge=0, description="RAM tier capacity (e.g. 4GiB).")
+    ram_bytes: ByteSize = Field(
+        ByteSize(DEFAULT_STORE_RAM_BYTES), ge=0, description="RAM tier capacity (e.g. 4GiB)."
+    )
     disk_dir: Path | None = Field(None, description="Disk tier directory; unset = <data_dir>/kvcache/<shard>.")
-    disk_bytes: ByteSize = Field(ByteSize(64 * GiB), ge=1, description="Disk tier capacity (live block bytes).")
-    ttl_s: float = Field(72 * 3600.0, gt=0, description="A block expires this long after its last use.")
+    disk_bytes: ByteSize = Field(ByteSize(DEFAULT_STORE_DISK_BYTES), ge=1, description="Disk tier capacity (live block bytes).")
+    ttl_s: float = Field(DEFAULT_STORE_TTL_S, gt=0, description="A block expires this long after its last use.")
     fsync: Literal["none", "batch", "always"] = Field(
-        "none", description="none: an OS crash may lose ~30 s of puts (kill -9 loses nothing); batch: nothing a "
+        DEFAULT_STORE_FSYNC, description="none: an OS crash may lose ~30 s of puts (kill -9 loses nothing); batch: nothing a "
         "put was acknowledged for; always: at most one block (docs/kvstore.md).",
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between KvStoreHeartbeat messages.")

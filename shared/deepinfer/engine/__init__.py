@@ -41,6 +41,7 @@ _EXPORTS = {
     "EngineOutput": "outputs",
     "EngineStats": "outputs",
     "SampledToken": "outputs",
+    "PromptLogprobs": "outputs",
     "KvCacheEvent": "block_pool",
     "Stored": "block_pool",
     "Removed": "block_pool",
@@ -56,6 +57,8 @@ _EXPORTS = {
     "StagingPool": "kv_transfer",
     "block_nbytes": "kv_transfer",
     "ExecutionMode": "execution",
+    "StartPhase": "start_progress",
+    "StartProgress": "start_progress",
 }
 
 __all__ = [
@@ -91,11 +94,14 @@ __all__ = [
     "NewStagingPool",
     "PeerDeviceKv",
     "PinCached",
+    "PromptLogprobs",
     "PulledKv",
     "ReleaseHeld",
     "Removed",
     "SampledToken",
     "StagingPool",
+    "StartPhase",
+    "StartProgress",
     "Stored",
     "StoredKv",
     "block_nbytes",
@@ -128,7 +134,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.kv_device_transfer import DeviceTransferError, host_id
     from deepinfer.engine.kv_load import CachedPayloads
     from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
-    from deepinfer.engine.outputs import EngineOutput, EngineStats, SampledToken
+    from deepinfer.engine.outputs import EngineOutput, EngineStats, PromptLogprobs, SampledToken
     from deepinfer.engine.requests import (
         COMPUTE,
         Admission,
@@ -140,6 +146,7 @@ if TYPE_CHECKING:
         PulledKv,
         StoredKv,
     )
+    from deepinfer.engine.start_progress import StartPhase, StartProgress
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

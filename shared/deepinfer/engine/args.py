@@ -7,7 +7,23 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.defaults import (
+    DEFAULT_ACCELERATOR,
+    DEFAULT_ADMISSION_WINDOW_S,
+    DEFAULT_BATCH_INVARIANT,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_ENABLE_PREFIX_CACHING,
+    DEFAULT_EXECUTION_MODE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_GRAPH_SAMPLING,
+    DEFAULT_LOAD_FORMAT,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MIXED_STEP_DECODE_KERNEL,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
+)
 from deepinfer.engine.execution import ExecutionMode
 
 _DTYPES = {
@@ -32,67 +48,72 @@ class EngineArgs:
     #: A Hugging Face directory, a .gguf file, or a known name (None = the default model).
     model: str | Path | None = None
     #: "auto" = bfloat16 on a GPU, float32 on the CPU.
-    dtype: str | torch.dtype = "auto"
+    dtype: str | torch.dtype = DEFAULT_DTYPE
     #: "auto" = the GPU when there is one, else the CPU.
-    device: str = "auto"
+    device: str = DEFAULT_DEVICE
     #: "auto" | "cpu" | "cuda" | "ascend": which kernels to use (deepinfer.kernels).
-    accelerator: str = "auto"
+    accelerator: str = DEFAULT_ACCELERATOR
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     #: None = the model's max_position_embeddings, capped at 8192 so the CPU default budget holds it.
     max_model_len: int | None = None
     #: Fraction of GPU memory the engine may use (weights + activations + KV).
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     #: KV budget in bytes; None = from gpu_memory_utilization on a GPU; on the CPU room for 8 full-length
     #: sequences, at most 1 GiB.
     kv_cache_bytes: int | None = None
-    #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); None or 0 = off, on every
-    #: device (opt-in until its cost on the serving path is measured apart: docs/kvstore.md, "The host tier").
+    #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); 0 = off; None = on for one
+    #: CUDA device (deepinfer.engine.memory.default_host_tier_bytes), off on the CPU and with tensor parallelism.
     kv_host_cache_bytes: int | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = DEFAULT_ENABLE_PREFIX_CACHING
     #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
     enable_kv_events: bool = False
     #: Pins the model fingerprint in block hashes (else computed from the files).
     model_revision: str | None = None
     #: Where prepared models live (None = the XDG default, ~/.cache/deepinfer/models).
-    cache_dir: Path | None = None
+    model_cache_dir: Path | None = None
     progress: bool = True
     #: "auto" = the checkpoint's weights; "dummy" = random weights from config.json alone (benchmarks, no files).
-    load_format: str = "auto"
+    load_format: str = DEFAULT_LOAD_FORMAT
     #: Seed of the "dummy" weights (same seed, same weights on the same device).
     dummy_seed: int = 0
     #: Which steps replay CUDA graphs (deepinfer.engine.execution): "eager", "decode" (decode-only steps),
     #: "piecewise" (and steps with prompt rows as piecewise graphs: all but attention, per token bucket) or
     #: "full" (steps with prompt rows as one graph per token bucket, attention inside). Lowered where it cannot
     #: run: eager on the CPU and with tensor parallelism, decode graphs at most in batch-invariant mode.
-    execution_mode: str = ExecutionMode.FULL.value
+    execution_mode: str = DEFAULT_EXECUTION_MODE
     #: vLLM's name for execution_mode="eager" (`LLM(model, enforce_eager=True)`).
     enforce_eager: bool = False
     #: True = a mixed prefill+decode step attends its single-row sequences with the split-K decode kernel and only
     #: its prompts with the prefill kernel (kernels.triton_ops.paged_attention); False = one kernel for the step.
-    mixed_step_decode_kernel: bool = True
+    mixed_step_decode_kernel: bool = DEFAULT_MIXED_STEP_DECODE_KERNEL
     #: True = every CUDA graph that ends a step (decode graphs; full graphs of prompt steps) also computes the
     #: logits and each row's greedy token with its logprob: an all-greedy step without penalties, bias or top
     #: logprobs launches no sampler (deepinfer.engine.cuda_graphs).
-    graph_sampling: bool = True
+    graph_sampling: bool = DEFAULT_GRAPH_SAMPLING
     #: Seconds a new request arriving in a burst while others run may wait so the burst joins one step
     #: (deepinfer.engine.admission_window; 0 = admit at the next step).
-    admission_window_s: float = 0.0
+    admission_window_s: float = DEFAULT_ADMISSION_WINDOW_S
     #: Python's switch interval while a prefill or mixed step launches its layers (deepinfer.engine.runner;
     #: None = the process's own): a shorter one returns the GIL to the engine thread sooner after each launch.
     eager_step_switch_interval_s: float | None = None
     #: True = a request's tokens and logprobs do not depend on the batch it runs in (vLLM's name): linears run a
-    #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The service's settings
-    #: read DEEPINFER_BATCH_INVARIANT; the engine reads only this field.
-    batch_invariant: bool = False
+    #: fixed-tile matmul and attention a fixed split (deepinfer.engine.runner); slower. The workers' settings
+    #: read DEEPINFER_{PREFILL,DECODE}_BATCH_INVARIANT; the engine reads only this field.
+    batch_invariant: bool = DEFAULT_BATCH_INVARIANT
     #: True = schedule step N+1 on the host while the device runs step N (vLLM's name): the next step's inputs
     #: take the tokens sampled by the step in flight on the device (deepinfer.engine.async_scheduler). Same
     #: tokens as the synchronous loop; a step after one that used penalties waits for its tokens first.
     #: None = auto: on for a single CUDA device (the host's step work then hides under the device's), off on the
     #: CPU (nothing to overlap) and with tensor parallelism (not tested across ranks).
     async_scheduling: bool | None = None
+    #: Seconds of compute the prompt tokens of one step aim at, from the measured seconds per token
+    #: (deepinfer.engine.chunk_timer), so an abort or a new request waits about that long at most; synchronous
+    #: scheduling only. None or 0 = off: the token budget alone, and steps that do not depend on the machine's speed
+    #: (the offline engine's default; a CPU worker sets it, deepinfer.worker.settings).
+    prefill_chunk_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -111,6 +132,8 @@ class EngineArgs:
         if self.execution_mode not in tuple(ExecutionMode):
             modes = ", ".join(m.value for m in ExecutionMode)
             raise ValueError(f"execution_mode must be one of {modes}, got {self.execution_mode!r}")
+        if self.prefill_chunk_s is not None and self.prefill_chunk_s < 0:
+            raise ValueError(f"prefill_chunk_s must be >= 0, got {self.prefill_chunk_s}")
         if self.kv_host_cache_bytes is not None and self.kv_host_cache_bytes < 0:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
 
@@ -133,6 +156,9 @@ class EngineArgs:
             return ExecutionMode.EAGER
         mode = ExecutionMode(self.execution_mode)
         return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode
+    def resolve_prefill_chunk_s(self) -> float | None:
+        """Seconds a step's prompt tokens aim at (see prefill_chunk_s); None = no time bound."""
+        return self.prefill_chunk_s or None
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of weights and KV cache."""

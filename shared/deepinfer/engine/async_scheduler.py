@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.request import Request, RequestStatus, append_sampled_token
+from deepinfer.engine.request import Request, RequestStatus, append_sampled_token, hand_out_prompt_logprobs
 from deepinfer.engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, _Step
 
 #: update()'s stand-in for the tokens of a request that did not sample (truthy: only a sampled one may be missing).
@@ -166,6 +166,8 @@ class AsyncScheduler(Scheduler):
                     request.num_host_cached_tokens,
                 )
             )
+            if request.prompt_logprobs is not None:  # its first token: the prompt's logprobs go with it, once
+                updates[-1].prompt_logprobs = hand_out_prompt_logprobs(request)
         if finished:
             self._finish(finished)
         return updates

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.defaults import (
+    DEFAULT_ADMISSION_WINDOW_S,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_ENABLE_PREFIX_CACHING,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +26,7 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     #: Token budget of one step, shared by decodes and prefill chunks.
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = DEFAULT_ENABLE_PREFIX_CACHING
     #: Cap on one prefill chunk, so a long prompt cannot take a whole step; None = only the budget caps it.
     long_prefill_token_threshold: int | None = None
     #: Identity of the model in block hashes (deepinfer.hashing.model_fingerprint).
@@ -29,7 +35,7 @@ class EngineConfig:
     enable_kv_events: bool = True
     #: New requests arriving in a burst while others run wait up to this long to join one step (0 = off;
     #: deepinfer.engine.admission_window).
-    admission_window_s: float = 0.0
+    admission_window_s: float = DEFAULT_ADMISSION_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.admission_window_s < 0:

@@ -9,10 +9,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from deepinfer.defaults import default_model_cache_dir
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.async_scheduler import AsyncScheduler
 from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.block_pool import KvCacheEvent
+from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
@@ -23,18 +25,20 @@ from deepinfer.engine.memory import (
     KvCachePlan,
     default_host_tier_bytes,
     plan_kv_cache,
+    zeroed_kv_cache,
 )
-from deepinfer.engine.outputs import EngineOutput, SampledToken
+from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.start_progress import StartProgress
 from deepinfer.hashing import model_fingerprint
 from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
-from deepinfer.model_store import default_cache_dir, resolve_model
+from deepinfer.model_store import resolve_model
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -58,9 +62,13 @@ HOST_COPY_POLL_S = 0.0002
 class EngineCore:
     """Loads a model, plans its KV cache and runs the continuous-batching loop."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, progress: StartProgress | None = None) -> None:
+        """Load the model, plan and allocate its KV cache, capture and warm up: seconds to minutes. `progress`, when
+        given, is told as each phase of that begins (a worker logs it while the start is slow)."""
         self.args = args
-        cache_dir = args.cache_dir or default_cache_dir()
+        progress = progress or StartProgress()
+        progress.begin("preparing the model")
+        cache_dir = args.model_cache_dir or default_model_cache_dir()
         self.model_dir = resolve_model(args.model, cache_dir, progress=args.progress)
         self.model_config = load_model_config(self.model_dir)
         # No tokenizer.json (a bare config for load_format="dummy"): token ids in, token ids out.
@@ -73,6 +81,7 @@ class EngineCore:
         self.ops = get_ops(resolve_accelerator(args.accelerator, self.device))
         #: Triton compiles of this process (each one after the start is logged: a step waited for it).
         self.compiles = compile_watch.install()
+        progress.begin("loading weights")
         if args.tensor_parallel_size > 1:  # this process is rank 0; spawned workers hold the other shards
             from deepinfer.executor.start import start_tensor_parallel
 
@@ -81,6 +90,7 @@ class EngineCore:
             model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        progress.begin("planning the KV cache")
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
         self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
@@ -110,10 +120,14 @@ class EngineCore:
                 admission_window_s=args.admission_window_s,
             )
         )
+        #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
+        self.chunk_timer = self._make_chunk_timer()
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
-            self.runner = self._make_runner(model)
+            self.runner = self._make_runner(model, progress)
+            progress.begin("allocating the host KV tier")
             #: The host-memory KV tier (None = off).
             self.host_tier = self._make_host_tier()
+        progress.finish()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
         #: `SchedulerOutput.kind` of the step the last `step()` call spent its time on (async: the one it waited for).
@@ -130,11 +144,14 @@ class EngineCore:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
 
-    def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
+    def _make_runner(self, model: torch.nn.Module, progress: StartProgress) -> ModelRunner:
         """The runner over freshly allocated KV caches, with its execution mode's CUDA graphs captured and, on one
         CUDA device, its eager path warmed up (no Triton compile left for a request's step to wait on)."""
         args = self.args
-        runner = ModelRunner(model, self._allocate_kv_caches(), RunnerConfig(
+        progress.begin("allocating the KV cache")
+        kv_caches = self._allocate_kv_caches()
+        progress.begin("capturing CUDA graphs" if self.execution_mode.decode_graphs else "building the runner")
+        runner = ModelRunner(model, kv_caches, RunnerConfig(
             block_size=args.block_size,
             vocab_size=self.model_config.vocab_size,
             device=self.device,
@@ -149,6 +166,7 @@ class EngineCore:
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
         ))
         if self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1:
+            progress.begin("warming up")
             runner.warm_up(warm_up_query_lens(args.max_num_batched_tokens, self.max_model_len))
         return runner
 
@@ -197,6 +215,8 @@ class EngineCore:
         if sampling_params.grammar is not None:
             request.grammar = self._grammar_matcher(sampling_params.grammar, output_token_ids)
         request.hold_blocks = hold_blocks
+        if sampling_params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs()
         return request
 
     def _grammar_matcher(self, grammar: str, output_token_ids: Sequence[int]) -> GrammarMatcher:
@@ -259,7 +279,11 @@ class EngineCore:
         else:
             scheduled = self.scheduler.schedule()
             self.last_step_kind = scheduled.kind
+            started_s = time.monotonic()
             sampled = self.runner.execute(scheduled, self.scheduler.requests)
+            if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
+                self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
+                self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
             updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
             outputs = _engine_outputs(updates, sampled)
         if host_tier is not None:
@@ -294,6 +318,15 @@ class EngineCore:
         return _engine_outputs(updates, sampled)
 
     # -- start-up -----------------------------------------------------------------------------------------------
+    def _make_chunk_timer(self) -> ChunkTimer | None:
+        """A ChunkTimer when prompt steps are bounded by time (EngineArgs.prefill_chunk_s), sync scheduling only."""
+        target_s = self.args.resolve_prefill_chunk_s()
+        if target_s is None or self.async_scheduling:
+            return None
+        timer = ChunkTimer(target_s, self.args.block_size, self.args.max_num_batched_tokens)
+        self.scheduler.max_prefill_tokens = timer.max_prefill_tokens
+        return timer
+
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
         if self.args.max_model_len is None:
@@ -381,7 +414,7 @@ class EngineCore:
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
 
 def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:

@@ -47,6 +47,7 @@ from deepinfer.engine.requests import (
     PulledKv,
     StoredKv,
 )
+from deepinfer.engine.start_progress import StartProgress
 from deepinfer.protocol.kv import KvDeviceExport, KvHandle, KvLayout
 from deepinfer.tokenizer import Tokenizer
 
@@ -56,9 +57,10 @@ log = logging.getLogger(__name__)
 class Engine:
     """One model's engine (module docstring): build it from `EngineArgs`, then add requests and step it."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, progress: StartProgress | None = None) -> None:
+        """Load and plan (seconds to minutes); `progress`, when given, hears each phase of that as it begins."""
         #: The inside: scheduler, runner, host tier (for tests and benches only).
-        self.core = core = EngineCore(args)
+        self.core = core = EngineCore(args, progress)
         self.args = args
         self.model_dir: Path = core.model_dir
         self.tokenizer: Tokenizer | None = core.tokenizer
@@ -86,7 +88,10 @@ class Engine:
 
     def add_request(self, request: EngineRequest) -> Admission:
         """Admit a request, its prompt's KV from where `request.kv` says (requests.py); ValueError (naming what is
-        wrong) for an invalid request, DeviceTransferError when a PeerDeviceKv export cannot be mapped here."""
+        wrong) for an invalid request, DeviceTransferError when a PeerDeviceKv export cannot be mapped here.
+        A request asking for prompt_logprobs is computed here whatever its source: KV from elsewhere has no logits."""
+        if request.sampling_params.prompt_logprobs is not None:
+            return self._compute(request)
         match request.kv:
             case ComputeKv():
                 self._compute(request)

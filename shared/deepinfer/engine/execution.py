@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from deepinfer.defaults import (
+    DEFAULT_BATCH_INVARIANT,
+    DEFAULT_GRAPH_SAMPLING,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MIXED_STEP_DECODE_KERNEL,
+)
 
 
 class ExecutionMode(enum.StrEnum):
@@ -64,11 +70,11 @@ class RunnerConfig:
     #: The mode asked for, already resolved for the device (`EngineArgs.resolve_execution_mode`).
     execution_mode: ExecutionMode = ExecutionMode.EAGER
     #: The graphs that end a step compute its logits and greedy tokens (off in batch-invariant mode).
-    graph_sampling: bool = True
+    graph_sampling: bool = DEFAULT_GRAPH_SAMPLING
     #: A request's tokens do not depend on its batch (deepinfer.engine.runner's module docstring).
-    batch_invariant: bool = False
+    batch_invariant: bool = DEFAULT_BATCH_INVARIANT
     #: A mixed step attends its single-row sequences with the split-K decode kernel (off: one kernel a step).
-    mixed_step_decode_kernel: bool = True
+    mixed_step_decode_kernel: bool = DEFAULT_MIXED_STEP_DECODE_KERNEL
     #: Python's switch interval while a step with prompt rows launches its layers (None: unchanged).
     eager_step_switch_interval_s: float | None = None
 

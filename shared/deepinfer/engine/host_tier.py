@@ -171,7 +171,7 @@ class HostTier:
         state, copy issued. False: nothing to load or no room (nothing changed; queue a new one with add_request)."""
         block_size = scheduler.config.block_size
         request.bind_block_hashing(block_size, scheduler.config.model_fingerprint)
-        if not scheduler.block_pool.enable_caching:
+        if not scheduler.block_pool.enable_caching or request.needs_prompt_logits:
             return False
         hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
         _, num_device_tokens = scheduler.kv_manager.get_computed_blocks(request)

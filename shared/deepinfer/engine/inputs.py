@@ -11,12 +11,14 @@ A step's [B, W] block table is a gather of its requests' rows (one numpy take), 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from deepinfer.engine.prompt_logprobs import PromptRows, prompt_rows
+from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledRequest
 from deepinfer.kernels.metadata import AttentionMetadata
 
@@ -125,6 +127,10 @@ class HostBatch:
     #: (fed as 0 here; the runner fills them on the device), and the block-table row of each one's request.
     placeholder_indices: list[int] = field(default_factory=list)
     placeholder_rows: list[int] = field(default_factory=list)
+    #: Prompt logprobs: rows whose logits score the request's next prompt token, and whose they are
+    #: (deepinfer.engine.prompt_logprobs); empty unless a request in the step asked for them.
+    prompt_logits_indices: list[int] = field(default_factory=list)  # [R]
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -155,8 +161,14 @@ def block_slots(block_ids: Sequence[int], start: int, end: int, block_size: int)
     return slots
 
 
-def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTable, block_size: int) -> HostBatch:
-    """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors)."""
+def build_host_batch(
+    scheduled: Sequence[ScheduledRequest],
+    block_table: BlockTable,
+    block_size: int,
+    requests: Mapping[str, Request] | None = None,
+) -> HostBatch:
+    """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors). With
+    `requests`, the rows that score prompt tokens for prompt logprobs are listed too."""
     batch = HostBatch()
     input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
     query_lens, seq_lens, table_rows = batch.query_lens, batch.seq_lens, batch.block_table_rows
@@ -189,7 +201,24 @@ def build_host_batch(scheduled: Sequence[ScheduledRequest], block_table: BlockTa
             sampled.append(s)
             sampled_rows.append(row)
     batch.max_num_blocks = max_num_blocks
+    # Only a prompt chunk scores prompt tokens: a step of sampled one-token rows (every decode step) skips this.
+    if requests is not None and (len(input_ids) > len(seq_lens) or len(sampled) < len(seq_lens)):
+        _add_prompt_rows(batch, scheduled, requests)
     return batch
+
+
+def _add_prompt_rows(batch: HostBatch, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+    """List the rows of the batch that score their request's prompt tokens (deepinfer.engine.prompt_logprobs)."""
+    offset = 0  # the flat row of each request's first token
+    for s in scheduled:
+        num_new = s.num_new_tokens
+        request = requests.get(s.request_id) if num_new > 1 or not s.sample else None  # a decode row scores none
+        rows = None if request is None else prompt_rows(request, s.num_computed_tokens, num_new)
+        if rows is not None:
+            first_row = offset + rows.first - 1 - s.num_computed_tokens  # the row at position first - 1
+            batch.prompt_logits_indices.extend(range(first_row, first_row + rows.num_rows))
+            batch.prompt_rows.append(rows)
+        offset += num_new
 
 
 def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
@@ -211,6 +240,8 @@ def pad_decode_batch(batch: HostBatch, num_seqs: int) -> HostBatch:
         max_num_blocks=max(batch.max_num_blocks, 1),
         placeholder_indices=batch.placeholder_indices,
         placeholder_rows=batch.placeholder_rows,
+        prompt_logits_indices=batch.prompt_logits_indices,
+        prompt_rows=batch.prompt_rows,
     )
 
 

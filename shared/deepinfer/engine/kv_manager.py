@@ -32,9 +32,10 @@ class KVCacheManager:
         """Longest cached prefix of the request's full blocks, and the tokens it covers.
 
         Never the whole sequence: at least its last token is left to compute, so the step has logits to sample
-        from. The blocks are not referenced yet; pass them to allocate_slots in the same scheduling step.
+        from; none for a request that owes its prompt logprobs (`Request.needs_prompt_logits`). The blocks are not
+        referenced yet; pass them to allocate_slots in the same scheduling step.
         """
-        if not self.block_pool.enable_caching:
+        if not self.block_pool.enable_caching or request.needs_prompt_logits:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []

@@ -12,7 +12,14 @@ from tqdm.auto import tqdm
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.engine import Engine
-from deepinfer.engine.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput
+from deepinfer.engine.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    Logprob,
+    PromptLogprobDicts,
+    PromptLogprobs,
+    RequestOutput,
+)
 from deepinfer.engine.requests import EngineRequest
 from deepinfer.protocol import FinishReason
 from deepinfer.sampling.params import SamplingParams
@@ -139,7 +146,9 @@ class LLM:
             outputs.append(output)
             seed = params.seed if params.seed is not None else draw_seed()
             for index in range(params.n):
-                seq = self._new_sequence(output, index, params.clone(seed=derive_seed(seed, index)))
+                # The prompt's logprobs come from sequence 0; its siblings reuse its cached prompt instead.
+                changes = {"prompt_logprobs": None} if index and params.prompt_logprobs is not None else {}
+                seq = self._new_sequence(output, index, params.clone(seed=derive_seed(seed, index), **changes))
                 sequences[seq.request_id] = (output, seq)
             self._submit(sequences[f"{output.request_id}-0"])
         self._drive(sequences, outputs, use_tqdm)
@@ -190,6 +199,9 @@ class LLM:
         """Fold one step's output into a sequence; True when the sequence finished."""
         if seq.index == 0:
             request_output.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
+                                                                            out.prompt_logprobs)
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
@@ -213,6 +225,22 @@ class LLM:
             CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, stop_reason)
         )
         return True
+
+    def _prompt_logprob_dicts(self, prompt_token_ids: list[int], scores: PromptLogprobs) -> PromptLogprobDicts:
+        """vLLM's prompt_logprobs: None for the first token, then {token: Logprob, top-k alternatives...}."""
+        dicts: PromptLogprobDicts = [None]
+        for token_id, logprob, rank, top_ids, top_logprobs in zip(
+            prompt_token_ids[1:], scores.logprobs, scores.ranks, scores.top_token_ids, scores.top_logprobs,
+            strict=True,
+        ):
+            entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
+            for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1):
+                entry.setdefault(top_id, Logprob(top_logprob, top_rank, self._decode_one(top_id)))
+            dicts.append(entry)
+        return dicts
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _logprobs_entry(self, sampled) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}

@@ -20,6 +20,26 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The log-probabilities of a prompt's own tokens under the model's raw distribution (vLLM's prompt_logprobs),
+    as parallel lists: entry i is prompt position i + 1 (the first token has no context, so no entry).
+
+        prompt        | t0 | t1 | t2 | ... | t_{P-1} |
+        entry         |    | 0  | 1  | ... | P-2     |   logprobs[i] = log p(t_{i+1} | t_0 .. t_i)
+    """
+
+    logprobs: list[float] = field(default_factory=list)  # [P-1]
+    #: Each token's rank in its position's distribution (1 = the most likely).
+    ranks: list[int] = field(default_factory=list)  # [P-1]
+    #: The request's `prompt_logprobs` = k most likely tokens at each position, best first ([] when k = 0).
+    top_token_ids: list[list[int]] = field(default_factory=list)  # [P-1][k]
+    top_logprobs: list[list[float]] = field(default_factory=list)  # [P-1][k]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
+@dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one request: new tokens (with logprobs when asked) and how it ended (slotted:
     the engine builds one per sampled request per step)."""
@@ -36,6 +56,8 @@ class EngineOutput:
     num_store_cached_tokens: int = 0
     #: Of num_cached_tokens, those loaded from the worker's host-memory tier.
     num_host_cached_tokens: int = 0
+    #: A request asking for prompt_logprobs: its prompt's, on the output that carries its first token.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineStats(NamedTuple):
@@ -61,6 +83,8 @@ class Logprob:
 
 #: One dict per generated token: token id → Logprob (the sampled token plus the top-k asked for).
 SampleLogprobs = list[dict[int, Logprob]]
+#: vLLM's prompt_logprobs: None for the first prompt token, then one dict per token (it and the top-k).
+PromptLogprobDicts = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -91,3 +115,5 @@ class RequestOutput:
     #: Prompt tokens served from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
     finished: bool = False
+    #: SamplingParams.prompt_logprobs asked: the prompt's (vLLM's shape).
+    prompt_logprobs: PromptLogprobDicts | None = None

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from deepinfer.engine.outputs import PromptLogprobs
 from deepinfer.hashing import hash_blocks, root_hash
 from deepinfer.protocol import FinishReason
 
@@ -24,6 +25,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while its prompt logprobs are owed: every prompt position is computed here, none reused from a
+        cache (cached KV has no logits; vLLM skips the prefix cache for these requests too)."""
+        return self.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:
@@ -88,6 +95,9 @@ class Request:
         self._stop_rule: _StopRule | None = None
         #: Structured output: the request's GrammarMatcher (deepinfer.structured), advanced by every output token.
         self.grammar: Any = None
+        #: Asked prompt_logprobs: gathered by the runner as the prompt's chunks are computed, handed out (and set
+        #: back to None) by the scheduler's update with the first sampled token. None: not asked, or handed out.
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +113,12 @@ class Request:
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while its prompt logprobs are owed: every prompt position is computed here, none reused from a
+        cache (cached KV has no logits; vLLM skips the prefix cache for these requests too)."""
+        return self.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:
@@ -184,6 +200,16 @@ class _StopRule:
         eos = frozenset() if getattr(params, "ignore_eos", False) else frozenset(eos_token_ids)
         stop_ids = eos | frozenset(getattr(params, "stop_token_ids", None) or ())
         return cls(getattr(params, "max_tokens", None), getattr(params, "min_tokens", 0) or 0, eos, stop_ids)
+
+
+def hand_out_prompt_logprobs(request: Request) -> PromptLogprobs:
+    """The prompt logprobs a request gathered, taken from it (it owes none from now on); called with its first
+    sampled token, when every prompt position has been scored."""
+    prompt_logprobs = request.prompt_logprobs
+    assert prompt_logprobs is not None and len(prompt_logprobs) == request.num_prompt_tokens - 1, (
+        request.request_id, None if prompt_logprobs is None else len(prompt_logprobs), request.num_prompt_tokens)
+    request.prompt_logprobs = None
+    return prompt_logprobs
 
 
 def append_sampled_token(request: Request, token_id: int, max_model_len: int) -> bool:

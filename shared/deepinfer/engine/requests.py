@@ -12,7 +12,8 @@
                        (the worker fetches them, the engine imports them)         and import, or "computed"
 
 A request that cannot be admitted as asked (no free block for pulled KV, the device already holds the stored
-prefix) is computed here instead: the caller never needs a second call.
+prefix) is computed here instead: the caller never needs a second call. So is every request asking for
+prompt_logprobs, whatever its source: their logits exist only where the prompt is computed.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, Sampl
 from deepinfer.engine.execution import ExecutionMode, RunnerConfig
 from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
 from deepinfer.engine.outputs import SampledToken
+from deepinfer.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
@@ -205,6 +206,8 @@ class ModelRunner:
             if not batch.num_seqs:
                 return None
             forward, sampled, num_seqs = self.forward(batch), batch.sampled, batch.num_seqs
+            if forward.prompt_hidden is not None:
+                self._score_prompt_rows(forward.prompt_hidden, batch.prompt_rows)
         if not sampled:
             return None
         chosen = [requests[s.request_id] for s in sampled]
@@ -248,8 +251,10 @@ class ModelRunner:
     def prepare_batch(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request] | None = None
     ) -> HostBatch:
-        """Free released rows, apply the new block ids and flatten the step into a HostBatch (host only)."""
-        return build_host_batch(self._release_rows(output, requests or {}), self.block_table, self.block_size)
+        """Free released rows, apply the new block ids and flatten the step into a HostBatch (host only); with
+        `requests`, the rows that score prompt tokens (prompt logprobs) are listed too."""
+        return build_host_batch(self._release_rows(output, requests or {}), self.block_table, self.block_size,
+                                requests or None)
 
     def _release_rows(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
@@ -269,7 +274,11 @@ class ModelRunner:
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> ForwardResult:
         """The step's sampled rows: a decode graph replay when one fits the batch; for a step with prompt rows the
         full or else the piecewise graphs when they fit; else eager (decode steps too when the decode graphs are
-        set aside, as benches do, or for a batch-invariant prompt forward)."""
+        set aside, as benches do, or for a batch-invariant prompt forward).
+
+        Rows that score prompt tokens (`batch.prompt_logits_indices`, prompt logprobs) come back as
+        `prompt_hidden`: decode graphs and piecewise graphs give every row's hidden states, so those are read
+        there; the full graphs end at the sampled rows', so a step with such rows runs eagerly instead."""
         if self.graphs is not None and not invariant_prefill and self.graphs.can_run(batch):
             return self._replay_decode(batch)
         inputs = self.stager.stage(batch, self.block_table)
@@ -277,26 +286,44 @@ class ModelRunner:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
         if not batch.is_decode_only:
-            if self.full_graphs is not None and self.full_graphs.can_run(batch.num_tokens):
+            if (self.full_graphs is not None and not batch.prompt_logits_indices
+                    and self.full_graphs.can_run(batch.num_tokens)):
                 step = self.full_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
                 return ForwardResult(step.hidden, step if step.logits is not None else None, staged_rows)
             if self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
                 with switch_interval(self.eager_step_switch_interval_s):
                     hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
-                return ForwardResult(hidden[inputs.logits_indices], None, staged_rows)
-        return ForwardResult(self._forward_eager(batch, inputs, invariant_prefill), None, staged_rows)
+                return ForwardResult(hidden[inputs.logits_indices], None, staged_rows,
+                                     self._prompt_hidden(batch, hidden))
+        hidden = self._forward_eager(batch, inputs, invariant_prefill)
+        return ForwardResult(hidden[inputs.logits_indices], None, staged_rows, self._prompt_hidden(batch, hidden))
+
+    def _prompt_hidden(self, batch: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The hidden states of the rows that score prompt tokens, from every row's [T, hidden] (None: no row does)."""
+        if not batch.prompt_logits_indices:
+            return None
+        return hidden[torch.tensor(batch.prompt_logits_indices, device=hidden.device)]
+
+    def _score_prompt_rows(self, hidden: torch.Tensor, rows: Sequence[PromptRows]) -> None:
+        """Prompt logprobs of the step's scoring rows, appended to their requests (deepinfer.engine.prompt_logprobs)."""
+        with self._linear_mode():
+            score_prompt_rows(hidden, rows, self.model.compute_logits, self.max_num_seqs)
 
     def _replay_decode(self, batch: HostBatch) -> ForwardResult:
-        """A decode graph's replay: the sampled rows' hidden states, and its logits tail when every row samples."""
+        """A decode graph's replay: the sampled rows' hidden states, and its logits tail when every row samples (a
+        row that scores a prompt token, a one-token prompt chunk, is read from the graph's hidden states too)."""
         staged: list[torch.Tensor] = []
         step = self.graphs.run(batch, self.block_table, self._graph_fill(batch, staged))
         staged_rows = staged[0] if staged else None
+        prompt_hidden = self._prompt_hidden(batch, step.hidden)
         if len(batch.sampled) == batch.num_seqs:
-            return ForwardResult(step.hidden[: batch.num_seqs], step if step.logits is not None else None, staged_rows)
-        return ForwardResult(step.hidden[torch.tensor(batch.logits_indices, device=self.device)], None, staged_rows)
+            return ForwardResult(step.hidden[: batch.num_seqs], step if step.logits is not None else None, staged_rows,
+                                 prompt_hidden)
+        return ForwardResult(step.hidden[torch.tensor(batch.logits_indices, device=self.device)], None, staged_rows,
+                             prompt_hidden)
 
     def _forward_eager(self, batch: HostBatch, inputs: ModelInputs, invariant_prefill: bool) -> torch.Tensor:
-        """The model's layers launched one by one: the sampled rows' hidden states."""
+        """The model's layers launched one by one: every row's hidden states [T, hidden]."""
         if self.batch_invariant:
             if invariant_prefill:
                 inputs.meta.max_query_len = max(inputs.meta.max_query_len, _INVARIANT_MIN_QUERY_LEN)
@@ -305,8 +332,7 @@ class ModelRunner:
                 inputs.meta.max_seq_len = self.max_model_len
         interval_s = None if batch.is_decode_only else self.eager_step_switch_interval_s  # the eager launches' GIL
         with self._linear_mode(), switch_interval(interval_s):
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return hidden[inputs.logits_indices]
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _fill_placeholders(self, batch: HostBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Write the previous step's sampled ids into the batch's placeholder rows of input_ids, on the device.
@@ -339,10 +365,12 @@ class ModelRunner:
         parts: list[tuple[torch.Tensor, list[ScheduledRequest]]] = []
         for part, invariant_prefill in ((decodes, False), (others, True)):
             if part:
-                batch = build_host_batch(part, self.block_table, self.block_size)
-                hidden = self.forward(batch, invariant_prefill=invariant_prefill).hidden
+                batch = build_host_batch(part, self.block_table, self.block_size, requests)
+                result = self.forward(batch, invariant_prefill=invariant_prefill)
+                if result.prompt_hidden is not None:
+                    self._score_prompt_rows(result.prompt_hidden, batch.prompt_rows)
                 if batch.sampled:
-                    parts.append((hidden, batch.sampled))
+                    parts.append((result.hidden, batch.sampled))
         if not parts:
             return ForwardResult(torch.empty(0), None, None), []
         hidden = torch.cat([h for h, _ in parts])
@@ -371,6 +399,9 @@ class ForwardResult(NamedTuple):
     graph_step: GraphStep | None
     #: Async scheduling: the sampled rows' block-table rows, uploaded with the step's inputs (None: not uploaded).
     staged_sampled_rows: torch.Tensor | None
+    #: [R, hidden] final hidden states of the rows that score prompt tokens (`HostBatch.prompt_logits_indices`),
+    #: in batch order; None when no row does.
+    prompt_hidden: torch.Tensor | None = None
 
 
 class _Sampled(NamedTuple):

@@ -35,7 +35,13 @@ from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.request import Request, RequestStatus, append_sampled_token, check_stop
+from deepinfer.engine.request import (
+    Request,
+    RequestStatus,
+    append_sampled_token,
+    check_stop,
+    hand_out_prompt_logprobs,
+)
 from deepinfer.engine.scheduler_loading import LoadingRequests
 from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
@@ -87,6 +93,9 @@ class Scheduler(LoadingRequests):
         #: The host tier's lookup for a preempted request resuming: True when it took it (loading); None: recompute.
         self.resume_loader: Callable[[Request], bool] | None = None
         self.admission_window = AdmissionWindow(config.admission_window_s)
+        #: Prompt tokens one step may compute beside its decodes (a ChunkTimer sets it on the CPU); None = the
+        #: token budget alone.
+        self.max_prefill_tokens: int | None = None
 
     @property
     def num_running(self) -> int:
@@ -153,6 +162,8 @@ class Scheduler(LoadingRequests):
         decodes, prefills = self._split_running()
         running_status = RequestStatus.RUNNING
         self._schedule_decodes(decodes, step)
+        if self.max_prefill_tokens is not None:  # chunks and admissions share a time-bounded part of the budget
+            step.token_budget = min(step.token_budget, self.max_prefill_tokens)
         for request in prefills:
             if step.token_budget == 0:
                 break
@@ -224,6 +235,8 @@ class Scheduler(LoadingRequests):
                     request.num_host_cached_tokens,
                 )
             )
+            if request.prompt_logprobs is not None:  # its first token: the prompt's logprobs go with it, once
+                updates[-1].prompt_logprobs = hand_out_prompt_logprobs(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

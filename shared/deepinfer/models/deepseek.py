@@ -18,6 +18,7 @@ from deepinfer.models.deepseek_moe import DeepseekMoE, GatedMLP, Router
 from deepinfer.models.deepseek_weights import load_deepseek_weights
 from deepinfer.models.layers import DecoderStack, PreNormBlock, RMSNorm, RotaryEmbedding
 from deepinfer.models.mla import MlaAttention
+from deepinfer.models.parallel import uninitialized_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class DeepseekModel(DecoderStack):
     def __init__(self, config: ModelConfig, ops: KernelOps, rotary: RotaryEmbedding) -> None:
         super().__init__()
         first_moe = config.moe.first_k_dense_replace if config.moe is not None else config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, ops, rotary, use_moe=i >= first_moe) for i in range(config.num_hidden_layers)
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from deepinfer.distributed.layers import (
@@ -87,8 +88,15 @@ def down_projection(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) 
 def token_embedding(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:
     """The input embedding, split by vocabulary over the ranks."""
     if tp.world_size == 1:
-        return nn.Embedding(config.vocab_size, config.hidden_size)
+        return uninitialized_embedding(config.vocab_size, config.hidden_size)
     return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+
+
+def uninitialized_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An nn.Embedding whose weight is left uninitialised, as VocabParallelEmbedding's: the checkpoint fills it.
+    Its default init (normal_) on the meta device, where models are built, imports torch._dynamo: ~1 s of CPU
+    in every worker's start, for a value that is then overwritten."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
 
 
 def lm_head(config: ModelConfig, tp: TensorParallelGroup = SINGLE_RANK) -> nn.Module:

@@ -22,11 +22,12 @@ from deepinfer.protocol.requests import (
     Release,
 )
 from deepinfer.protocol.routing import RouteDecision, RouteRequest, RouteStatus
-from deepinfer.protocol.sampling import SamplingParams
+from deepinfer.protocol.sampling import WireSamplingParams
 from deepinfer.protocol.store import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
 from deepinfer.protocol.token_wire import TokenBatchWriter, chunk_prefix
 from deepinfer.protocol.tokens import (
     FinishReason,
+    PromptLogprobs,
     TokenBatch,
     TokenChunk,
     TokenLogprobs,
@@ -62,12 +63,13 @@ __all__ = [
     "Message",
     "PrefillRequest",
     "PrefillResult",
+    "PromptLogprobs",
     "ProtocolError",
     "Release",
     "RouteDecision",
     "RouteRequest",
     "RouteStatus",
-    "SamplingParams",
+    "WireSamplingParams",
     "SnapshotPage",
     "SnapshotRequest",
     "TokenBatch",

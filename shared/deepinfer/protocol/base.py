@@ -19,12 +19,14 @@ PROTOCOL_MAJOR = 2
 #: 2.1: KvStoreHeartbeat (the kvcache store's shards announce themselves).
 #: 2.2: a worker's boot `epoch` in WorkerLoad, KvEventBatch and SnapshotPage; SnapshotRequest.seq;
 #:      WorkerLoad.num_received.
-#: 2.3: SamplingParams.grammar (structured output; a reader without it ignores it, so the gateway checks outputs).
+#: 2.3: WireSamplingParams.grammar (structured output; a reader without it ignores it, so the gateway checks outputs).
 #: 2.4: TokenChunk.cached_tokens_by_tier (cached prompt tokens by tier: device, store).
 #: 2.5: TokenChunk.num_previous_tokens (a gateway sees a lost chunk as a gap), RouteRequest.exclude_worker_ids
 #:      (a re-issued request avoids its lost worker; an older scheduler ignores it).
 #: 2.6: SnapshotPage.host_block_hashes (a worker's host-memory tier; an older reader sees only the device blocks).
-PROTOCOL_MINOR = 6
+#: 2.7: SamplingParams.prompt_logprobs, PromptLogprobs in PrefillResult and TokenChunk (a request's prompt scored
+#:      where it is computed; an older worker ignores the field, so the gateway refuses an answer without them).
+PROTOCOL_MINOR = 7
 
 
 class ProtocolError(ValueError):

@@ -9,8 +9,8 @@ from pydantic import Field, model_validator
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.errors import ErrorDetail
 from deepinfer.protocol.kv import KvHandle
-from deepinfer.protocol.sampling import SamplingParams
-from deepinfer.protocol.tokens import FinishReason, TokenLogprobs
+from deepinfer.protocol.sampling import WireSamplingParams
+from deepinfer.protocol.tokens import FinishReason, PromptLogprobs, TokenLogprobs
 from deepinfer.protocol.types import BlockHash, NonNegativeInt
 
 
@@ -22,7 +22,7 @@ class PrefillRequest(Message):
     request_id: str
     gateway_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: WireSamplingParams = Field(default_factory=WireSamplingParams)
     #: Isolates tenants: part of the first block hash, so salts never share blocks.
     cache_salt: str = ""
     block_hashes: list[BlockHash] = Field(default_factory=list)
@@ -44,6 +44,8 @@ class PrefillResult(Message):
     finish_reason: FinishReason | None = None
     #: Set when the prefill failed or was refused (then there is no first token).
     error: ErrorDetail | None = None
+    #: The prompt's logprobs, when the request asked for prompt_logprobs (2.7).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DecodeRequest(Message):
@@ -56,7 +58,7 @@ class DecodeRequest(Message):
     prompt_token_ids: list[int]
     #: Tokens already produced (the first token, or everything sent before a migration).
     output_token_ids: list[int] = Field(default_factory=list)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: WireSamplingParams = Field(default_factory=WireSamplingParams)
     cache_salt: str = ""
     kv_handle: KvHandle | None = None
     #: Where to send Release once the KV is pulled; None when prefill was skipped.

@@ -1,4 +1,4 @@
-"""Sampling parameters on the wire; the engine's plain class uses the same field names."""
+"""Sampling parameters on the wire; the engine's plain class (`deepinfer.SamplingParams`) uses the same field names."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pydantic import Field
 from deepinfer.protocol.base import Message
 
 
-class SamplingParams(Message):
-    """How to pick each output token, as the client asked (OpenAI/vLLM meanings)."""
+class WireSamplingParams(Message):
+    """How to pick each output token, as the client asked (OpenAI/vLLM meanings); the engine's is `SamplingParams`."""
 
     kind = "sampling_params"
 
@@ -32,6 +32,9 @@ class SamplingParams(Message):
     ignore_eos: bool = False
     #: None = off; 0 = only the sampled token's logprob; k = also the top k alternatives.
     logprobs: int | None = Field(None, ge=0)
+    #: vLLM's prompt_logprobs: None = off; k = each prompt token's logprob and rank, and the top k alternatives
+    #: at its position (2.7).
+    prompt_logprobs: int | None = Field(None, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     #: llguidance grammar text (deepinfer.structured) every output token must follow; None = free text. (2.3)

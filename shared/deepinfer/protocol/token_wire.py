@@ -25,7 +25,7 @@ import msgpack
 
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.errors import ErrorDetail
-from deepinfer.protocol.tokens import FinishReason, TokenBatch, TokenChunk, TokenLogprobs
+from deepinfer.protocol.tokens import FinishReason, PromptLogprobs, TokenBatch, TokenChunk, TokenLogprobs
 
 _pack = msgpack.Packer().pack  # stateless between calls (autoreset); C code, never releases the GIL mid-call
 _VERSION = Message.model_fields["v"].default
@@ -102,11 +102,13 @@ class TokenBatchWriter:
         num_cached_tokens: int | None = None,
         cached_tokens_by_tier: Mapping[str, int] | None = None,
         error: ErrorDetail | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
         num_previous_tokens: int | None = None,
     ) -> None:
         """Any chunk (the first one, with logprobs, the last one, an error)."""
         pack = self.pack
-        plain = logprobs is None and num_cached_tokens is None and cached_tokens_by_tier is None and error is None
+        plain = (logprobs is None and num_cached_tokens is None and cached_tokens_by_tier is None and error is None
+                 and prompt_logprobs is None)
         middle = self._finish_middles.get(finish_reason) if plain else None  # a last chunk: one per finish reason
         if middle is None:
             middle = b"".join((
@@ -115,6 +117,8 @@ class TokenBatchWriter:
                 _KEY["num_cached_tokens"], pack(num_cached_tokens),
                 _KEY["cached_tokens_by_tier"], pack(cached_tokens_by_tier),
                 _KEY["error"], _NIL if error is None else pack(error.model_dump(mode="python")),
+                _KEY["prompt_logprobs"],
+                _NIL if prompt_logprobs is None else pack(prompt_logprobs.model_dump(mode="python")),
                 _KEY["num_previous_tokens"],
             ))
             if plain:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 import msgpack
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deepinfer.protocol.base import Message
 from deepinfer.protocol.errors import ErrorDetail
@@ -32,6 +32,30 @@ class TokenLogprobs(Message):
     top: list[tuple[int, float]] = Field(default_factory=list)
 
 
+class PromptLogprobs(Message):
+    """The logprobs of a prompt's own tokens (vLLM's prompt_logprobs) as parallel lists, not a model per position
+    (a long prompt's scores are one message, built and read without a model per token): entry i is prompt position
+    i + 1, the first token having no context. Added in 2.7."""
+
+    kind = "prompt_logprobs"
+
+    #: log p(prompt[i + 1] | prompt[: i + 1]) under the model's raw distribution.
+    logprobs: list[float] = Field(default_factory=list)
+    #: Each token's rank at its position (1 = the most likely).
+    ranks: list[int] = Field(default_factory=list)
+    #: The k most likely tokens at each position and their logprobs, best first (k = the request's
+    #: prompt_logprobs; empty lists when it is 0).
+    top_token_ids: list[list[int]] = Field(default_factory=list)
+    top_logprobs: list[list[float]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _parallel(self) -> PromptLogprobs:
+        n = len(self.logprobs)
+        if not len(self.ranks) == len(self.top_token_ids) == len(self.top_logprobs) == n:
+            raise ValueError("logprobs, ranks, top_token_ids and top_logprobs must have one entry per position")
+        return self
+
+
 class TokenChunk(Message):
     """The tokens one request gained since the previous chunk (a diff, never the whole output)."""
 
@@ -48,6 +72,8 @@ class TokenChunk(Message):
     cached_tokens_by_tier: dict[str, NonNegativeInt] | None = None
     #: Set with finish_reason ERROR: why the worker dropped the request.
     error: ErrorDetail | None = None
+    #: On the first chunk of a request that asked for prompt_logprobs, when this worker computed the prompt (2.7).
+    prompt_logprobs: PromptLogprobs | None = None
     #: The request's output tokens before this chunk's (those it came with included): a gateway sees a chunk lost
     #: in transit (a NATS restart) as a gap. None: not counted (added in 2.5).
     num_previous_tokens: NonNegativeInt | None = None
@@ -91,6 +117,7 @@ def token_chunk_fields(
         "num_cached_tokens": num_cached_tokens,
         "cached_tokens_by_tier": cached_tokens_by_tier,
         "error": None,
+        "prompt_logprobs": None,
         "num_previous_tokens": num_previous_tokens,
     }
 

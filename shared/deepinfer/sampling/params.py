@@ -1,6 +1,7 @@
 """`SamplingParams`: what a request asks of the sampler. Plain Python: no torch, no pydantic.
 
-Field names and defaults follow vLLM's `SamplingParams`; the wire message in `deepinfer.protocol` uses the same names.
+Field names and defaults follow vLLM's `SamplingParams`; the wire message (`deepinfer.protocol.WireSamplingParams`)
+uses the same names.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the sampled token's only; k: plus the top k
+    #: vLLM's prompt_logprobs: None off; k: the logprob (and rank) of each prompt token after the first, plus the
+    #: top k at its position. The engine computes every prompt position for them (no prefix-cache reuse).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     #: llguidance grammar text (`deepinfer.structured`): only tokens it allows are sampled; None = free text.
@@ -77,18 +81,26 @@ class SamplingParams:
     def from_generation_config(cls, gen_cfg: dict[str, Any], **overrides: Any) -> SamplingParams:
         """Params whose defaults come from a HF `generation_config.json`, then `overrides` on top.
 
-        Read: temperature, top_p, top_k, repetition_penalty, max_new_tokens (→ max_tokens); `do_sample: false`
-        means greedy (temperature 0). An absent `do_sample` is not read as greedy (vLLM does the same).
+        Read: `generation_sampling` (temperature, top_p, top_k, min_p, repetition_penalty; `do_sample: false`
+        means greedy), max_new_tokens (→ max_tokens).
         """
-        defaults: dict[str, Any] = {}
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
-            if gen_cfg.get(key) is not None:
-                defaults[key] = gen_cfg[key]
+        defaults: dict[str, Any] = dict(generation_sampling(gen_cfg))
         if gen_cfg.get("max_new_tokens") is not None:
             defaults["max_tokens"] = gen_cfg["max_new_tokens"]
-        if gen_cfg.get("do_sample") is False:
-            defaults["temperature"] = 0.0
         return cls(**{**defaults, **overrides})
+
+
+#: generation_config.json keys that are sampling defaults, as vLLM reads them (SamplingParams' names).
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling(gen_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a `generation_config.json` recommends: GENERATION_SAMPLING_KEYS that are set, and
+    temperature 0 for `do_sample: false` (an absent `do_sample` is not read as greedy; vLLM does the same)."""
+    defaults = {key: gen_cfg[key] for key in GENERATION_SAMPLING_KEYS if gen_cfg.get(key) is not None}
+    if gen_cfg.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
 
 
 def _normalise_stop(stop: list[str] | str | None) -> list[str]:
@@ -166,6 +178,11 @@ def _validate(p: SamplingParams) -> None:
         _check(
             _is_int(p.logprobs) and 0 <= p.logprobs <= MAX_LOGPROBS,
             "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", p.logprobs,
+        )
+    if p.prompt_logprobs is not None:
+        _check(
+            _is_int(p.prompt_logprobs) and 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", p.prompt_logprobs,
         )
     if p.seed is not None:
         _check(

@@ -1,7 +1,7 @@
 """Grammars over one tokenizer: compile-checking (gateway) and per-request matchers (workers), via llguidance.
 
     grammars = Grammars(tokenizer)              # ~0.3 s for a 50k vocabulary: build once per process
-    grammars.check(grammar)                     # GrammarError naming what llguidance refused
+    grammars.check(grammar)                     # GrammarError naming what llguidance refused (one short line)
     matcher = grammars.matcher(grammar)         # one per request
     matcher.fill_bitmask(words)                 # the allowed next tokens, one bit each (int32 words)
     matcher.accept(token_id)                    # after each sampled token; is_stopped: nothing may follow
@@ -14,6 +14,7 @@ from the first token the prefill worker sampled.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from deepinfer.tokenizer import Tokenizer
 
 #: Resource bounds of one grammar (llguidance's defaults are far larger): compile work, lexer states, size.
+#: initial_lexer_fuel bounds a hostile schema's compile (a 1000×1000-character pattern: refused in ~0.1 s here,
+#: ~1 s at llguidance's 1M) and also the bounded numbers one schema may hold (numbers.py: ~5k fuel each, so
+#: about 100 in one schema; past that a 400 says the grammar exceeds this server's limits).
 LIMITS = dict(
     initial_lexer_fuel=200_000,
     step_lexer_fuel=200_000,
@@ -31,8 +35,31 @@ LIMITS = dict(
 )
 
 
+#: Tokens of one path the gateway walks through a new grammar before admitting it (Grammars.check): a lexeme or
+#: parser state past the limits usually shows at the first token (`"` of a 100,000-character pattern, `{"` of an
+#: object that nests without end), so a request fails here with a 400 instead of after it started.
+PROBE_TOKENS = 4
+#: How the probe's refusals begin (the schema compiled; its grammar cannot be run).
+NOTHING_ALLOWED = "no output satisfies the grammar"
+OVER_LIMITS = "the grammar exceeds this server's limits"
+PROBE_MESSAGES = (NOTHING_ALLOWED, OVER_LIMITS)
+#: Longest error message passed on (llguidance's own can run to kilobytes of parser state).
+MAX_ERROR_CHARS = 200
+#: Compiled grammars kept per process (matchers are deep copies of these: ~20 µs instead of a compile, up to
+#: ~100 ms for a large schema with bounded numbers); least recently used dropped first.
+MAX_COMPILED_GRAMMARS = 64
+
+
 class GrammarError(ValueError):
-    """A grammar llguidance refuses (an unsupported feature, a bad reference, a limit)."""
+    """A grammar llguidance refuses (an unsupported feature, a bad reference, a limit); the message is one short
+    line, never the parser's state."""
+
+
+def public_error(message: str) -> str:
+    """llguidance's error as one short line: its first line, without the `<state>` dump that may follow."""
+    line = message.split("<state>", 1)[0].strip().splitlines()
+    text = line[0].strip() if line else "invalid grammar"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -47,6 +74,8 @@ class Grammars:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        #: Pristine matchers by grammar text, least recently used first (requests reuse a few schemas).
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -65,19 +94,46 @@ class Grammars:
         return self.ll_tokenizer.vocab_size
 
     def check(self, grammar: str) -> None:
-        """GrammarError when llguidance would refuse `grammar` (compile errors and limits; warnings pass)."""
+        """GrammarError when llguidance would refuse `grammar` (compile errors and limits; warnings pass), when no
+        output satisfies it, or when its first PROBE_TOKENS tokens along one path hit the parser's limits."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.ll_tokenizer, limits=parser_limits()
         )
         if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
+            raise GrammarError(public_error(messages[0] if messages else "invalid grammar"))
+        self._probe(self.matcher(grammar))
+
+    def _probe(self, matcher: GrammarMatcher) -> None:
+        """Walk the lowest allowed non-EOS token PROBE_TOKENS times (each mask ~0.3 ms): GrammarError when the
+        start allows nothing, or a step errs (a lexer or parser limit)."""
+        eos_bits = sum(1 << t for t in self.tokenizer.eos_token_ids if t < self.vocab_size)
+        for step in range(PROBE_TOKENS):
+            allowed = int.from_bytes(matcher.bitmask(), "little") & ~eos_bits
+            if step == 0 and not allowed and not matcher.is_accepting:
+                raise GrammarError(NOTHING_ALLOWED)
+            if matcher.error:
+                raise GrammarError(f"{OVER_LIMITS}: {matcher.error}")
+            if not allowed:
+                return  # complete: nothing but EOS may follow
+            if not matcher.accept((allowed & -allowed).bit_length() - 1):
+                raise GrammarError(f"{OVER_LIMITS}: {matcher.error}")
 
     def matcher(self, grammar: str) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start; GrammarError if it does not compile."""
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return GrammarMatcher(matcher, self.vocab_size)
+        """A fresh matcher at the grammar's start (a copy of the compiled one); GrammarError if it does not
+        compile."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+            if compiled.is_error():
+                raise GrammarError(public_error(compiled.get_error()))
+            with self._lock:
+                self._compiled[grammar] = compiled
+                while len(self._compiled) > MAX_COMPILED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        return GrammarMatcher(compiled.deep_copy(), self.vocab_size)
 
 
 class GrammarMatcher:
@@ -113,5 +169,6 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        """Why the matcher is in error ("" when it is not)."""
-        return self._matcher.get_error()
+        """Why the matcher is in error, in one short line ("" when it is not)."""
+        message = self._matcher.get_error()
+        return public_error(message) if message else ""

@@ -1,7 +1,8 @@
 """JSON schemas as grammars: size and complexity limits, unsupported features named, JSON output options.
 
     check_schema(schema)                   # SchemaError (with the feature or limit) before anything compiles
-    grammar = json_schema_grammar(schema)  # llguidance grammar text; Grammars.check compiles it
+    schema = prepared_schema(schema)       # checked, no finite document refused, numbers bounded (numbers.py)
+    grammar = json_schema_grammar(schema)  # prepared, then llguidance grammar text; Grammars.check compiles it
     grammar = json_object_grammar()        # any JSON object (response_format json_object)
 """
 
@@ -12,6 +13,10 @@ import re
 from typing import Any
 
 import llguidance
+
+from deepinfer.structured.finite import endless_part
+from deepinfer.structured.grammar import PROBE_MESSAGES
+from deepinfer.structured.numbers import bound_numbers
 
 #: Largest schema accepted, as compact JSON.
 MAX_SCHEMA_BYTES = 32 * 1024
@@ -55,9 +60,18 @@ def check_schema(schema: Any) -> None:
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
+def prepared_schema(schema: Any) -> dict[str, Any]:
+    """`schema` as it is compiled: checked (SchemaError: limits, or no finite document), numbers bounded."""
+    check_schema(schema)
+    endless = endless_part(schema)
+    if endless is not None:
+        raise SchemaError(f"no finite JSON document satisfies the schema: {endless}")
+    return bound_numbers(schema)
+
+
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON values valid under `schema` (checked first: SchemaError)."""
-    check_schema(schema)
+    schema = prepared_schema(schema)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -79,4 +93,6 @@ def schema_error(message: str) -> SchemaError:
     match = _UNKNOWN_FORMAT.search(message)
     if match:
         return SchemaError(f"unsupported JSON Schema format: {match.group(1)}", feature="format")
+    if message.startswith(PROBE_MESSAGES):  # ours, from Grammars.check: the schema is valid, its grammar is not
+        return SchemaError(message)
     return SchemaError(f"invalid JSON schema: {message}")

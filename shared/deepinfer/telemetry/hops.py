@@ -38,13 +38,23 @@ HOP_BUCKETS_S = (
     0.02, 0.025, 0.035, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
 )
 
-#: time.time_ns() - time.monotonic_ns(), read once: turns monotonic readings into span timestamps.
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+def epoch_offset_ns() -> int:
+    """time.time_ns() - time.monotonic_ns(), the monotonic clock read first. Shifted by it, a monotonic reading
+    lands no earlier than a time.time_ns() taken before the reading, and (the reading taken before this call) no
+    later than one taken after this call: a recorded span sits between the SDK-stamped spans (time.time_ns()) of
+    its task that precede and follow it. Read per span, not once per process: an offset read once is off by
+    whatever passed between its two reads (a preemption: milliseconds on a busy machine) or by a later clock
+    step: a gateway's first SSE write was once stamped 8 ms before the decode admission that precedes it in the
+    same task, and before its root."""
+    monotonic_ns = time.monotonic_ns()
+    return time.time_ns() - monotonic_ns
 
 
-def epoch_ns(monotonic_s: float) -> int:
-    """A time.monotonic() reading as Unix nanoseconds (what span timestamps are)."""
-    return _EPOCH_OFFSET_NS + int(monotonic_s * 1e9)
+def epoch_ns(monotonic_s: float, offset_ns: int | None = None) -> int:
+    """A time.monotonic() reading as Unix nanoseconds (what span timestamps are), shifted by `offset_ns` (read
+    now when not given)."""
+    return (epoch_offset_ns() if offset_ns is None else offset_ns) + int(monotonic_s * 1e9)
 
 
 class Hops:
@@ -108,11 +118,14 @@ class Hops:
     def record_span(
         self, hop: str, start_s: float, end_s: float, context: Context | None = None, **attributes: Any
     ) -> None:
-        """Only the span of a hop already measured (its histogram observed apart, see `observe`)."""
+        """Only the span of a hop already measured (its histogram observed apart, see `observe`); both ends shifted
+        by one offset read now, so the span sits between the SDK-stamped spans that caused it and those after."""
+        offset_ns = epoch_offset_ns()
         span = self.tracer.start_span(
-            f"{self.service}.{hop}", context=context, start_time=epoch_ns(start_s), attributes=attributes or None
+            f"{self.service}.{hop}", context=context, start_time=epoch_ns(start_s, offset_ns),
+            attributes=attributes or None,
         )
-        span.end(end_time=epoch_ns(end_s))
+        span.end(end_time=epoch_ns(end_s, offset_ns))
 
     def token_spans(self, context: Context) -> TokenSpans:
         """The selection of one traced request's per-token spans, under `context` (its parent)."""

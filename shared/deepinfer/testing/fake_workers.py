@@ -28,13 +28,14 @@ from deepinfer.protocol import (
     FinishReason,
     PrefillRequest,
     PrefillResult,
+    PromptLogprobs,
     RouteDecision,
     RouteRequest,
     RouteStatus,
-    SamplingParams,
     TokenBatch,
     TokenChunk,
     TokenLogprobs,
+    WireSamplingParams,
     WorkerLoad,
     WorkerRole,
 )
@@ -110,13 +111,18 @@ class FakeWorkers:
             await self._subs.close()
         await self._tasks.drain(timeout_s=0.0)
 
+    async def stop_scheduler(self) -> None:
+        """Stop answering route requests only (a dead scheduler); the workers keep serving."""
+        if self._subs is not None:
+            await self._subs.unsubscribe("route")
+
     async def heartbeat(self, fingerprint: bytes = b"\x01" * 32) -> None:
         """One WorkerLoad from each worker."""
         for worker_id, role in ((PREFILL_ID, WorkerRole.PREFILL), (DECODE_ID, WorkerRole.DECODE)):
             load = worker_load(worker_id, role, self.model, model_fingerprint=fingerprint)
             await self.bus.publish(subjects.heartbeat(self.model, worker_id), load)
 
-    def script(self, sampling: SamplingParams) -> tuple[list[int], FinishReason]:
+    def script(self, sampling: WireSamplingParams) -> tuple[list[int], FinishReason]:
         """The output for a request: the script cut at max_tokens (length) or whole (stop)."""
         ids = list(self.output_token_ids)
         if sampling.max_tokens is not None and len(ids) > sampling.max_tokens:
@@ -147,6 +153,7 @@ class FakeWorkers:
             first_logprobs=_logprobs([ids[0]], request.sampling)[0] if request.sampling.logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
             finish_reason=finish if len(ids) == 1 else None,
+            prompt_logprobs=fake_prompt_logprobs(request.prompt_token_ids, request.sampling),
         )
         await self.bus.reply(msg, result)
 
@@ -183,6 +190,9 @@ class FakeWorkers:
                 finish_reason=finish if position >= len(ids) else None,
                 num_cached_tokens=self.num_cached_tokens if first else None,
                 num_previous_tokens=previous,
+                # the prompt is computed here only when no token came with the request
+                prompt_logprobs=fake_prompt_logprobs(request.prompt_token_ids, request.sampling)
+                if first and not request.output_token_ids else None,
             )
             first = False
             batch = TokenBatch(worker_id=DECODE_ID, step=step, chunks=[chunk])
@@ -195,7 +205,22 @@ class FakeWorkers:
         self.cancels.append(cancel)
 
 
-def _logprobs(token_ids: list[int], sampling: SamplingParams) -> list[TokenLogprobs]:
+def fake_prompt_logprobs(prompt_token_ids: list[int], sampling: WireSamplingParams) -> PromptLogprobs | None:
+    """Deterministic prompt scores when asked: position i (1..P-1) at -i/8 with rank k + 1, the `prompt_logprobs` = k
+    alternatives ids 1..k at -1/32, -2/32, ... (more likely, so a prompt of ids above k never is among them)."""
+    k = sampling.prompt_logprobs
+    if k is None:
+        return None
+    positions = range(1, len(prompt_token_ids))
+    return PromptLogprobs(
+        logprobs=[-i / 8 for i in positions],
+        ranks=[k + 1 for _ in positions],
+        top_token_ids=[list(range(1, k + 1)) for _ in positions],
+        top_logprobs=[[-j / 32 for j in range(1, k + 1)] for _ in positions],
+    )
+
+
+def _logprobs(token_ids: list[int], sampling: WireSamplingParams) -> list[TokenLogprobs]:
     """Deterministic logprobs: the sampled id at -0.5, then `logprobs` alternatives at -1, -2, ..."""
     k = sampling.logprobs or 0
     return [

@@ -12,14 +12,14 @@ from deepinfer.protocol import (
     DecodeAccepted,
     DecodeRequest,
     DecodeStatus,
-    SamplingParams,
     TokenBatch,
     TokenChunk,
+    WireSamplingParams,
 )
 
 
 async def decode_locally(bus: MessageBus, model: str, decode_id: str, gateway_id: str, request_id: str,
-                         prompt: Sequence[int], sampling: SamplingParams,
+                         prompt: Sequence[int], sampling: WireSamplingParams,
                          timeout_s: float = 30) -> tuple[list[int], TokenChunk]:
     """Decode worker `decode_id` computes `prompt`: (every token it streamed, the first chunk)."""
     chunks: list[TokenChunk] = []

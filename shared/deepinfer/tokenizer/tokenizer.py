@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from deepinfer.tokenizer.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: Texts longer than this are encoded with the GIL released (`encode_batch`): `encode` holds it for the whole call,
+#: ~1-2 µs per character: a 1 MB prompt on a tokenizer thread would stall the event loop for a second or more.
+GIL_FREE_ENCODE_CHARS = 4096
 #: Compiled chat templates kept per tokenizer (a model has a few; more are requests' own templates).
 MAX_COMPILED_TEMPLATES = 8
 
@@ -102,8 +106,9 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the post-processor adds (BOS for some models)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens adds what the post-processor adds (BOS for some models). A long
+        text is encoded with the GIL released, so other threads run meanwhile."""
+        return encode_ids(self.backend, text, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`, as transformers' `decode` gives it."""
@@ -116,6 +121,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string, or None."""
         return self.backend.token_to_id(token)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its decoded text): a text of more than
+        `n * max_token_chars` characters cannot be fewer than n tokens (~0.1 s for a 50k vocabulary: once)."""
+        texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, max(map(len, texts), default=1))
 
     @property
     def bos_token_id(self) -> int | None:
@@ -202,6 +214,13 @@ class Tokenizer:
             while len(cache) > MAX_COMPILED_TEMPLATES:
                 cache.popitem(last=False)
         return compiled
+
+
+def encode_ids(backend: BackendTokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """`backend.encode(text).ids`; past GIL_FREE_ENCODE_CHARS through `encode_batch`, which releases the GIL."""
+    if len(text) > GIL_FREE_ENCODE_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def _register_special_tokens(backend: BackendTokenizer, tokens: list[str]) -> None:

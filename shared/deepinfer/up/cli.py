@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode", type=_count, default=1, metavar="M", help="decode workers (default: 1)")
     parser.add_argument(
-        "--schedulers", type=_count_positive, default=1, metavar="K", help="scheduler replicas (default: 1)"
+        "--schedulers", type=_count_positive, default=None, metavar="K",
+        help="scheduler replicas (default: 2 from 4 usable cores, else 1; gateways route themselves while none "
+        "answers)",
     )
     parser.add_argument(
         "--kvcache", type=_count, default=1, metavar="S",

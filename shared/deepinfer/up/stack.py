@@ -35,7 +35,7 @@ from deepinfer.config import (
     derive_served_model_name,
     env_name,
 )
-from deepinfer.cpus import default_gateway_processes
+from deepinfer.cpus import default_gateway_processes, default_num_schedulers
 from deepinfer.nats_server import NatsServer, find_nats_server, free_port
 from deepinfer.up.devices import WorkerDevice, count_nvidia_gpus, default_num_prefill, plan_devices
 from deepinfer.up.probes import HttpReadyProbe, Probe, TcpGreetingProbe
@@ -86,7 +86,8 @@ class Stack:
     As a context manager, entering does start() and wait_ready(start_timeout_s); leaving does stop().
     `port=0` picks a free API port. `log_dir=None` logs to a temporary directory removed by `stop()`.
     `base_env` is the environment the children inherit (None: this process's); `env_overrides` go last.
-    `num_prefill=None`: `devices.default_num_prefill` (none on a single GPU, else one).
+    `num_prefill=None`: `devices.default_num_prefill` (none on a single GPU, else one); `num_schedulers=None`:
+    `cpus.default_num_schedulers` (two from 4 usable cores, else one).
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class Stack:
         port: int = 8000,
         num_prefill: int | None = None,
         num_decode: int = 1,
-        num_schedulers: int = 1,
+        num_schedulers: int | None = None,
         num_gateways: int | None = None,
         num_kvcache: int = 1,
         env_overrides: Mapping[str, str] | None = None,
@@ -109,6 +110,8 @@ class Stack:
     ) -> None:
         if num_prefill is None:
             num_prefill = default_num_prefill(device, self._count_gpus(device, num_gpus))
+        if num_schedulers is None:
+            num_schedulers = default_num_schedulers()
         if min(num_prefill, num_decode) < 0 or num_schedulers < 1:
             raise ValueError("need num_prefill >= 0, num_decode >= 0 and num_schedulers >= 1")
         self.model = _absolute_if_path(model)

@@ -36,6 +36,7 @@ from deepinfer.engine import (
     EngineRequest,
     EngineStats,
     KvCacheEvent,
+    StartProgress,
 )
 from deepinfer.protocol import (
     Cancel,
@@ -69,9 +70,19 @@ CLOSE_FLUSH_S = 2.0
 #: scheduler's in-flight counts end at a heartbeat, so a routed request stops counting twice, and a finished one
 #: stops counting as load, within this.
 LOAD_CHANGE_HEARTBEAT_S = 0.05
+#: While the engine loads, one log line this often says which phase it is in (a start shorter than this: none).
+START_REPORT_INTERVAL_S = 5.0
 #: Young-generation collection threshold once the engine is loaded (Python's default: 700 allocations; the
 #: gateway's too, services/gateway/main.py).
 GC_THRESHOLD_0 = 10_000
+
+
+async def report_slow_start(progress: StartProgress, interval_s: float) -> None:
+    """Every `interval_s` until cancelled, one log line: how long the engine has been starting, the phase it is in
+    and the phases done, e.g. "engine starting for 10 s: preparing the model 0.1 s, loading weights 9.9 s (now)"."""
+    while True:
+        await asyncio.sleep(interval_s)
+        log.info("engine starting for %.0f s: %s", progress.elapsed_s(), progress.describe())
 
 
 class WorkerRuntime:
@@ -143,12 +154,18 @@ class WorkerRuntime:
         started = time.perf_counter()
         # The store's shards heartbeat every second or so: follow them while the model loads.
         client = await start_store_client(self.settings, self.bus) if self.settings.kv_store else None
+        progress = StartProgress()
+        reporter = asyncio.create_task(report_slow_start(progress, START_REPORT_INTERVAL_S), name="start-progress")
         try:
-            self.engine = engine = await asyncio.to_thread(Engine, engine_args(self.settings))
+            self.engine = engine = await asyncio.to_thread(Engine, engine_args(self.settings), progress)
         except BaseException:
             if client is not None:
                 await client.close()
             raise
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
         gc.freeze()  # the model and start-up objects never die: keep them out of every later collection
         # Young collections every GC_THRESHOLD_0 allocations, not 700: a wave of 64 admissions (a task, futures and
         # coroutines each, alive for milliseconds) set off one on the event loop every ~10 admissions, ~100 µs
@@ -177,9 +194,9 @@ class WorkerRuntime:
         elif client is not None:
             await client.close()
         log.info(
-            "engine loaded in %.1f s: %s, %d KV blocks, layout %s, execution mode %s",
+            "engine loaded in %.1f s: %s, %d KV blocks, layout %s, execution mode %s (%s)",
             time.perf_counter() - started, engine.model_dir.name, engine.num_kv_blocks, self.layout.layout_id(),
-            engine.execution_mode,
+            engine.execution_mode, progress.describe(),
         )
 
     async def start(self, internal_address: str, data_plane_address: str) -> None:

@@ -9,8 +9,9 @@ import secrets
 from typing import Any
 
 from deepinfer.config import WorkerSettings
+from deepinfer.defaults import DEFAULT_CPU_PREFILL_CHUNK_S
 from deepinfer.engine import EngineArgs
-from deepinfer.protocol import SamplingParams as WireSamplingParams
+from deepinfer.protocol import WireSamplingParams
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -31,19 +32,29 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         kv_host_cache_bytes=None if settings.kv_host_cache_bytes is None else int(settings.kv_host_cache_bytes),
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
+        prefill_chunk_s=worker_prefill_chunk_s(settings),
         batch_invariant=settings.batch_invariant,
         execution_mode=settings.execution_mode,
         mixed_step_decode_kernel=settings.mixed_step_decode_kernel,
         graph_sampling=settings.graph_sampling,
         admission_window_s=settings.admission_window_s,
-        eager_step_switch_interval_s=settings.gil_switch_interval_eager_step_s,
+        eager_step_switch_interval_s=settings.eager_step_switch_interval_s,
         load_format=settings.load_format,
         tensor_parallel_size=settings.tensor_parallel_size,
         enable_kv_events=True,
         model_revision=common.model_revision,
-        cache_dir=common.model_cache_dir,
+        model_cache_dir=common.model_cache_dir,
         progress=False,
     )
+
+
+def worker_prefill_chunk_s(settings: WorkerSettings) -> float:
+    """The worker's prefill_chunk_s: its setting, else DEFAULT_CPU_PREFILL_CHUNK_S on the CPU and 0 (off) on an
+    accelerator, where a step of the whole token budget takes milliseconds."""
+    if settings.prefill_chunk_s is not None:
+        return settings.prefill_chunk_s
+    device = EngineArgs(device=settings.device).resolve_device()
+    return DEFAULT_CPU_PREFILL_CHUNK_S if device.type == "cpu" else 0.0
 
 
 #: Seeds of requests that set none. A generator seeded once from the OS, not `secrets` per request: that is a

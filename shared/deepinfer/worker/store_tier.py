@@ -135,6 +135,8 @@ class StoreTier:
     async def add_request(self, request: EngineRequest) -> Admission:
         """Admit a request to compute, its stored prefix loaded instead of recomputed where the store has it.
         ValueError for an invalid request, like Engine.add_request."""
+        if request.sampling_params.prompt_logprobs is not None:  # computed whole: stored KV has no logits
+            return await self.engine_loop.call(AddRequest(request))
         tokens = [*request.prompt_token_ids, *request.output_token_ids]
         hashes = hash_blocks(tokens, self.block_size, self.fingerprint, request.cache_salt)[
             : (len(tokens) - 1) // self.block_size]

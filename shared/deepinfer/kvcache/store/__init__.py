@@ -28,11 +28,10 @@ from deepinfer.kvcache.store.events import StoreEvent, StoreEventKind
 from deepinfer.kvcache.store.metrics import StoreMetrics, Tier
 from deepinfer.kvcache.store.scan import CorruptReason
 from deepinfer.kvcache.store.segments import StoreLockedError
-from deepinfer.kvcache.store.settings import DEFAULT_TTL_S, FsyncPolicy, StoreSettings
+from deepinfer.kvcache.store.settings import FsyncPolicy, StoreSettings
 from deepinfer.kvcache.store.store import KvStore, StoreStats
 
 __all__ = [
-    "DEFAULT_TTL_S",
     "CompactionProgress",
     "CorruptReason",
     "FsyncPolicy",

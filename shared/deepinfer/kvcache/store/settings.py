@@ -6,8 +6,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-#: Default retention: a block expires this long after its last use (ARCHITECTURE §5).
-DEFAULT_TTL_S = 72 * 3600.0
+from deepinfer.defaults import (
+    DEFAULT_STORE_DISK_BYTES,
+    DEFAULT_STORE_FSYNC,
+    DEFAULT_STORE_RAM_BYTES,
+    DEFAULT_STORE_TTL_S,
+)
 
 
 class FsyncPolicy(StrEnum):
@@ -27,16 +31,16 @@ class StoreSettings:
     """Capacity, retention and durability of one store shard; `disk_dir=None` keeps blocks in RAM only."""
 
     #: RAM tier capacity: payload bytes of the blocks held in memory (LRU by bytes). 0 disables the tier.
-    ram_bytes: int = 4 << 30
+    ram_bytes: int = DEFAULT_STORE_RAM_BYTES
     #: Directory of the segment files; None for a RAM-only store (nothing survives a restart).
     disk_dir: Path | None = None
     #: Disk tier capacity: bytes of the live records (header + key + payload, touch records included).
-    disk_bytes: int = 256 << 30
+    disk_bytes: int = DEFAULT_STORE_DISK_BYTES
     #: A block expires this long after its last use (get or put), in every tier.
-    ttl_s: float = DEFAULT_TTL_S
+    ttl_s: float = DEFAULT_STORE_TTL_S
     #: A segment file is sealed once the next record would take it past this size.
     segment_bytes: int = 256 << 20
-    fsync: FsyncPolicy = FsyncPolicy.NONE
+    fsync: FsyncPolicy = FsyncPolicy(DEFAULT_STORE_FSYNC)
     #: Check every payload's checksum while rebuilding the index (reads all data once); False checks headers
     #: only and leaves payloads to the per-read check (which always runs).
     verify_on_open: bool = True
