@@ -66,12 +66,20 @@ def test_paged_attention_long_chunk_over_a_long_prefix(head_dim):
                                torch_ops.paged_attention(query, cache, meta, head_dim**-0.5), atol=2e-5, rtol=2e-5)
 
 
-def test_paged_attention_bfloat16_stays_close_to_the_twin():
-    cache, query, meta = _case([29, 12, 80, 40], [29, 1, 30, 1], 16, 8, 2, 32, torch.bfloat16, seed=5)
-    out = sdpa_paged.paged_attention(query, cache, meta, 32**-0.5)
+@pytest.mark.parametrize("batch", [
+    ([29, 12, 80, 40], [29, 1, 30, 1]),  # a cold prompt, a chunk over a prefix, decodes beside them
+    ([9, 30, 2, 17, 64], [1, 1, 1, 1, 1]),  # decode only, ragged: the padded batch with its key mask
+    ([40], [1]),  # a lone decode
+], ids=["mixed", "decodes", "one-decode"])
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_paged_attention_bfloat16_stays_close_to_the_twin(batch, sliding_window):
+    """The dtype `auto` gives on a CPU with bf16 instructions: the kernel's float32 accumulation against the twin's
+    float32 scores, within bfloat16's rounding of the output."""
+    cache, query, meta = _case(*batch, 16, 9, 3, 64, torch.bfloat16, seed=5)
+    out = sdpa_paged.paged_attention(query, cache, meta, 64**-0.5, sliding_window)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), torch_ops.paged_attention(query, cache, meta, 32**-0.5).float(),
-                               atol=2e-2, rtol=2e-2)
+    expected = torch_ops.paged_attention(query, cache, meta, 64**-0.5, sliding_window)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_one_gather_plan_serves_every_layer_of_the_step():
@@ -112,6 +120,34 @@ def test_mla_paged_attention_matches_the_twin(batch):
     assert out.shape == (query.shape[0], 4, kv_lora_rank) and not out[meta.query_start_loc_cpu[-1]:].any()
 
 
+def test_mla_paged_attention_bfloat16_stays_close_to_the_twin():
+    cache, query, meta = _case([30, 7, 12], [6, 1, 12], 4, 4, 1, 32, torch.bfloat16, seed=8, width=32)
+    out = sdpa_paged.mla_paged_attention(query, cache, meta, 0.2, 24)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch_mla.mla_paged_attention(query, cache, meta, 0.2, 24).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_causal_attention_matches_the_twin(dtype):
+    """MLA's prefill rows on the CPU (sdpa_varlen): cold prompts (is_causal), prompts over a prefix (a bottom-right
+    mask), an empty sequence, V narrower than Q/K (padded for the kernel), and 3 padding query rows."""
+    g = torch.Generator().manual_seed(13)
+    q_lens, k_lens = [7, 3, 0, 12], [7, 20, 5, 30]
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    query = torch.randn(cu_q[-1] + 3, 4, 24, generator=g).to(dtype)
+    key = torch.randn(cu_k[-1], 4, 24, generator=g).to(dtype)
+    value = torch.randn(cu_k[-1], 4, 16, generator=g).to(dtype)
+    out = cpu_ops.varlen_causal_attention(query, key, value, cu_q, cu_k, 0.2)
+    expected = torch_mla.varlen_causal_attention(query, key, value, cu_q, cu_k, 0.2)
+    assert out.dtype == dtype and out.shape == (query.shape[0], 4, 16) and not out[cu_q[-1]:].any()
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reshape_and_cache_matches_the_twin(padding, dtype):
@@ -147,5 +183,6 @@ def test_get_ops_cpu_takes_the_cpu_ops():
     assert ops.paged_attention is sdpa_paged.paged_attention
     assert ops.attention_plan is sdpa_paged.AttentionPlan
     assert ops.mla_paged_attention is sdpa_paged.mla_paged_attention
+    assert ops.varlen_causal_attention is cpu_ops.varlen_causal_attention
     assert ops.reshape_and_cache is cpu_ops.reshape_and_cache and ops.rotary_embedding is cpu_ops.rotary_embedding
     assert ops.rms_norm is torch_ops.rms_norm  # the rest stay the twins
