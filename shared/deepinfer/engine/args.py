@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.cpus import has_bf16_instructions
 from deepinfer.defaults import (
     DEFAULT_ACCELERATOR,
     DEFAULT_ADMISSION_WINDOW_S,
@@ -47,7 +48,8 @@ class EngineArgs:
 
     #: A Hugging Face directory, a .gguf file, or a known name (None = the default model).
     model: str | Path | None = None
-    #: "auto" = bfloat16 on a GPU, float32 on the CPU.
+    #: "auto" = bfloat16 on a GPU and on a CPU with bf16 instructions (deepinfer.cpus.has_bf16_instructions:
+    #: avx512_bf16, amx_bf16), float32 on other CPUs.
     dtype: str | torch.dtype = DEFAULT_DTYPE
     #: "auto" = the GPU when there is one, else the CPU.
     device: str = DEFAULT_DEVICE
@@ -165,7 +167,7 @@ class EngineArgs:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
+            return torch.float32 if device.type == "cpu" and not has_bf16_instructions() else torch.bfloat16
         try:
             return _DTYPES[self.dtype.lower()]
         except KeyError:
