@@ -1,6 +1,6 @@
 """CPU bench: prefill and decode of our offline engine against `transformers` (sdpa), same weights, same process.
 
-    python bench/cpu.py [--prefill 512,2048,6000] [--decode 1,8] [--repeats 3] [--threads 2] [--dtype float32]
+    python bench/cpu.py [--prefill 512,2048,6000,8000] [--decode 1,8] [--repeats 3] [--threads 2] [--dtype float32]
                         [--hf-dtype float32] [--decode-context 512] [--decode-steps 64] [--model NAME_OR_PATH]
 
 Prefill: one prompt of fresh random token ids (never a prefix hit), max_tokens=1 on both sides (`LLM.generate`
@@ -135,7 +135,7 @@ def main() -> None:
     """Build both sides, run the rows, print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--prefill", default="512,2048,6000", help="prompt lengths ('' = none)")
+    parser.add_argument("--prefill", default="512,2048,6000,8000", help="prompt lengths ('' = none)")
     parser.add_argument("--decode", default="1,8", help="decode batch sizes ('' = none)")
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=64)
