@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,26 +20,14 @@ from deepinfer.defaults import default_model_cache_dir
 from deepinfer.model_store import resolve_model
 from deepinfer.testing.lm_eval_tasks import compare, lm_eval_commands, table, write_tasks
 from deepinfer.up import Stack
-from tests.e2e.conftest import STACK_ENV
 
 pytestmark = pytest.mark.e2e
 
 LM_EVAL = os.environ.get("DEEPINFER_TEST_LM_EVAL") or shutil.which("lm_eval")
 
 
-@pytest.fixture(scope="module")
-def float32_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A stack of its own in float32: a parity test, where the shared one runs "auto" (bfloat16 on a CPU with bf16
-    instructions)."""
-    env = {**STACK_ENV, "DEEPINFER_DATA_DIR": str(tmp_path_factory.mktemp("data")),
-           "DEEPINFER_PREFILL_DTYPE": "float32", "DEEPINFER_DECODE_DTYPE": "float32"}
-    with Stack(port=0, env_overrides=env, start_timeout_s=240) as running:
-        yield running
-
-
 @pytest.mark.skipif(LM_EVAL is None, reason="no lm_eval CLI (set DEEPINFER_TEST_LM_EVAL)")
-def test_lm_eval_local_completions_matches_its_hf_model(float32_stack: Stack, tmp_path: Path):
-    stack = float32_stack
+def test_lm_eval_local_completions_matches_its_hf_model(stack: Stack, tmp_path: Path):
     model_dir = resolve_model(stack.model, default_model_cache_dir(), progress=False)
     commands = lm_eval_commands(str(LM_EVAL), write_tasks(tmp_path / "tasks"), tmp_path, f"{stack.base_url}/completions",
                                 stack.model_name, model_dir, batch_size=4)
