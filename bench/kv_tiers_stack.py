@@ -48,19 +48,21 @@ class Model:
 
 
 def load_model(model: str, device: str) -> Model:
-    """The served model's KV cost per token (float32 on the CPU, bfloat16 on a GPU: the workers' "auto") and a
+    """The served model's KV cost per token (in the workers' "auto" dtype: EngineArgs.resolve_dtype) and a
     tokenizer to size prompts with."""
     import tokenizers
+    import torch
 
     from deepinfer.config import CommonSettings
     from deepinfer.defaults import DEFAULT_BLOCK_SIZE
+    from deepinfer.engine import EngineArgs
     from deepinfer.model_store import resolve_model
     from deepinfer.models.config import ModelConfig
 
     directory = resolve_model(model, CommonSettings().model_cache_dir, progress=False)
     hf = json.loads((directory / "config.json").read_text())
     config = ModelConfig.from_hf_config(hf)
-    dtype = "float32" if device == "cpu" else "bfloat16"
+    dtype = EngineArgs().resolve_dtype(torch.device(device))
     tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     return Model(model, config.kv_bytes_per_token(dtype), DEFAULT_BLOCK_SIZE,
                  lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids),

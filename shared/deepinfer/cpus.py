@@ -1,4 +1,5 @@
-"""The CPU cores this process may use, and what follows from them (how many gateway processes to run).
+"""The CPUs this process may use (how many cores, which instructions) and what follows from them (how many gateway
+processes to run, the engine's dtype on the CPU).
 
 Usable cores = the cgroup v2 CPU quota (`cpu.max` of this process's cgroup and its ancestors: a container's
 CPU limit) when one is set, else the CPUs this process may run on (`os.sched_getaffinity`: cpusets, taskset).
@@ -13,6 +14,10 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+PROC_CPUINFO = Path("/proc/cpuinfo")
+#: CPU flags (Linux /proc/cpuinfo names) of bf16 dot-product instructions: with them torch's bf16 matmuls run
+#: about twice as fast as float32 (bench/cpu.py; docs/cpu.md).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 #: Gateway processes per usable core when unset (`GatewaySettings.processes`, `deepinfer up`), and their range.
 CORES_PER_GATEWAY = 4
 MAX_AUTO_GATEWAYS = 4
@@ -97,3 +102,16 @@ def default_num_schedulers(num_cpus: int | None = None) -> int:
     their own heartbeat tables (GatewaySettings.route_fallback), so no request fails either way."""
     cpus = usable_cpus() if num_cpus is None else num_cpus
     return 2 if cpus >= CORES_FOR_TWO_SCHEDULERS else 1
+
+
+def has_bf16_instructions(cpuinfo: Path = PROC_CPUINFO) -> bool:
+    """True when the first `flags` line of /proc/cpuinfo lists a bf16 instruction set (BF16_FLAGS); False when it
+    does not, or where there is no such file (macOS, Windows)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return not set(BF16_FLAGS).isdisjoint(line.partition(":")[2].split())
+    return False

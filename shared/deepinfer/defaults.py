@@ -31,7 +31,7 @@ def default_model_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 # -- the engine: EngineArgs, EngineConfig, WorkerSettings (and CommonSettings.accelerator) ------------------------
 #: "auto" = the GPU when there is one, else the CPU.
 DEFAULT_DEVICE = "auto"
-#: "auto" = bfloat16 on a device, float32 on the CPU.
+#: "auto" = bfloat16 on a device and on a CPU with bf16 instructions, else float32 (EngineArgs.resolve_dtype).
 DEFAULT_DTYPE = "auto"
 #: "auto" = the kernels of the device (deepinfer.kernels).
 DEFAULT_ACCELERATOR = "auto"

@@ -16,6 +16,12 @@ from deepinfer.up import Stack
 STACK_ENV = {
     "DEEPINFER_GATEWAY_API_KEYS": "",
     "OMP_NUM_THREADS": "1",  # two workers share two cores
+    # float32, not "auto" (bfloat16 on a CPU with bf16 instructions): the tier asserts answers equal token for token
+    # across a prefix-cache hit, a store load and a migrated stream, which holds in float32 and not in bfloat16
+    # (docs/cpu.md, "The auto dtype"); the lm-eval parity is against transformers in float32. test_demo runs the
+    # default dtype.
+    "DEEPINFER_PREFILL_DTYPE": "float32",
+    "DEEPINFER_DECODE_DTYPE": "float32",
     # Short leases and timeouts so failure tests finish quickly; defaults are for production.
     "DEEPINFER_SCHEDULER_WORKER_LEASE_S": "2",
     # The shared stack has one decode worker: its failure tests check the clean error a lost worker leaves when

@@ -30,6 +30,7 @@ TINY_ENV = {
     "DEEPINFER_DECODE_BLOCK_SIZE": "4",
     # prompts of more than 16 tokens are computed over several steps, their scores gathered across them
     "DEEPINFER_DECODE_MAX_NUM_BATCHED_TOKENS": "16",
+    "DEEPINFER_DECODE_DTYPE": "float32",  # a parity test: not "auto" (bfloat16 on a CPU with bf16 instructions)
 }
 IDS = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300, 6, 70, 71, 72, 73, 74, 75]
 

@@ -34,6 +34,21 @@ def test_short_steps_are_not_measured_and_the_floor_is_one_block():
     assert timer.max_prefill_tokens == 16
 
 
+def test_one_slow_step_does_not_pin_the_budget_at_one_block():
+    """A 6,000-token prompt on the CPU after a slow first step: 16-token steps of 40 ms ran for the rest of the
+    prompt (71 tok/s against ~700 in 2,048-token steps) while none of them was measured."""
+    timer = ChunkTimer(0.5, block_size=16, max_tokens=2048)
+    timer.observe(32, 1.3)  # the first step after start: 40 ms a token
+    assert timer.max_prefill_tokens == 16
+    timer.observe(16, 0.04)  # 2.5 ms a token: a step of its whole budget is measured
+    assert timer.seconds_per_token == pytest.approx((0.04 / 16 + 1.3 / 32) / 2)
+    for _ in range(8):
+        timer.observe(timer.max_prefill_tokens, 0.0025 * timer.max_prefill_tokens)
+    assert timer.max_prefill_tokens >= 160
+    timer.observe(8, 0.04)  # a prompt's last few tokens, below the budget: still not measured
+    assert timer.max_prefill_tokens >= 160
+
+
 def test_target_must_be_positive():
     with pytest.raises(ValueError):
         ChunkTimer(0, block_size=16, max_tokens=2048)

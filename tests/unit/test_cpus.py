@@ -78,3 +78,30 @@ def test_gateway_processes_setting(monkeypatch: pytest.MonkeyPatch):
 
 def test_up_runs_two_schedulers_from_four_cores():
     assert [default_num_schedulers(n) for n in (1, 2, 3, 4, 64)] == [1, 1, 1, 2, 2]
+
+
+def test_bf16_instructions_read_from_the_cpuinfo_flags(tmp_path: Path):
+    from deepinfer.cpus import has_bf16_instructions
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n\nflags\t: fpu\n")
+    assert has_bf16_instructions(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile amx_bf16\n")
+    assert has_bf16_instructions(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")  # no bf16: float32 on such CPUs
+    assert not has_bf16_instructions(cpuinfo)
+    assert not has_bf16_instructions(tmp_path / "missing")  # macOS, Windows
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    from deepinfer.engine import EngineArgs, args
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(args, "has_bf16_instructions", lambda: True)
+    assert EngineArgs().resolve_dtype(cpu) == torch.bfloat16
+    assert EngineArgs(dtype="float32").resolve_dtype(cpu) == torch.float32  # the way back
+    monkeypatch.setattr(args, "has_bf16_instructions", lambda: False)
+    assert EngineArgs().resolve_dtype(cpu) == torch.float32
+    assert EngineArgs().resolve_dtype(torch.device("meta")) == torch.bfloat16  # any accelerator

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deepinfer.kernels import build_attention_metadata, get_ops, torch_mla, torch_moe
+from deepinfer.kernels import build_attention_metadata, get_ops, sdpa_paged, torch_mla, torch_moe
 from deepinfer.testing.triton_interpret import interpreted_kernels
 
 KERNEL_MODULES = ("triton_moe", "triton_mla", "triton_ops")
@@ -168,7 +168,7 @@ def test_cuda_ops_carry_the_deepseek_kernels(ops):
     assert cuda_ops.mla_cache_write is ops.triton_mla.mla_cache_write
     assert cpu_ops.mla_cache_write is torch_mla.mla_cache_write
     assert cpu_ops.fused_moe is torch_moe.fused_moe
-    assert cpu_ops.mla_paged_attention is torch_mla.mla_paged_attention
+    assert cpu_ops.mla_paged_attention is sdpa_paged.mla_paged_attention  # the CPU's SDPA twin of the reference
 
 
 @pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m"),

@@ -278,7 +278,8 @@ class WorkerSettings(ServiceSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between WorkerLoad heartbeats.")
     device: str = Field(DEFAULT_DEVICE, description="torch device, e.g. cuda:0, npu:0, cpu; auto = the best available.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        DEFAULT_DTYPE, description="Weights and KV dtype; auto = bfloat16 on a device, float32 on the CPU."
+        DEFAULT_DTYPE, description="Weights and KV dtype; auto = bfloat16 on a device and on a CPU with bf16 "
+        "instructions (avx512_bf16, amx_bf16), else float32 (docs/cpu.md).",
     )
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="Tokens per KV block (a power of two).")
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, description="Most sequences in one batch.")

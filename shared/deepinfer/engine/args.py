@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.cpus import has_bf16_instructions
 from deepinfer.defaults import (
     DEFAULT_ACCELERATOR,
     DEFAULT_ADMISSION_WINDOW_S,
@@ -49,7 +50,8 @@ class EngineArgs:
 
     #: A Hugging Face directory, a .gguf file, or a known name (None = the default model).
     model: str | Path | None = None
-    #: "auto" = bfloat16 on a GPU, float32 on the CPU.
+    #: "auto" = bfloat16 on a GPU and on a CPU with bf16 instructions (deepinfer.cpus.has_bf16_instructions:
+    #: avx512_bf16, amx_bf16), float32 on other CPUs.
     dtype: str | torch.dtype = DEFAULT_DTYPE
     #: "auto" = the GPU when there is one, else the CPU.
     device: str = DEFAULT_DEVICE
@@ -180,7 +182,7 @@ class EngineArgs:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
+            return torch.float32 if device.type == "cpu" and not has_bf16_instructions() else torch.bfloat16
         try:
             return _DTYPES[self.dtype.lower()]
         except KeyError:

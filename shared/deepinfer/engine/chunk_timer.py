@@ -40,7 +40,9 @@ class ChunkTimer:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step computed `num_tokens` tokens in `seconds`: update the average and the step's prompt tokens."""
-        if num_tokens < self.min_sample_tokens or seconds <= 0:
+        # A step of its whole budget is measured even when that is one block: else one slow step (the first after
+        # start, a loaded machine) would pin the budget at one block for good, its steps never measured again.
+        if num_tokens < min(self.min_sample_tokens, self.max_prefill_tokens) or seconds <= 0:
             return
         sample = seconds / num_tokens
         previous = self.seconds_per_token

@@ -1,7 +1,8 @@
 """Kernel ops behind one small interface, chosen once at start from the accelerator.
 
 Models receive a `KernelOps` and never branch on the device. The torch twins (`torch_ops`) define the
-semantics; faster implementations plug in through `_accelerated_overrides`, the one place that knows them.
+semantics; faster implementations (the CPU's SDPA attention, the Triton kernels) plug in through
+`_accelerated_overrides`, the one place that knows them.
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ logger = logging.getLogger(__name__)
 ACCELERATORS = ("cpu", "cuda", "ascend")
 
 #: accelerator -> module that may provide faster ops through `overrides() -> dict[op name, callable]`.
-#: CUDA 13 images run the Triton kernels; CANN 9.2 images (torch_npu + triton-ascend) compile the same kernel
-#: source for Ascend NPUs. The Ascend path is UNTESTED HARDWARE: no CI or team machine has an NPU; only this
-#: selection logic is tested (on the CPU).
-_ACCELERATED_MODULES = {"cuda": "deepinfer.kernels.triton_ops", "ascend": "deepinfer.kernels.triton_ops"}
+#: The CPU runs attention through torch's fused SDPA kernels (cpu_ops), the twins for the rest. CUDA 13 images
+#: run the Triton kernels; CANN 9.2 images (torch_npu + triton-ascend) compile the same kernel source for Ascend
+#: NPUs. The Ascend path is UNTESTED HARDWARE: no CI or team machine has an NPU; only this selection logic is
+#: tested (on the CPU).
+_ACCELERATED_MODULES = {
+    "cpu": "deepinfer.kernels.cpu_ops",
+    "cuda": "deepinfer.kernels.triton_ops",
+    "ascend": "deepinfer.kernels.triton_ops",
+}
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ def _torch_twins(accelerator: str) -> KernelOps:
 
 
 def _accelerated_overrides(accelerator: str) -> dict[str, Callable[..., Any]]:
-    """Faster ops for this accelerator, imported lazily; {} while none exist (twins are used)."""
+    """Faster ops for this accelerator, imported lazily; {} where none exist (twins are used)."""
     module_name = _ACCELERATED_MODULES.get(accelerator)
     if module_name is None:
         return {}

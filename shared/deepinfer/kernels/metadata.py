@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,9 @@ class AttentionMetadata:
     #: Graph mode (kernels.triton_graph_attention): [1 + 2 * capacity] int32 on device, the step's prefill tiles;
     #: the device tensors above are then static buffers padded to the bucket. None: the eager launches.
     prefill_tiles: torch.Tensor | None = None
+    #: Work of one step that a kernel would otherwise redo in every layer (every layer reads the same tables),
+    #: by the kernel's key: the CPU attention's gather indices (kernels.sdpa_paged). Filled by the first layer.
+    layer_shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -57,11 +57,24 @@ def mla_cache_write(
     flat.index_copy_(0, slot_mapping[keep], torch.cat((kv_c, k_pe), dim=-1)[keep])
 
 
-def _context_rows(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def context_rows(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's first seq_len latent rows: [seq_len, latent_dim]."""
     block_size = latent_cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     return latent_cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def check_mla_attention_call(query: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Assert the shapes and dtypes of an `mla_paged_attention` call (shared with its CPU version, sdpa_paged)."""
+    _check_latent_cache(latent_cache)
+    assert query.dim() == 3 and query.shape[2] == latent_cache.shape[2], (
+        f"query must be [T, H, {latent_cache.shape[2]}], got {tuple(query.shape)}"
+    )
+    assert query.dtype == latent_cache.dtype, f"query {query.dtype} vs latent_cache {latent_cache.dtype}"
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    assert len(starts) == len(seq_lens) + 1 and starts[-1] <= query.shape[0], (
+        f"query_start_loc_cpu {starts} does not fit seq_lens_cpu {seq_lens} and T={query.shape[0]}"
+    )
 
 
 def mla_paged_attention(
@@ -72,15 +85,8 @@ def mla_paged_attention(
     Causal over each sequence's context exactly as `paged_attention`; returns [T, H, kv_lora_rank] in
     query.dtype (float32 accumulation). Rows past query_start_loc[-1] come back as zeros.
     """
-    _check_latent_cache(latent_cache)
-    assert query.dim() == 3 and query.shape[2] == latent_cache.shape[2], (
-        f"query must be [T, H, {latent_cache.shape[2]}], got {tuple(query.shape)}"
-    )
-    assert query.dtype == latent_cache.dtype, f"query {query.dtype} vs latent_cache {latent_cache.dtype}"
+    check_mla_attention_call(query, latent_cache, meta)
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    assert len(starts) == len(seq_lens) + 1 and starts[-1] <= query.shape[0], (
-        f"query_start_loc_cpu {starts} does not fit seq_lens_cpu {seq_lens} and T={query.shape[0]}"
-    )
     out = query.new_zeros(query.shape[0], query.shape[1], kv_lora_rank)
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = starts[b], starts[b + 1]
@@ -88,7 +94,7 @@ def mla_paged_attention(
         if q_len == 0:
             continue
         assert q_len <= seq_len, f"sequence {b}: {q_len} new tokens but seq_len {seq_len}"
-        rows = _context_rows(latent_cache, meta.block_tables[b], seq_len).float()  # [S, latent_dim]
+        rows = context_rows(latent_cache, meta.block_tables[b], seq_len).float()  # [S, latent_dim]
         q = query[q_start:q_end].float()  # [q_len, H, latent_dim]
         scores = torch.einsum("qhc,kc->hqk", q, rows) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
@@ -105,7 +111,7 @@ def gather_latent(
     """Every sequence's context rows, concatenated: ([sum(seq_lens), latent_dim], cu_seqlens_k host list)."""
     _check_latent_cache(latent_cache)
     parts = [
-        _context_rows(latent_cache, meta.block_tables[b], seq_len) for b, seq_len in enumerate(meta.seq_lens_cpu)
+        context_rows(latent_cache, meta.block_tables[b], seq_len) for b, seq_len in enumerate(meta.seq_lens_cpu)
     ]
     cu_seqlens_k = [0]
     for seq_len in meta.seq_lens_cpu:

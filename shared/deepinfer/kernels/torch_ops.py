@@ -23,6 +23,19 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write this step's K/V rows into their cache slots, in place; a slot < 0 marks padding (not written)."""
+    check_cache_write(key, value, kv_cache, slot_mapping)
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat[0].index_copy_(0, slots, key[keep])
+    flat[1].index_copy_(0, slots, value[keep])
+
+
+def check_cache_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Assert the shapes and dtypes of a `reshape_and_cache` call (shared with its CPU version, cpu_ops)."""
     _check_kv_cache(kv_cache)
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     assert key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
@@ -36,11 +49,6 @@ def reshape_and_cache(
         f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}"
     )
     assert slot_mapping.dtype == torch.int64, f"slot_mapping must be int64, got {slot_mapping.dtype}"
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    flat[0].index_copy_(0, slots, key[keep])
-    flat[1].index_copy_(0, slots, value[keep])
 
 
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -79,17 +87,8 @@ def _decode_rows(
     out[token_rows] = attended.reshape(len(rows), -1, head_dim).to(out.dtype)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Causal attention of each sequence's new rows over its whole context in the paged cache (GQA aware).
-
-    Rows past query_start_loc[-1] (batch padding) come back as zeros.
-    """
+def check_attention_call(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Assert the shapes and dtypes of a `paged_attention` call (shared with its CPU version, sdpa_paged)."""
     _check_kv_cache(kv_cache)
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     assert query.dim() == 3 and query.shape[2] == head_dim, (
@@ -102,7 +101,23 @@ def paged_attention(
     assert len(starts) == len(seq_lens) + 1 and starts[-1] <= query.shape[0], (
         f"query_start_loc_cpu {starts} does not fit seq_lens_cpu {seq_lens} and T={query.shape[0]}"
     )
-    group = num_heads // num_kv_heads
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new rows over its whole context in the paged cache (GQA aware).
+
+    Rows past query_start_loc[-1] (batch padding) come back as zeros.
+    """
+    check_attention_call(query, kv_cache, meta)
+    num_kv_heads = kv_cache.shape[3]
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    group = query.shape[1] // num_kv_heads
     out = torch.zeros_like(query)
     decode_rows = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
     if len(decode_rows) > 1:  # one batched gather for all single-token rows: the CPU decode hot path
@@ -183,6 +198,17 @@ def rotary_embedding(
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply RoPE at each row's absolute position; cos_sin_cache is [max_position, rotary_dim] float32."""
+    check_rotary_call(positions, query, key, cos_sin_cache)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim // 2] each
+    cos = cos.unsqueeze(1).to(query.dtype)
+    sin = sin.unsqueeze(1).to(query.dtype)
+    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
+
+
+def check_rotary_call(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Assert the shapes and dtypes of a `rotary_embedding` call (shared with its CPU version, cpu_ops)."""
     assert positions.dim() == 1 and positions.dtype == torch.int64, "positions must be [T] int64"
     assert query.dim() == 3 and key.dim() == 3, "query/key must be [T, H, D]"
     assert query.shape[0] == key.shape[0] == positions.shape[0], (
@@ -190,10 +216,6 @@ def rotary_embedding(
     )
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.dim() == 2, "cos_sin_cache: [P, rot] f32"
     assert cos_sin_cache.shape[1] <= query.shape[2], "rotary_dim exceeds head_dim"
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim // 2] each
-    cos = cos.unsqueeze(1).to(query.dtype)
-    sin = sin.unsqueeze(1).to(query.dtype)
-    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

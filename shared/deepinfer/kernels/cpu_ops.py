@@ -1,0 +1,74 @@
+"""The CPU's faster ops, with the torch twins' signatures and semantics (the twins stay the reference).
+
+Attention goes through torch's fused SDPA kernels (sdpa_paged, sdpa_varlen). The KV write and RoPE below are the
+twins with fewer torch calls: at decode every layer runs them on a few rows, where each call's dispatch costs more
+than its arithmetic. Every other op stays its twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from deepinfer.kernels import torch_ops
+from deepinfer.kernels.sdpa_paged import AttentionPlan, mla_paged_attention, paged_attention
+from deepinfer.kernels.sdpa_varlen import varlen_causal_attention
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`torch_ops.reshape_and_cache`; when no slot is padding (< 0), as in every eager step, without its
+    boolean-mask gathers: two index_copy_ calls."""
+    if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
+        torch_ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        return
+    torch_ops.check_cache_write(key, value, kv_cache, slot_mapping)
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])  # [2, num_slots, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch_ops.rotary_embedding`; the NeoX style (every Llama-family model) rotates each half straight into
+    its output, the GPT-J style goes to the twin."""
+    if not is_neox:
+        return torch_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    torch_ops.check_rotary_call(positions, query, key, cos_sin_cache)
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)  # [T, 1, rotary_dim]
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    return _rotate_neox(query, cos, sin), _rotate_neox(key, cos, sin)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with cos/sin [T, 1, rotary_dim // 2]: (x1 cos - x2 sin, x2 cos + x1 sin, the rest as is)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half : 2 * half]
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    if 2 * half < x.shape[-1]:
+        out[..., 2 * half :] = x[..., 2 * half :]
+    return out
+
+
+def overrides() -> dict[str, Callable[..., Any]]:
+    """Op name -> CPU implementation, for `deepinfer.kernels.get_ops("cpu")`."""
+    return {
+        "reshape_and_cache": reshape_and_cache,
+        "rotary_embedding": rotary_embedding,
+        "paged_attention": paged_attention,
+        "attention_plan": AttentionPlan,
+        "mla_paged_attention": mla_paged_attention,
+        "varlen_causal_attention": varlen_causal_attention,
+    }

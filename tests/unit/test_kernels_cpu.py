@@ -1,0 +1,188 @@
+"""The CPU's ops (kernels.cpu_ops, kernels.sdpa_paged) against the torch twins on random inputs: attention over cold
+prompts, prefix hits, chunked prefill, ragged decode batches, empty and padding rows, GQA, sliding windows, MLA,
+the step's gather plan shared by the layers; the KV write and RoPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import build_attention_metadata, cpu_ops, get_ops, sdpa_paged, torch_mla, torch_ops
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _case(seq_lens, query_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed, width=None):
+    """A random cache (never zeros) whose sequences own shuffled blocks, queries with 2 padding rows, metadata.
+    width: the cache's last dim when it differs from the query's (MLA's latent rows: width = head_dim)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in blocks_per_seq]
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim) if width is None else (num_blocks, block_size, width)
+    cache = (torch.randn(*shape, generator=g) * 2).to(dtype)
+    query = torch.randn(sum(query_lens) + 2, num_heads, head_dim, generator=g).to(dtype)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, [0] * (sum(query_lens) + 2))
+    return cache, query, meta
+
+
+# (seq_lens, query_lens): cold prompts, prefix hits, chunks of a long prompt, ragged decodes, empty rows, mixes.
+BATCHES = [
+    ([17], [17]),
+    ([1], [1]),
+    ([40], [1]),  # a lone decode: the per-sequence path
+    ([300], [128]),  # a chunk over a 172-token prefix
+    ([33, 5, 21], [33, 1, 6]),
+    ([7, 40, 1, 19, 16], [1, 40, 1, 3, 0]),
+    ([9, 30, 2, 17, 64], [1, 1, 1, 1, 1]),  # decode only, ragged: the batched padded path
+    ([64, 64, 64], [1, 1, 1]),  # decode only, equal lengths
+    ([130, 77, 5], [2, 77, 5]),  # a two-row tail over a prefix beside cold prompts
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (9, 3)])
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: "x".join(map(str, b[0])) + "q" + "x".join(map(str, b[1])))
+@pytest.mark.parametrize("sliding_window", [None, 6, 50])
+def test_paged_attention_matches_the_twin(block_size, num_heads, num_kv_heads, batch, sliding_window):
+    seq_lens, query_lens = batch
+    cache, query, meta = _case(seq_lens, query_lens, block_size, num_heads, num_kv_heads, 16, torch.float32, seed=3)
+    out = sdpa_paged.paged_attention(query, cache, meta, 0.3, sliding_window)
+    expected = torch_ops.paged_attention(query, cache, meta, 0.3, sliding_window)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert not out[meta.query_start_loc_cpu[-1]:].any(), "padding rows must come back as zeros"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_long_chunk_over_a_long_prefix(head_dim):
+    """The shapes of a real chunked prefill: a 256-row chunk over 700 cached tokens, with a decode beside it."""
+    cache, query, meta = _case([956, 300], [256, 1], 16, 8, 2, head_dim, torch.float32, seed=4)
+    torch.testing.assert_close(sdpa_paged.paged_attention(query, cache, meta, head_dim**-0.5),
+                               torch_ops.paged_attention(query, cache, meta, head_dim**-0.5), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("batch", [
+    ([29, 12, 80, 40], [29, 1, 30, 1]),  # a cold prompt, a chunk over a prefix, decodes beside them
+    ([9, 30, 2, 17, 64], [1, 1, 1, 1, 1]),  # decode only, ragged: the padded batch with its key mask
+    ([40], [1]),  # a lone decode
+], ids=["mixed", "decodes", "one-decode"])
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_paged_attention_bfloat16_stays_close_to_the_twin(batch, sliding_window):
+    """The dtype `auto` gives on a CPU with bf16 instructions: the kernel's float32 accumulation against the twin's
+    float32 scores, within bfloat16's rounding of the output."""
+    cache, query, meta = _case(*batch, 16, 9, 3, 64, torch.bfloat16, seed=5)
+    out = sdpa_paged.paged_attention(query, cache, meta, 64**-0.5, sliding_window)
+    assert out.dtype == torch.bfloat16
+    expected = torch_ops.paged_attention(query, cache, meta, 64**-0.5, sliding_window)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_one_gather_plan_serves_every_layer_of_the_step():
+    """The decode rows' gather indices are built by the first call and reused for the other layers' caches; a
+    different window, other tables (replaced metadata sharing the dict, or static tables rewritten) its own."""
+    cache, query, meta = _case([9, 30, 2, 17], [1, 1, 1, 1], 4, 6, 2, 16, torch.float32, seed=9)
+    query = query[:4]  # decodes only: the output is the attention itself
+    other_layer = torch.randn(cache.shape, generator=torch.Generator().manual_seed(10))
+    for layer_cache, window in ((cache, None), (other_layer, None), (other_layer, 5), (cache, 5)):
+        torch.testing.assert_close(sdpa_paged.paged_attention(query, layer_cache, meta, 0.3, window),
+                                   torch_ops.paged_attention(query, layer_cache, meta, 0.3, window), atol=2e-5,
+                                   rtol=2e-5)
+    assert len(meta.layer_shared) == 2  # one plan per window
+    shuffled = build_attention_metadata([1] * 4, meta.seq_lens_cpu, meta.block_tables.flip(0).tolist(), [0] * 4)
+    shuffled.layer_shared = meta.layer_shared  # as dataclasses.replace would share it
+    torch.testing.assert_close(sdpa_paged.paged_attention(query, cache, shuffled, 0.3),
+                               torch_ops.paged_attention(query, cache, shuffled, 0.3), atol=2e-5, rtol=2e-5)
+    meta.block_tables.copy_(meta.block_tables.roll(1, 0))  # a graph runner's static tables, rewritten in place
+    torch.testing.assert_close(sdpa_paged.paged_attention(query, cache, meta, 0.3),
+                               torch_ops.paged_attention(query, cache, meta, 0.3), atol=2e-5, rtol=2e-5)
+
+
+def test_attention_plan_writes_the_fast_attention_into_out():
+    cache, query, meta = _case([33, 5], [33, 1], 4, 4, 2, 16, torch.float32, seed=6)
+    out = torch.full_like(query, 7.0)
+    sdpa_paged.AttentionPlan(query, out, meta)(cache, 0.25, 10)
+    assert torch.equal(out, sdpa_paged.paged_attention(query, cache, meta, 0.25, 10))
+
+
+@pytest.mark.parametrize("batch", [([9], [9]), ([30, 7, 12], [6, 1, 12]), ([21, 8, 15], [1, 1, 1])])
+def test_mla_paged_attention_matches_the_twin(batch):
+    seq_lens, query_lens = batch
+    kv_lora_rank, latent = 24, 32
+    cache, query, meta = _case(seq_lens, query_lens, 4, 4, 1, latent, torch.float32, seed=8, width=latent)
+    out = sdpa_paged.mla_paged_attention(query, cache, meta, 0.2, kv_lora_rank)
+    torch.testing.assert_close(out, torch_mla.mla_paged_attention(query, cache, meta, 0.2, kv_lora_rank),
+                               atol=2e-5, rtol=2e-5)
+    assert out.shape == (query.shape[0], 4, kv_lora_rank) and not out[meta.query_start_loc_cpu[-1]:].any()
+
+
+def test_mla_paged_attention_bfloat16_stays_close_to_the_twin():
+    cache, query, meta = _case([30, 7, 12], [6, 1, 12], 4, 4, 1, 32, torch.bfloat16, seed=8, width=32)
+    out = sdpa_paged.mla_paged_attention(query, cache, meta, 0.2, 24)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch_mla.mla_paged_attention(query, cache, meta, 0.2, 24).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_causal_attention_matches_the_twin(dtype):
+    """MLA's prefill rows on the CPU (sdpa_varlen): cold prompts (is_causal), prompts over a prefix (a bottom-right
+    mask), an empty sequence, V narrower than Q/K (padded for the kernel), and 3 padding query rows."""
+    g = torch.Generator().manual_seed(13)
+    q_lens, k_lens = [7, 3, 0, 12], [7, 20, 5, 30]
+    cu_q, cu_k = [0], [0]
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        cu_q.append(cu_q[-1] + q_len)
+        cu_k.append(cu_k[-1] + k_len)
+    query = torch.randn(cu_q[-1] + 3, 4, 24, generator=g).to(dtype)
+    key = torch.randn(cu_k[-1], 4, 24, generator=g).to(dtype)
+    value = torch.randn(cu_k[-1], 4, 16, generator=g).to(dtype)
+    out = cpu_ops.varlen_causal_attention(query, key, value, cu_q, cu_k, 0.2)
+    expected = torch_mla.varlen_causal_attention(query, key, value, cu_q, cu_k, 0.2)
+    assert out.dtype == dtype and out.shape == (query.shape[0], 4, 16) and not out[cu_q[-1]:].any()
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_the_twin(padding, dtype):
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(2, 9, 4, 2, 8, generator=g).to(dtype)
+    key, value = torch.randn(7, 2, 8, generator=g).to(dtype), torch.randn(7, 2, 8, generator=g).to(dtype)
+    slots = torch.randperm(36, generator=g)[:7]
+    if padding:
+        slots[[1, 5]] = -1
+    expected = cache.clone()
+    torch_ops.reshape_and_cache(key, value, expected, slots)
+    cpu_ops.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_equals_the_twin(is_neox, head_dim, rotary_dim, dtype):
+    """Bit for bit: the same products and sums, each rounded in the query's dtype as the twin's."""
+    g = torch.Generator().manual_seed(12)
+    cos_sin_cache = torch.randn(300, rotary_dim, generator=g)
+    positions = torch.randint(0, 300, (9,), generator=g)
+    qkv = torch.randn(9, 6 * head_dim, generator=g).to(dtype)
+    query, key = qkv[:, : 4 * head_dim].view(9, 4, head_dim), qkv[:, 4 * head_dim :].view(9, 2, head_dim)  # views
+    for got, want in zip(cpu_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox),
+                         torch_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_get_ops_cpu_takes_the_cpu_ops():
+    ops = get_ops("cpu")
+    assert ops.paged_attention is sdpa_paged.paged_attention
+    assert ops.attention_plan is sdpa_paged.AttentionPlan
+    assert ops.mla_paged_attention is sdpa_paged.mla_paged_attention
+    assert ops.varlen_causal_attention is cpu_ops.varlen_causal_attention
+    assert ops.reshape_and_cache is cpu_ops.reshape_and_cache and ops.rotary_embedding is cpu_ops.rotary_embedding
+    assert ops.rms_norm is torch_ops.rms_norm  # the rest stay the twins
