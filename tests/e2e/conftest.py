@@ -84,10 +84,11 @@ def workers_idle(stack: Stack) -> bool:
 
 @pytest.fixture(scope="session")
 def offline_llm(stack):
-    """The offline engine on the same model, the reference for the disaggregated path."""
+    """The offline engine on the same model and dtype (float32, as STACK_ENV pins the workers), the reference for
+    the disaggregated path."""
     import torch
 
     from deepinfer import LLM
 
     torch.set_num_threads(1)
-    return LLM(stack.model, progress=False)
+    return LLM(stack.model, dtype=STACK_ENV["DEEPINFER_DECODE_DTYPE"], progress=False)
