@@ -1,6 +1,7 @@
 """A kvcache store shard. What it does:
 
     data plane                 get / put / has by (layout_id, hash) ──► KvStore (RAM, then disk; docs/kvstore.md)
+                               lease / release (shm_ram): a worker on this host reads the RAM tier's shared memory
     di.kvcache.<shard>.lookup  KvLookupRequest ──► KvLookupReply (has, under the request's layout)
     every maintenance interval expire → one compaction step → publish what was stored / expired / evicted
                                (one KvStoreEventBatch per layout on di.kvcache.events.<shard>, seq +1 each)
@@ -40,6 +41,8 @@ def store_settings(settings: KvCacheSettings) -> StoreSettings:
         disk_bytes=int(settings.disk_bytes),
         ttl_s=settings.ttl_s,
         fsync=settings.fsync,
+        shm_dir=settings.shm_dir if settings.shm_ram else None,
+        shm_slot_bytes=int(settings.shm_slot_bytes),
     )
 
 
@@ -134,6 +137,7 @@ class KvCacheHandler:
             num_blocks=stats.num_disk_blocks or stats.num_ram_blocks, ram_bytes=stats.ram_bytes,
             ram_capacity_bytes=int(self.settings.ram_bytes), disk_bytes=stats.disk_live_bytes,
             disk_capacity_bytes=int(self.settings.disk_bytes), draining=self.draining, ts=time.time(),
+            host_id=self.store.host_id, shm=self.store.shm_enabled,
         )
         await self.bus.publish(subjects.kvcache_heartbeat(self.shard), beat)
         self.num_heartbeats += 1

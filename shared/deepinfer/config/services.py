@@ -454,6 +454,14 @@ class KvCacheSettings(ServiceSettings):
         DEFAULT_STORE_FSYNC, description="none: an OS crash may lose ~30 s of puts (kill -9 loses nothing); batch: nothing a "
         "put was acknowledged for; always: at most one block (docs/kvstore.md).",
     )
+    shm_ram: bool = Field(
+        False, description="Keep the RAM tier in shared memory (a file in shm_dir) that workers on this host read "
+        "without the data-plane socket (docs/kvstore.md). Needs ram_bytes of room on that tmpfs.",
+    )
+    shm_dir: Path = Field(Path("/dev/shm"), description="The tmpfs directory of the shared-memory RAM tier.")
+    shm_slot_bytes: ByteSize = Field(
+        ByteSize(2 << 20), ge=4096, description="One shared-memory slot; a larger block is kept on disk only.",
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between KvStoreHeartbeat messages.")
     maintenance_interval_s: float = Field(
         2.0, gt=0, description="Seconds between expiry sweeps, compaction steps and event publishes."

@@ -174,6 +174,23 @@ class DataPlaneClient(PeerConnection):
             present.extend(reply.present)
         return present
 
+    async def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str) -> FrameHeader:
+        """Lease the blocks' slots in the peer's shared-memory region (a peer on this host: `host_id` is ours);
+        the reply carries `lease_id`, `region_path` and one `slots` grant per hash. Raises like get_blocks, and
+        DataPlaneError when the peer has no region or is on another host. Release with release_lease."""
+        hashes = [bytes(h) for h in block_hashes]
+        request = FrameHeader(op=FrameOp.LEASE, correlation_id=self._new_correlation_id(), layout_id=layout_id,
+                              block_hashes=hashes, host_id=host_id)
+        reply, _ = await self._request(request, [], None)
+        if len(reply.slots) != len(hashes) or not reply.lease_id or not reply.region_path:
+            raise DataPlaneError(f"{self.address} answered a lease of {len(reply.slots)} slots for {len(hashes)}")
+        return reply
+
+    async def release_lease(self, lease_id: str) -> None:
+        """End a lease: the peer may rewrite its slots."""
+        await self._request(FrameHeader(op=FrameOp.RELEASE, correlation_id=self._new_correlation_id(),
+                                        lease_id=lease_id), [], None)
+
     async def close(self) -> None:
         """Close the connection (a later call would reconnect)."""
         async with self._lock:

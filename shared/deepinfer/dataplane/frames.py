@@ -36,11 +36,15 @@ LENGTH_PREFIX_BYTES = _LENGTH.size
 
 
 class FrameOp(StrEnum):
-    """What a frame asks for (get / put / has) or answers (reply / error)."""
+    """What a frame asks for (get / put / has; lease / release: same-host shared memory) or answers
+    (reply / error)."""
 
     GET = "get"
     PUT = "put"
     HAS = "has"
+    #: The blocks' slots in the provider's shared-memory region instead of their bytes (docs/kvstore.md).
+    LEASE = "lease"
+    RELEASE = "release"
     REPLY = "reply"
     ERROR = "error"
 
@@ -58,6 +62,19 @@ class FrameLimits:
         for name in ("max_header_bytes", "max_payload_bytes", "max_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"FrameLimits.{name} must be positive, got {getattr(self, name)}")
+
+
+class SlotGrant(Message):
+    """One leased block in a shared-memory region: slot index, the seq it was written under, size, xxh3-64,
+    and the digest of its (layout_id, hash) (deepinfer.kvcache.shm.region)."""
+
+    kind = "dataplane_slot_grant"
+
+    slot: NonNegativeInt
+    seq: NonNegativeInt
+    size: NonNegativeInt
+    checksum: int = Field(ge=0, lt=1 << 64)
+    key_digest: int = Field(ge=0, lt=1 << 64)
 
 
 class FrameHeader(Message):
@@ -82,6 +99,12 @@ class FrameHeader(Message):
     present: list[bool] = Field(default_factory=list)
     error_code: str = ""
     error_message: str = ""
+    #: lease: the reader's host id (a provider on another host refuses); the reply's lease id, region file and
+    #: one grant per hash; release: the lease id.
+    host_id: str = ""
+    lease_id: str = ""
+    region_path: str = ""
+    slots: list[SlotGrant] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _counts_agree(self) -> FrameHeader:
@@ -114,7 +137,8 @@ def byte_view(data: BytesLike) -> memoryview:
 
 def check_limits(header: FrameHeader, limits: FrameLimits) -> None:
     """Refuse a header whose block counts or payload size exceed the limits (FrameTooLarge)."""
-    num_listed = max(header.num_blocks, len(header.block_ids), len(header.block_hashes), len(header.present))
+    num_listed = max(header.num_blocks, len(header.block_ids), len(header.block_hashes), len(header.present),
+                     len(header.slots))
     if num_listed > limits.max_blocks:
         raise FrameTooLarge(f"frame lists {num_listed} blocks, over the limit of {limits.max_blocks}")
     if header.payload_bytes > limits.max_payload_bytes:

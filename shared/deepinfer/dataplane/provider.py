@@ -19,6 +19,10 @@ class BlockProvider(Protocol):
     worker thread so a device->host copy never blocks the loop; make it thread-safe). Raise the data plane's
     typed errors: `LeaseExpired` for an unknown or ended lease, `BlockNotFound` for a missing block,
     `DataPlaneError` for an op this provider does not serve; they reach the client as the same class.
+
+    Optional, for a provider whose blocks live in shared memory (the store with `shm_dir`):
+    `lease_blocks(layout_id, block_hashes, host_id)` returns a `deepinfer.kvcache.shm.SlotLease` (lease_id,
+    region_path, one SlotRef per hash), and `release_lease(lease_id)` ends it; without them `lease` is refused.
     """
 
     def read_blocks(

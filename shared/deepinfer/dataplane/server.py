@@ -18,6 +18,7 @@ from deepinfer.dataplane.frames import (
     FrameHeader,
     FrameLimits,
     FrameOp,
+    SlotGrant,
     byte_view,
     check_checksums,
     check_limits,
@@ -253,7 +254,27 @@ class DataPlaneServer:
                     f"provider answered {len(present)} flags for {len(request.block_hashes)} hashes"
                 )
             return FrameHeader(op=FrameOp.REPLY, correlation_id=cid, present=present), []
+        if request.op in (FrameOp.LEASE, FrameOp.RELEASE):
+            return await self._lease(request), []
         raise FrameError(f"op {request.op!r} is not a request")
+
+    async def _lease(self, request: FrameHeader) -> FrameHeader:
+        """lease / release of shared-memory slots, for a provider that has them (the store with shm_dir)."""
+        cid = request.correlation_id
+        if request.op == FrameOp.RELEASE:
+            release = getattr(self.provider, "release_lease", None)
+            if release is not None:
+                await call_provider(release, lease_id=request.lease_id)
+            return FrameHeader(op=FrameOp.REPLY, correlation_id=cid)
+        lease_blocks = getattr(self.provider, "lease_blocks", None)
+        if lease_blocks is None:
+            raise DataPlaneError("this peer leases no shared memory")
+        lease = await call_provider(lease_blocks, layout_id=request.layout_id, block_hashes=request.block_hashes,
+                                    host_id=request.host_id)
+        slots = [SlotGrant(slot=r.slot, seq=r.seq, size=r.size, checksum=r.checksum, key_digest=r.key_digest)
+                 for r in lease.refs]
+        return FrameHeader(op=FrameOp.REPLY, correlation_id=cid, lease_id=lease.lease_id,
+                           region_path=lease.region_path, slots=slots)
 
     async def _get(self, request: FrameHeader) -> tuple[FrameHeader, list[memoryview]]:
         ids, hashes = request.block_ids, request.block_hashes

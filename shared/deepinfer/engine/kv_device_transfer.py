@@ -19,35 +19,24 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from deepinfer.engine.core import EngineCore
+from deepinfer.host_identity import host_id as host_id  # re-exported (deepinfer.engine.host_id)
 from deepinfer.protocol.kv import CudaIpcTensor, KvDeviceExport, KvHandle
 
 log = logging.getLogger(__name__)
 
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 #: Most bytes of pulled blocks staged per peer copy (a chunk of layers); bounds the transient memory on each GPU.
 STAGING_BYTES = 256 << 20
 
 
 class DeviceTransferError(RuntimeError):
     """The device path cannot be used for this handle (mapping refused, GPU not visible): use the data plane."""
-
-
-def host_id() -> str:
-    """This machine's identity for CUDA IPC: hostname plus boot id (two hosts never share it)."""
-    try:
-        boot = _BOOT_ID.read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _block_dim(kv: torch.Tensor) -> int:

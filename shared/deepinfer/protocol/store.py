@@ -43,6 +43,10 @@ class KvStoreHeartbeat(Message):
     disk_capacity_bytes: NonNegativeInt = 0
     #: Stops taking puts, finishing what it has.
     draining: bool = False
+    #: The shard's host id (hostname/boot id); with `shm`, workers with the same host id may lease its RAM tier's
+    #: slots over the data plane and read them from shared memory (docs/kvstore.md; empty from older shards).
+    host_id: str = ""
+    shm: bool = False
     #: Unix seconds on the shard's clock.
     ts: float
 

@@ -8,6 +8,9 @@ that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcac
     put: on writer threads (one per shard at a time), over blocking sockets: the blocks' bytes go from the
          caller's buffers (write-behind: views of pinned host slots) to the kernel, no copy, not on the loop
 
+A shard on this host whose RAM tier is shared memory (its heartbeat: our host id, `shm`) serves a get through the
+mapping instead of the socket (deepinfer.kvcache.client.local), falling back to the data-plane get on any failure.
+
 A shard that is down, slow or gone turns its blocks into misses for `has` (never an error); `get` is all or
 nothing like the data plane and raises, so the caller recomputes. Methods run on the event loop.
 """
@@ -25,6 +28,8 @@ from deepinfer.bus import MessageBus, Subscriptions
 from deepinfer.dataplane import DataPlaneClient, DataPlaneConnectionError, DataPlaneError
 from deepinfer.dataplane.blocking import BlockingPutClient
 from deepinfer.dataplane.frames import BytesLike
+from deepinfer.host_identity import host_id as this_host_id
+from deepinfer.kvcache.client.local import SharedMemoryReads
 from deepinfer.kvcache.client.shards import Shard, ShardSet
 from deepinfer.kvcache.rendezvous import group_by_shard
 from deepinfer.protocol import KvStoreHeartbeat
@@ -43,7 +48,7 @@ class KvStoreClient:
     """Client of every live store shard; `start(bus)` follows their heartbeats."""
 
     def __init__(self, secret: str | bytes | None, timeout_s: float, shard_lease_s: float,
-                 shards: ShardSet | None = None) -> None:
+                 shards: ShardSet | None = None, host_id: str | None = None) -> None:
         self.secret = secret
         self.timeout_s = timeout_s
         self.shards = shards or ShardSet(shard_lease_s)
@@ -51,6 +56,8 @@ class KvStoreClient:
         self._putters: dict[str, BlockingPutClient] = {}
         self._put_threads = ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="kvstore-put")
         self._subscriptions: Subscriptions | None = None
+        #: Gets from shards on this host (`host_id`: this machine's unless a test says otherwise).
+        self.shared_memory = SharedMemoryReads(this_host_id() if host_id is None else host_id)
 
     async def start(self, bus: MessageBus) -> None:
         """Follow the shards' heartbeats on di.kvcache.heartbeat.*."""
@@ -70,6 +77,7 @@ class KvStoreClient:
         for putter in putters:
             putter.close()
         self._put_threads.shutdown(wait=False, cancel_futures=True)
+        self.shared_memory.close()
 
     def has_shards(self) -> bool:
         """True while at least one shard is live."""
@@ -103,9 +111,11 @@ class KvStoreClient:
             raise StoreUnavailable("no live kvcache shard")
 
         async def fetch(shard: Shard, indexes: list[int]) -> None:
-            blocks = await self._client(shard, "read").get_blocks(
-                "", block_hashes=[block_hashes[i] for i in indexes], layout_id=layout_id,
-                into=None if into is None else [into[i] for i in indexes])
+            client, hashes = self._client(shard, "read"), [block_hashes[i] for i in indexes]
+            buffers = None if into is None else [into[i] for i in indexes]
+            blocks = await self._shared_memory_get(shard, client, layout_id, hashes, buffers)
+            if blocks is None:
+                blocks = await client.get_blocks("", block_hashes=hashes, layout_id=layout_id, into=buffers)
             for i, block in zip(indexes, blocks, strict=True):
                 payloads[i] = block
 
@@ -137,6 +147,20 @@ class KvStoreClient:
             raise
         self._raise_first(list(groups), results, fail_quietly=False)
         return len(block_hashes)
+
+    async def _shared_memory_get(self, shard: Shard, client: DataPlaneClient, layout_id: str,
+                                 block_hashes: list[bytes], into: list[memoryview] | None) -> list[BytesLike] | None:
+        """The blocks through shared memory when the shard is on this host and leases them; else None."""
+        if not (shard.shm and shard.host_id and shard.host_id == self.shared_memory.host_id):
+            return None
+        try:
+            return await self.shared_memory.get(client, layout_id, block_hashes, into)
+        except DataPlaneConnectionError:
+            raise  # the shard is gone: the data plane would fail too
+        except Exception as exc:  # refused, not in shared memory, torn: the data plane serves them
+            self.shared_memory.num_fallbacks += 1
+            log.debug("kvcache shard %s: shared-memory get fell back to the data plane: %r", shard.name, exc)
+            return None
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _groups(self, block_hashes: Sequence[bytes]) -> dict[Shard, list[int]]:

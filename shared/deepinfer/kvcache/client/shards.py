@@ -12,11 +12,14 @@ from deepinfer.protocol import KvStoreHeartbeat
 
 @dataclass(frozen=True)
 class Shard:
-    """One store shard: its name and where its data plane listens."""
+    """One store shard: its name, where its data plane listens, and whether its RAM tier is shared memory on
+    host `host_id`."""
 
     name: str
     data_plane_address: str
     last_seen_s: float
+    host_id: str = ""
+    shm: bool = False
 
 
 class ShardSet:
@@ -34,7 +37,7 @@ class ShardSet:
         if beat.draining:
             self._shards.pop(beat.shard, None)
             return
-        self._shards[beat.shard] = Shard(beat.shard, beat.data_plane_address, self._clock())
+        self._shards[beat.shard] = Shard(beat.shard, beat.data_plane_address, self._clock(), beat.host_id, beat.shm)
 
     def forget(self, name: str) -> None:
         """Drop a shard now (its data plane refused us); its next heartbeat brings it back."""

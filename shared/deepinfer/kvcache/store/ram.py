@@ -44,6 +44,10 @@ class RamTier:
         """The entry, without counting a use."""
         return self._entries.get(key)
 
+    def payload(self, key: Key) -> BytesLike:
+        """The block's bytes, uncopied."""
+        return self._entries[key].payload
+
     def use(self, key: Key, now_s: float) -> None:
         """Record a use: last_used_s = now_s, and the block becomes the most recently used."""
         entry = self._entries[key]

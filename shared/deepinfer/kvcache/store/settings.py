@@ -53,6 +53,13 @@ class StoreSettings:
     compact_step_bytes: int = 64 << 20
     #: Stored/expired/evicted events kept for `take_events`; the oldest are dropped (and counted) past this.
     max_pending_events: int = 1 << 20
+    #: A directory on a tmpfs (/dev/shm) to put the RAM tier in, as a region of fixed slots that workers on
+    #: this host map and read under leases (deepinfer.kvcache.shm); None keeps it on the heap.
+    shm_dir: Path | None = None
+    #: Bytes of one shared-memory slot (rounded up to 4 KiB): a block larger than this is not held in RAM.
+    shm_slot_bytes: int = 2 << 20
+    #: A lease on shared-memory slots ends this long after it was granted unless released first.
+    shm_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.disk_dir is not None and not isinstance(self.disk_dir, Path):
@@ -60,7 +67,10 @@ class StoreSettings:
         for name in ("ram_bytes", "disk_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StoreSettings.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("ttl_s", "segment_bytes", "compact_step_bytes", "max_pending_events"):
+        if self.shm_dir is not None and not isinstance(self.shm_dir, Path):
+            object.__setattr__(self, "shm_dir", Path(self.shm_dir))
+        for name in ("ttl_s", "segment_bytes", "compact_step_bytes", "max_pending_events", "shm_slot_bytes",
+                     "shm_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"StoreSettings.{name} must be positive, got {getattr(self, name)}")
         if self.disk_dir is None and self.ram_bytes == 0:

@@ -3,6 +3,8 @@
     write_blocks: append the new blocks to the segments (write-through) → index them on disk → hold them in RAM
     read_blocks:  RAM hit, else a disk hit (checksum verified) promoted to RAM, else BlockNotFound (all or nothing)
     has_blocks:   held and not expired (not a use)
+    lease_blocks: (a shared-memory RAM tier only) read_blocks without the bytes: each block's slot in the region
+                  that workers on this host map, held for them until release_lease (deepinfer.kvcache.shm)
 
 Invariant: with a disk tier every RAM block is also on disk, so leaving RAM loses nothing, and leaving the disk
 (eviction, expiry, a bad checksum) also drops the block from RAM. Two locks: the state lock guards every index,
@@ -22,6 +24,8 @@ from prometheus_client import CollectorRegistry
 
 from deepinfer.dataplane.errors import BlockNotFound, DataPlaneError
 from deepinfer.dataplane.frames import BytesLike
+from deepinfer.host_identity import host_id
+from deepinfer.kvcache.shm.tier import ShmRamTier, SlotLease
 from deepinfer.kvcache.store.compaction import (
     CompactionProgress,
     choose_victim,
@@ -77,7 +81,13 @@ class KvStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._ram = RamTier(settings.ram_bytes)
+        #: Where this store runs: only a reader with the same host id is leased shared-memory slots.
+        self.host_id = host_id()
+        self._ram: RamTier | ShmRamTier = (
+            ShmRamTier(settings.ram_bytes, settings.shm_dir, settings.shm_slot_bytes, settings.shm_lease_s)
+            if settings.shm_dir is not None and settings.ram_bytes > 0
+            else RamTier(settings.ram_bytes)
+        )
         self._disk = DiskTier(settings, clock()) if settings.disk_dir is not None else None
         self._events = EventBuffer(settings.max_pending_events)
         self._pending_touches: set[Key] = set()
@@ -137,6 +147,45 @@ class KvStore:
             self._check_open()
             now = self._clock()
             return [self._holds((layout_id, bytes(h)), now, expire=False) for h in block_hashes]
+
+    # -- shared memory (workers on this host) ---------------------------------------------------------------
+    @property
+    def shm_enabled(self) -> bool:
+        """The RAM tier is a shared-memory region that workers on this host may lease slots of."""
+        return isinstance(self._ram, ShmRamTier)
+
+    def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str) -> SlotLease:
+        """Every block's slot in the shared-memory region, leased (a use, like a get; blocks on disk only are
+        promoted first). Raises DataPlaneError for a reader on another host or a store without the region,
+        BlockNotFound unless every block is held, and in shared memory at the end (the reader then gets)."""
+        if not isinstance(self._ram, ShmRamTier):
+            raise DataPlaneError("this kvcache store keeps no RAM tier in shared memory")
+        if host_id != self.host_id:
+            raise DataPlaneError(f"shared memory is for readers on host {self.host_id!r}, not {host_id!r}")
+        keys = [(layout_id, bytes(h)) for h in block_hashes]
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            missing = [key for key in keys if not self._holds(key, now, expire=True)]
+            if missing:
+                self._count_misses(missing)
+        if missing:
+            raise _not_found(layout_id, missing)
+        for key in keys:
+            self._read_one(key, copy=False)
+        self._try_flush_touches()
+        with self._lock:
+            self._check_open()
+            lease = self._ram.lease(keys)
+        if lease is None:
+            raise BlockNotFound(f"{len(keys)} block(s) of layout {layout_id!r} are not all in shared memory")
+        return lease
+
+    def release_lease(self, lease_id: str) -> None:
+        """A reader is done with a lease: its slots may be rewritten (an unknown or ended lease: nothing)."""
+        if isinstance(self._ram, ShmRamTier):
+            with self._lock:
+                self._ram.release(lease_id)
 
     # -- the owner's periodic work ---------------------------------------------------------------------------
     def expire(self) -> int:
@@ -224,6 +273,8 @@ class KvStore:
                 self._closed = True
                 if self._disk is not None:
                     self._disk.close()
+                if isinstance(self._ram, ShmRamTier):
+                    self._ram.close()
 
     def __enter__(self) -> KvStore:
         return self
@@ -243,7 +294,9 @@ class KvStore:
             self._drop(key, now, StoreEventKind.EXPIRED)
         return False
 
-    def _read_one(self, key: Key) -> BytesLike | None:
+    def _read_one(self, key: Key, *, copy: bool = True) -> BytesLike | None:
+        """The block's payload (RAM, else disk promoted to RAM); None when it left meanwhile. `copy=False`: a RAM
+        hit is only counted (b"" returned): the caller leases its slot."""
         with self._lock:
             self._check_open()
             now, start_s = self._clock(), time.perf_counter()
@@ -252,7 +305,7 @@ class KvStore:
                 age_s = now - ram_entry.last_used_s
                 self._use(key, now)
                 self.metrics.hit(Tier.RAM, age_s, time.perf_counter() - start_s)
-                return ram_entry.payload
+                return self._ram.payload(key) if copy else b""
             self.metrics.misses.labels(tier=Tier.RAM).inc()
             if self._disk is None:
                 return None  # evicted since the check in read_blocks
