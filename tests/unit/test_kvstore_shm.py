@@ -233,3 +233,29 @@ def test_a_restart_keeps_every_block_on_disk_and_makes_a_new_region(tmp_path):
         reader.close()
     finally:
         store.close()
+
+
+def _open_and_die(disk_dir: str, told: str) -> None:
+    """In another process: open a store with a shared-memory tier, say where its region is, exit without closing."""
+    import os
+
+    from deepinfer.kvcache.store import KvStore, StoreSettings
+
+    store = KvStore(StoreSettings(ram_bytes=2 * SLOT, disk_dir=Path(disk_dir), shm_dir=Path("/dev/shm"),
+                                  shm_slot_bytes=SLOT))
+    Path(told).write_text(str(store._ram.region.path))
+    os._exit(0)  # as kill -9: nothing unlinks the region
+
+
+def test_the_next_owner_of_the_directory_unlinks_a_killed_stores_region(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=_open_and_die, args=(str(tmp_path / "store"), str(tmp_path / "told")))
+    dead.start()
+    dead.join(60)
+    left = Path((tmp_path / "told").read_text())
+    assert left.exists()  # the tmpfs keeps a killed shard's pages ...
+    store, _ = open_store(tmp_path, FakeClock(), ram_bytes=2 * SLOT, shm_dir=Path("/dev/shm"), shm_slot_bytes=SLOT)
+    try:
+        assert not left.exists()  # ... until the directory's next owner opens it
+    finally:
+        store.close()

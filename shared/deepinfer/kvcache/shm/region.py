@@ -22,6 +22,7 @@ checksum is the backstop on weaker memory models (the data plane's own rule: eve
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -41,6 +42,26 @@ _REGION_HEADER = struct.Struct("<8sQQQ")
 #: u64 fields of one slot header.
 SEQ, SIZE, CHECKSUM, KEY_DIGEST = range(4)
 SLOT_HEADER_WORDS = 4
+
+
+#: In a store's disk_dir: the path of its current region. A shard killed with -9 cannot unlink its region (the
+#: tmpfs keeps its pages); the next store to own the directory (it holds the directory's LOCK) unlinks it.
+SHM_REGION_RECORD = "SHM_REGION"
+#: Every region file's name starts with this.
+REGION_PREFIX = "deepinfer-kv-"
+
+
+def replace_region_record(record: Path, region_path: Path | None) -> None:
+    """Unlink the region a previous owner of the directory recorded (if it is still there); record ours (None:
+    only the unlink, before ours is created, so the tmpfs has room for it)."""
+    with contextlib.suppress(OSError):
+        old = Path(record.read_text().strip())
+        if old != region_path and old.name.startswith(REGION_PREFIX):
+            old.unlink(missing_ok=True)
+    if region_path is not None:
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(str(region_path))
+        tmp.replace(record)
 
 
 class TornRead(DataPlaneError):
@@ -113,10 +134,12 @@ class SlotRegion:
             raise ValueError(f"a region needs num_slots > 0 and slot_bytes a positive multiple of {PAGE}, "
                              f"got {num_slots} x {slot_bytes}")
         self.layout = RegionLayout(num_slots, slot_bytes)
-        self.path = Path(directory) / f"deepinfer-kv-{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = Path(directory) / f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.layout.size_bytes)  # tmpfs: pages are allocated when first written
+            # Reserve every page now: a tmpfs that is too small (a container's 64 MiB /dev/shm) fails here with
+            # ENOSPC, not later with a SIGBUS on a write into the mapping.
+            os.posix_fallocate(fd, 0, self.layout.size_bytes)
             mapping = mmap.mmap(fd, self.layout.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

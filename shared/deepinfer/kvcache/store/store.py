@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from deepinfer.dataplane.errors import BlockNotFound, DataPlaneError
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.host_identity import host_id
+from deepinfer.kvcache.shm.region import SHM_REGION_RECORD, replace_region_record
 from deepinfer.kvcache.shm.tier import ShmRamTier, SlotLease
 from deepinfer.kvcache.store.compaction import (
     CompactionProgress,
@@ -83,12 +84,15 @@ class KvStore:
         self._write_lock = threading.Lock()
         #: Where this store runs: only a reader with the same host id is leased shared-memory slots.
         self.host_id = host_id()
-        self._ram: RamTier | ShmRamTier = (
-            ShmRamTier(settings.ram_bytes, settings.shm_dir, settings.shm_slot_bytes, settings.shm_lease_s)
-            if settings.shm_dir is not None and settings.ram_bytes > 0
-            else RamTier(settings.ram_bytes)
-        )
-        self._disk = DiskTier(settings, clock()) if settings.disk_dir is not None else None
+        self._disk = DiskTier(settings, clock()) if settings.disk_dir is not None else None  # takes the LOCK
+        self._ram: RamTier | ShmRamTier = RamTier(settings.ram_bytes)
+        if settings.shm_dir is not None and settings.ram_bytes > 0:
+            try:
+                self._ram = self._open_shm_tier(settings)
+            except BaseException:
+                if self._disk is not None:
+                    self._disk.close()
+                raise
         self._events = EventBuffer(settings.max_pending_events)
         self._pending_touches: set[Key] = set()
         self._closed = False
@@ -148,7 +152,17 @@ class KvStore:
             now = self._clock()
             return [self._holds((layout_id, bytes(h)), now, expire=False) for h in block_hashes]
 
-    # -- shared memory (workers on this host) ---------------------------------------------------------------
+    # -- shared memory (workers on this host) ----------------------------------------------------------------
+    @staticmethod
+    def _open_shm_tier(settings: StoreSettings) -> ShmRamTier:
+        assert settings.shm_dir is not None
+        if settings.disk_dir is not None:  # the directory's owner (it holds LOCK) removes a killed predecessor's
+            replace_region_record(settings.disk_dir / SHM_REGION_RECORD, None)
+        tier = ShmRamTier(settings.ram_bytes, settings.shm_dir, settings.shm_slot_bytes, settings.shm_lease_s)
+        if settings.disk_dir is not None:
+            replace_region_record(settings.disk_dir / SHM_REGION_RECORD, tier.region.path)
+        return tier
+
     @property
     def shm_enabled(self) -> bool:
         """The RAM tier is a shared-memory region that workers on this host may lease slots of."""
