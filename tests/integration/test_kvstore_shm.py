@@ -1,0 +1,132 @@
+"""A worker's store gets through a same-host shard's shared memory (deepinfer.kvcache.client.local): byte-identical
+to the data-plane get, with and without receive buffers; never taken for another host id or a shard without the
+region; and a real shard process on nats-server (DEEPINFER_KVCACHE_SHM_RAM) serving through it across kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepinfer.dataplane import DataPlaneClient, DataPlaneError, DataPlaneServer, generate_secret
+from deepinfer.kvcache.client import KvStoreClient
+from deepinfer.kvcache.store import KvStore, StoreSettings
+from deepinfer.protocol import KvStoreHeartbeat
+from tests.integration.test_kvcache_service import next_heartbeat, start_shard
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = "layout-shm"
+SIZE = 48 * 1024
+HASHES = [bytes([i]) * 16 for i in range(1, 9)]
+PAYLOADS = [os.urandom(SIZE) for _ in HASHES]
+
+
+@pytest.fixture
+async def shard(tmp_path):
+    secret = generate_secret()
+    store = KvStore(StoreSettings(ram_bytes=16 * 64 * 1024, disk_dir=tmp_path / "kv", shm_dir=Path("/dev/shm"),
+                                  shm_slot_bytes=64 * 1024))
+    server = DataPlaneServer(store, secret=secret)
+    await server.start()
+    try:
+        yield store, server, secret
+    finally:
+        await server.close(drain_timeout_s=5)
+        store.close()
+
+
+def _client(server: DataPlaneServer, secret: str, store: KvStore, *, host_id: str, shm: bool = True) -> KvStoreClient:
+    client = KvStoreClient(secret, timeout_s=30, shard_lease_s=3600, host_id=host_id)
+    client.shards.observe(KvStoreHeartbeat(shard="s0", data_plane_address=server.address, internal_address="-",
+                                           ts=time.time(), host_id=store.host_id, shm=shm))
+    return client
+
+
+async def test_a_same_host_get_reads_shared_memory_and_matches_the_data_plane(shard):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        async with DataPlaneClient(server.address, secret) as plane:
+            over_socket = await plane.get_blocks("", block_hashes=HASHES, layout_id=LAYOUT)
+        assert over_socket == PAYLOADS
+        got = await client.get(LAYOUT, HASHES)
+        assert [bytes(b) for b in got] == over_socket
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)  # a staging pool's rows
+        into = [memoryview(row) for row in rows]
+        got = await client.get(LAYOUT, HASHES, into=into)
+        assert all(g is buf for g, buf in zip(got, into, strict=True))
+        assert [row.tobytes() for row in rows] == over_socket
+        assert client.shared_memory.num_blocks == 2 * len(HASHES) and client.shared_memory.num_fallbacks == 0
+        assert server.metrics.snapshot()["blocks_sent"] == len(HASHES)  # only the plain get's bytes crossed
+    finally:
+        await client.close()
+
+
+async def test_another_host_or_a_shard_without_the_region_gets_over_the_data_plane(shard):
+    store, server, secret = shard
+    elsewhere = _client(server, secret, store, host_id="another-host/boot")
+    plain = _client(server, secret, store, host_id=store.host_id, shm=False)
+    try:
+        await elsewhere.put(LAYOUT, HASHES, PAYLOADS)
+        assert [bytes(b) for b in await elsewhere.get(LAYOUT, HASHES)] == PAYLOADS
+        assert [bytes(b) for b in await plain.get(LAYOUT, HASHES)] == PAYLOADS
+        assert elsewhere.shared_memory.num_blocks == plain.shared_memory.num_blocks == 0
+        async with DataPlaneClient(server.address, secret) as plane:  # the shard refuses a lease to another host
+            with pytest.raises(DataPlaneError, match="readers on host"):
+                await plane.lease_blocks(LAYOUT, HASHES, "another-host/boot")
+            lease = await plane.lease_blocks(LAYOUT, HASHES[:1], store.host_id)
+            assert Path(lease.region_path).stat().st_mode & 0o777 == 0o600
+            await plane.release_lease(lease.lease_id)
+    finally:
+        await elsewhere.close()
+        await plain.close()
+
+
+async def test_a_lease_the_shard_cannot_grant_falls_back_to_the_data_plane(shard):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    big = [os.urandom(96 * 1024)]  # larger than a slot: on disk only, served over the socket
+    try:
+        await client.put(LAYOUT, [b"\x42" * 16], big)
+        assert [bytes(b) for b in await client.get(LAYOUT, [b"\x42" * 16])] == big
+        assert client.shared_memory.num_fallbacks == 1 and client.shared_memory.num_blocks == 0
+    finally:
+        await client.close()
+
+
+async def test_a_shard_process_serves_shared_memory_across_kill_9(nats_server, bus, tmp_path, monkeypatch):
+    data_dir, log = tmp_path / "data", tmp_path / "kvcache.log"
+    monkeypatch.setenv("DEEPINFER_KVCACHE_SHM_RAM", "true")
+    monkeypatch.setenv("DEEPINFER_KVCACHE_RAM_BYTES", str(4 << 20))
+    monkeypatch.setenv("DEEPINFER_KVCACHE_SHM_SLOT_BYTES", str(64 * 1024))
+    shard = start_shard(nats_server, data_dir, log)
+    client = KvStoreClient("s" * 32, timeout_s=30, shard_lease_s=3600)
+    try:
+        beat = await next_heartbeat(bus, log)
+        assert beat.shm and beat.host_id == client.shared_memory.host_id
+        await client.start(bus)
+        await asyncio.sleep(0.5)  # a heartbeat reaches the client
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        assert [bytes(b) for b in await client.get(LAYOUT, HASHES)] == PAYLOADS
+        assert client.shared_memory.num_blocks == len(HASHES)
+        region = Path((data_dir / "kvcache" / "t1" / "SHM_REGION").read_text())
+
+        shard.send_signal(signal.SIGKILL)
+        shard.wait(10)
+        shard = start_shard(nats_server, data_dir, log)
+        await next_heartbeat(bus, log)
+        await asyncio.sleep(0.5)
+        assert not region.exists()  # the restarted shard unlinked its predecessor's region
+        assert [bytes(b) for b in await client.get(LAYOUT, HASHES)] == PAYLOADS  # from disk, into the new region
+        assert client.shared_memory.num_blocks == 2 * len(HASHES)
+    finally:
+        await client.close()
+        shard.send_signal(signal.SIGTERM)
+        assert shard.wait(30) == 0, log.read_text()[-3000:]
