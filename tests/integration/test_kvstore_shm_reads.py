@@ -130,3 +130,18 @@ async def test_a_shard_process_serves_shared_memory_across_kill_9(nats_server, b
         await client.close()
         shard.send_signal(signal.SIGTERM)
         assert shard.wait(30) == 0, log.read_text()[-3000:]
+
+
+def test_the_bench_compares_the_three_paths_in_one_run(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "kv-shm.json"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'shared'}:{root}"}
+    subprocess.run([sys.executable, "bench/kv_shm.py", "--blocks", "4", "--block-mib", "1", "--reps", "2",
+                    "--out", str(out)], cwd=root, env=env, check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert set(result["gbps"]) == {"shared memory", "data plane", "memcpy", "xxh3"}
+    assert all(v > 0 for v in result["gbps"].values())
