@@ -1,12 +1,13 @@
 """A worker's staged store load (store_tier.load_staged) against a real store shard on 127.0.0.1: chunks received
-into a StagingPool's rows and imported into CPU caches while the next arrives; a miss mid-load and a request that
-stops loading leave nothing in flight."""
+(over the socket, or through the shard's shared memory) into a StagingPool's rows and imported into CPU caches
+while the next arrives; a miss mid-load and a request that stops loading leave nothing in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,15 +57,19 @@ class Worker:
         return asyncio.get_running_loop().run_in_executor(self.engine, run)
 
 
-@pytest.fixture
-async def shard():
+@pytest.fixture(params=["socket", "shared memory"])
+async def shard(request, tmp_path):
+    """A store shard and a worker's client of it: over the data-plane socket, or (same host id) through the
+    shard's shared-memory RAM tier, its slots copied straight into the staging rows."""
     secret = generate_secret()
-    store = KvStore(StoreSettings(ram_bytes=64 << 20))
+    shm = request.param == "shared memory"
+    store = KvStore(StoreSettings(ram_bytes=4 << 20, disk_dir=tmp_path / "kv", shm_dir=Path("/dev/shm"),
+                                  shm_slot_bytes=4096) if shm else StoreSettings(ram_bytes=64 << 20))
     server = DataPlaneServer(store, secret=secret)
     await server.start()
     client = KvStoreClient(secret, timeout_s=30, shard_lease_s=3600)
     client.shards.observe(KvStoreHeartbeat(shard="s0", data_plane_address=server.address, internal_address="-",
-                                           ts=time.time()))
+                                           ts=time.time(), host_id=store.host_id, shm=shm))
     try:
         yield client
     finally:
@@ -89,6 +94,8 @@ async def test_a_staged_load_imports_the_stored_and_host_blocks_bitwise(shard):
     for got, want in zip(worker.caches, expected, strict=True):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert pool._free.qsize() == 2  # every chunk back
+    assert shard.shared_memory.num_fallbacks == 0
+    assert shard.shared_memory.num_blocks == (NUM_BLOCKS - 2 if shard.shards.live()["s0"].shm else 0)
 
 
 async def test_a_miss_mid_load_raises_after_the_imports_in_flight(shard):
