@@ -135,9 +135,10 @@ class CuttingProxy:
             writer.close()
 
 
-async def start_store(nats_server, bus, tmp_path: Path) -> tuple[subprocess.Popen, CuttingProxy, str]:
+async def start_store(nats_server, bus, tmp_path: Path,
+                      extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, CuttingProxy, str]:
     """A real shard process, announced to the workers through the proxy; (process, proxy, real address)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'shared'}:{ROOT}", "DEEPINFER_NATS_URL": nats_server.url,
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": f"{ROOT / 'shared'}:{ROOT}", "DEEPINFER_NATS_URL": nats_server.url,
            "DEEPINFER_NATS_TOKEN": nats_server.token, "DEEPINFER_DATA_PLANE_SECRET": SECRET,
            "DEEPINFER_DATA_DIR": str(tmp_path / "data"), "DEEPINFER_KVCACHE_INTERNAL_PORT": "0",
            "DEEPINFER_KVCACHE_DATA_PLANE_PORT": "0", "DEEPINFER_KVCACHE_SHARD": SHARD,
@@ -172,9 +173,10 @@ class RunningStore:
 
 
 @contextlib.asynccontextmanager
-async def running_store(nats_server, bus, tmp_path: Path) -> AsyncIterator[RunningStore]:
+async def running_store(nats_server, bus, tmp_path: Path,
+                        extra_env: dict[str, str] | None = None) -> AsyncIterator[RunningStore]:
     """`start_store`; at the end, its workers closed, the proxy closed and the shard stopped (unless it died)."""
-    store = RunningStore(*await start_store(nats_server, bus, tmp_path))
+    store = RunningStore(*await start_store(nats_server, bus, tmp_path, extra_env))
     try:
         yield store
     finally:
@@ -185,10 +187,11 @@ async def running_store(nats_server, bus, tmp_path: Path) -> AsyncIterator[Runni
             store.shard.wait(30)
 
 
-async def announce(bus, proxy_address: str) -> None:
+async def announce(bus, proxy_address: str, host_id: str = "", shm: bool = False) -> None:
     """The shard's heartbeat, with the proxy as its data plane (the shard itself beats once an hour here)."""
     await bus.publish(subjects.kvcache_heartbeat(SHARD), KvStoreHeartbeat(
-        shard=SHARD, data_plane_address=proxy_address, internal_address="", ts=time.time()))
+        shard=SHARD, data_plane_address=proxy_address, internal_address="", ts=time.time(), host_id=host_id,
+        shm=shm))
 
 
 def settings(cls, nats_server, tiny_dir, tmp_path, worker_id: str, **overrides):
@@ -265,6 +268,36 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         assert result.error is None and result.first_token_id == reference[0]
         assert (result.num_cached_tokens, result.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert "get" in proxy.ops and "put" in proxy.ops
+
+
+async def test_a_same_host_shard_with_shared_memory_serves_the_load_without_the_socket(
+        nats_server, bus, tiny_dir, tmp_path, reference):
+    shm_env = {"DEEPINFER_KVCACHE_SHM_RAM": "true", "DEEPINFER_KVCACHE_RAM_BYTES": str(16 << 20),
+               "DEEPINFER_KVCACHE_SHM_SLOT_BYTES": str(64 << 10)}
+    async with running_store(nats_server, bus, tmp_path, shm_env) as store:
+        proxy, address, workers = store.proxy, store.address, store.workers
+        model = CommonSettings(model=str(tiny_dir)).model_token
+        first = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-a", address)
+        workers.append(first)
+        tokens, _ = await generate(bus, model, "dec-a", "r1")
+        assert tokens == reference
+        await written_behind(first, 5)
+        second = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-b",
+                                    address)
+        workers.append(second)
+        client = second.runtime.store.client
+        await announce(bus, address, client.shared_memory.host_id, shm=True)  # as the shard's own heartbeat says
+        for _ in range(100):
+            if client.shards.live()[SHARD].shm:
+                break
+            await asyncio.sleep(0.05)
+        ops_before = len(proxy.ops)
+        tokens, chunk = await generate(bus, model, "dec-b", "r2")
+        assert tokens == reference  # the KV read from the shard's shared memory is the computed KV
+        assert (chunk.num_cached_tokens, chunk.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
+        assert metric(second, "worker_store_shm_blocks_total") == 5
+        assert metric(second, "worker_store_shm_fallbacks_total") == 0
+        assert "lease" in proxy.ops[ops_before:] and "get" not in proxy.ops[ops_before:]
 
 
 async def test_a_prompt_rest_shorter_than_the_lookup_minimum_is_recomputed_without_asking(

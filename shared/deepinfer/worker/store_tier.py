@@ -100,6 +100,11 @@ class StoreTier:
         self.m_loads = counter(registry, "worker_store_loads", "Loads from the store by outcome.", ["outcome"])
         self.m_loaded_blocks = counter(registry, "worker_store_loaded_blocks", "Blocks loaded from the store.")
         self.m_loaded_bytes = counter(registry, "worker_store_loaded_bytes", "Bytes loaded from the store.")
+        self.m_shm_blocks = counter(registry, "worker_store_shm_blocks",
+                                    "Blocks read from a same-host shard's shared memory (not the socket).")
+        self.m_shm_fallbacks = counter(registry, "worker_store_shm_fallbacks",
+                                       "Same-host gets that fell back from shared memory to the data plane.")
+        self._shm_counted = (0, 0)
         self.m_load_s = histogram(registry, "worker_store_load_seconds", "A load: get and import of its blocks.")
         self.m_written_blocks = counter(registry, "worker_store_written_blocks", "Blocks written behind.")
         self.m_written_bytes = counter(registry, "worker_store_written_bytes", "Bytes written behind.")
@@ -176,10 +181,12 @@ class StoreTier:
             imported = await asyncio.wait_for(load_staged(self.client, self.layout_id, hashes, local, pool,
                                                           import_into), self.settings.kv_store_load_timeout_s)
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
+            self._count_shared_memory()
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
             await self.engine_loop.call(FailLoad(plan.request_id))
             return
+        self._count_shared_memory()
         self._remember(missing)  # held by the store: once cached here, not written behind again
         num_host = len(hashes) - len(missing)
         loaded = imported and await self.engine_loop.call(CompleteLoad(plan, num_host))
@@ -190,6 +197,14 @@ class StoreTier:
             self.m_load_s.observe(time.perf_counter() - started)
             self.m_loaded_blocks.inc(len(missing))
             self.m_loaded_bytes.inc(len(missing) * pool.block_nbytes)
+
+    def _count_shared_memory(self) -> None:
+        """Bring the shared-memory counters up to the client's totals (loads may overlap: deltas, not values)."""
+        reads = self.client.shared_memory
+        blocks, fallbacks = self._shm_counted
+        self.m_shm_blocks.inc(reads.num_blocks - blocks)
+        self.m_shm_fallbacks.inc(reads.num_fallbacks - fallbacks)
+        self._shm_counted = (reads.num_blocks, reads.num_fallbacks)
 
     def _staging_pool(self) -> StagingPool:
         """The loads' staging (allocated by start(); here for a tier never started)."""
