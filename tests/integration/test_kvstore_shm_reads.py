@@ -145,3 +145,34 @@ def test_the_bench_compares_the_three_paths_in_one_run(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["gbps"]) == {"shared memory", "data plane", "memcpy", "xxh3"}
     assert all(v > 0 for v in result["gbps"].values())
+
+
+async def test_a_cancelled_get_returns_only_once_its_copy_stopped_writing_the_buffers(shard):
+    import threading
+
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    started, proceed = threading.Event(), threading.Event()
+    copy = client.shared_memory._copy
+
+    def held_copy(*args):
+        started.set()
+        proceed.wait(30)
+        return copy(*args)
+
+    client.shared_memory._copy = held_copy
+    try:
+        await client.put(LAYOUT, HASHES[:1], PAYLOADS[:1])
+        row = np.zeros(SIZE, np.uint8)
+        task = asyncio.create_task(client.get(LAYOUT, HASHES[:1], into=[memoryview(row)]))
+        assert await asyncio.to_thread(started.wait, 30)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        assert not task.done()  # the copy thread may still write `row`: the get has not returned
+        proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert row.tobytes() == PAYLOADS[0]  # written before the cancelled get returned, never after
+    finally:
+        proceed.set()
+        await client.close()

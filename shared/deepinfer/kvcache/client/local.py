@@ -34,6 +34,9 @@ from deepinfer.dataplane import DataPlaneClient, DataPlaneError
 from deepinfer.dataplane.frames import BytesLike, FrameHeader
 from deepinfer.kvcache.shm.region import SlotReader, SlotRef
 
+#: Blocks per lease: a lease reply's grants (~100 bytes each) stay far under the data plane's 1 MiB header.
+MAX_BLOCKS_PER_LEASE = 1024
+
 
 class SharedMemoryReads:
     """Read-only mappings of the regions of shards on this host: one per shard, replaced when the shard names
@@ -50,10 +53,24 @@ class SharedMemoryReads:
                   into: Sequence[memoryview] | None) -> list[BytesLike]:
         """The blocks through the shard's shared memory, every one seqlock- and checksum-checked; raises
         DataPlaneError (the caller then gets them over the data plane)."""
+        blocks: list[BytesLike] = []
+        for start in range(0, len(block_hashes), MAX_BLOCKS_PER_LEASE):
+            end = start + MAX_BLOCKS_PER_LEASE
+            blocks += await self._get_leased(client, layout_id, block_hashes[start:end],
+                                             None if into is None else into[start:end])
+        return blocks
+
+    async def _get_leased(self, client: DataPlaneClient, layout_id: str, block_hashes: Sequence[bytes],
+                          into: Sequence[memoryview] | None) -> list[BytesLike]:
         lease = await client.lease_blocks(layout_id, block_hashes, self.host_id)
         try:
             reader = self._reader(client.address, lease.region_path)
-            return await asyncio.to_thread(self._copy, reader, lease, into)  # numpy copies release the GIL
+            copy = asyncio.ensure_future(asyncio.to_thread(self._copy, reader, lease, into))  # releases the GIL
+            try:
+                return await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                await asyncio.wait([copy])  # the thread writes the caller's buffers: return only once it is done
+                raise
         finally:
             with contextlib.suppress(Exception):  # a lease not released ends by time on the shard
                 await client.release_lease(lease.lease_id)
