@@ -7,6 +7,7 @@
     python bench/gpu.py --model deepseek [--tiny] [--hf-compile]   # DeepSeek-V2-Lite shape: bench/gpu_deepseek.py
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
+`--baseline EARLIER.json` also prints every figure's change against an earlier run (`deepinfer bench compare`).
 Each section appends to the JSON as soon as it ends, so a run cut short keeps what it measured.
 """
 
@@ -284,6 +285,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="default: the model's own")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="an earlier run's JSON: print every figure's change against it (deepinfer bench compare)")
     parser.add_argument("--batch-invariant", action="store_true", help="also measure batch-invariant mode")
     parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                         help="on: the engine runs async; both: sync, then decode/idle/serving again async")
@@ -340,6 +343,10 @@ def main() -> None:
             guarded(res, "transformers_error", lambda: run_hf(model_dir, cfg, res, save))
         save()
     print_table(res)
+    if args.baseline is not None:  # the regression guard: a slower step is seen the day it lands
+        from deepinfer.bench.compare import compare, table
+
+        print(f"\nagainst {args.baseline}:\n{table(compare(json.loads(args.baseline.read_text()), res))}")
     print(json.dumps(res))
 
 

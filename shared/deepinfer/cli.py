@@ -123,10 +123,28 @@ def _up_run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.bench.cli import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from deepinfer.bench.cli import run
+
+    return run(args)
+
+
 #: Every subcommand, by name.
 SUBCOMMANDS: dict[str, Subcommand] = {
     command.name: command
     for command in (
+        Subcommand(
+            name="bench",
+            help="benchmark tools: `compare` two result files (a table of deltas; exit 1 on a regression)",
+            add_arguments=_bench_arguments,
+            run=_bench_run,
+        ),
         Subcommand(
             name="config",
             help="print every setting (env name, type, default, current value) and validate the environment",

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("deepinfer.loader", "deepinfer.model_store"),
     ("deepinfer.executor",),  # spawns the tensor-parallel ranks, which load their shards
     ("deepinfer.engine",),
-    ("deepinfer.worker", "deepinfer.up", "deepinfer.testing", "deepinfer.service"),
+    ("deepinfer.worker", "deepinfer.up", "deepinfer.testing", "deepinfer.service", "deepinfer.bench"),
     ("services", "services.gateway", "services.scheduler", "services.prefill", "services.decode",
      "services.kvcache", "deepinfer.cli", "deepinfer.demo", "deepinfer"),
 )

@@ -1,0 +1,93 @@
+"""Two benchmark results side by side: every figure both have, its change, and which got worse.
+
+A result is any JSON object of nested figures (`bench/gpu.py`'s, `bench/serve.py`'s). A figure is a numeric leaf
+whose name says which way is better: throughputs and fractions of a limit (`*tok_s`, `*tflops`, `*gb_s`,
+`*of_roofline`, `*over_offline`) go up, times (`*_ms`, `*_s`, also as `*_ms_p99`...) go down; other numbers (counts, sizes, settings) are not
+figures. Limits and ceilings (`ceilings.*`, `*limit*`, `*roofline_tok_s`) describe the machine, not the code: they are
+shown, so a slower lending of the same GPU is seen, and never counted as a regression.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+#: A figure is worse when it moved the wrong way by more than this fraction (a run's own noise is ~1-3%).
+DEFAULT_TOLERANCE = 0.03
+
+_HIGHER = ("tok_s", "tflops", "gb_s", "of_roofline", "over_offline")
+_LOWER = ("_ms", "_s")
+_MACHINE = ("ceilings.", "limit", "roofline_tok_s")
+#: A statistic's suffix (`ttft_ms_p99`, `step_ms_mean`): the direction is that of the name before it.
+_STATISTIC = re.compile(r"_(p\d+|mean|median|max|min)$")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One figure in both results."""
+
+    name: str
+    before: float
+    after: float
+    #: +1: higher is better; -1: lower is better.
+    better: int
+    #: A property of the machine (ceilings, limits), shown but never a regression.
+    machine: bool
+
+    @property
+    def ratio(self) -> float:
+        """after / before (inf when before is 0 and after is not)."""
+        if self.before == 0:
+            return 1.0 if self.after == 0 else math.inf
+        return self.after / self.before
+
+    def worse(self, tolerance: float = DEFAULT_TOLERANCE) -> bool:
+        """Moved the wrong way by more than `tolerance` (never for a machine figure)."""
+        if self.machine:
+            return False
+        change = self.ratio - 1.0
+        return change * self.better < -tolerance
+
+
+def figures(result: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(dotted name, value) of every numeric leaf under dicts; lists and strings are not figures."""
+    if isinstance(result, dict):
+        for key, value in result.items():
+            yield from figures(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}")
+    elif isinstance(result, int | float) and not isinstance(result, bool) and prefix:
+        yield prefix, float(result)
+
+
+def direction(name: str) -> int:
+    """+1 if a higher value is better, -1 if lower is, 0 if the number is not a figure."""
+    leaf = _STATISTIC.sub("", name.rsplit(".", 1)[-1])
+    if leaf.endswith(_HIGHER):
+        return 1
+    if leaf.endswith(_LOWER):
+        return -1
+    return 0
+
+
+def compare(before: dict, after: dict) -> list[Delta]:
+    """The figures present in both results, in `after`'s order."""
+    old = dict(figures(before))
+    deltas = []
+    for name, value in figures(after):
+        better = direction(name)
+        if better and name in old:
+            machine = any(marker in name for marker in _MACHINE)
+            deltas.append(Delta(name, old[name], value, better, machine))
+    return deltas
+
+
+def table(deltas: list[Delta], tolerance: float = DEFAULT_TOLERANCE) -> str:
+    """A plain-text table: figure, before, after, after/before, and WORSE where a figure regressed."""
+    width = max([len("figure"), *(len(d.name) for d in deltas)])
+    lines = [f"{'figure':{width}s} {'before':>12s} {'after':>12s} {'after/before':>12s}"]
+    for d in deltas:
+        mark = "  WORSE" if d.worse(tolerance) else ("  (machine)" if d.machine else "")
+        lines.append(f"{d.name:{width}s} {d.before:>12.6g} {d.after:>12.6g} {d.ratio:>12.3f}{mark}")
+    return "\n".join(lines)
