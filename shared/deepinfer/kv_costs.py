@@ -53,9 +53,9 @@ class KvCosts:
         rate = {HOST: self.host_bytes_per_s, STORE: self.store_bytes_per_s}[tier]
         return math.inf if not rate or rate <= 0 else self.kv_bytes_per_block / rate
 
-    def loads_faster(self, tier: str) -> bool:
-        """Whether a block of `tier` loads faster than it is computed."""
-        return self.block_load_s(tier) < self.block_recompute_s()
+    def worth_loading(self, tier: str) -> bool:
+        """Whether a block of `tier` loads at least as fast as it is computed (a tie loads, as in blocks_to_load)."""
+        return self.block_load_s(tier) <= self.block_recompute_s()
 
     def time_s(self, runs: Sequence[tuple[str, int]], num_loaded: int) -> float:
         """time(n) of the module docstring: load the first `num_loaded` cached blocks, compute the other ones."""

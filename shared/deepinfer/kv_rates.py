@@ -74,7 +74,6 @@ class Throughput:
 class MeasuredRates:
     """One worker's rates (module docstring) and its load-or-recompute decisions, in tokens by tier."""
 
-    block_size: int
     prefill: Throughput
     loads: dict[str, Throughput] = field(default_factory=lambda: {
         HOST: Throughput(HOST_PRIOR_BYTES_PER_S),
@@ -86,24 +85,24 @@ class MeasuredRates:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
-    def for_device(cls, device_type: str, block_size: int) -> MeasuredRates:
+    def for_device(cls, device_type: str) -> MeasuredRates:
         """Priors for this device type."""
-        return cls(block_size, Throughput(prefill_prior(device_type)))
+        return cls(Throughput(prefill_prior(device_type)))
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, block_size: int) -> None:
         """A step that computed prompt tokens: `num_tokens` batched in `seconds` (short steps are not measured)."""
-        if num_tokens >= 2 * self.block_size:
+        if num_tokens >= 2 * block_size:
             self.prefill.observe(num_tokens, seconds)
 
     def observe_load(self, path: str, num_bytes: int, seconds: float) -> None:
         """A completed load of `num_bytes` from `path` (HOST, STORE or STORE_SHM) in `seconds`."""
         self.loads[path].observe(num_bytes, seconds)
 
-    def costs(self, kv_bytes_per_block: int, *, host: bool, store_path: str | None) -> KvCosts:
+    def costs(self, block_size: int, kv_bytes_per_block: int, *, host: bool, store_path: str | None) -> KvCosts:
         """The rule of deepinfer.kv_costs over these rates: `host` whether the worker has a host tier,
         `store_path` STORE or STORE_SHM (None: no store)."""
         return KvCosts(
-            block_size=self.block_size,
+            block_size=block_size,
             kv_bytes_per_block=kv_bytes_per_block,
             prefill_tokens_per_s=self.prefill.rate,
             host_bytes_per_s=self.loads[HOST].rate if host else None,

@@ -35,7 +35,7 @@ def test_every_tier_faster_than_computing_is_loaded_whole():
 
 def test_a_store_slower_than_computing_is_recomputed():
     rule = costs(host=40e9, store=1 * MIB * 1000)  # 2 ms a block: twice the 1 ms of computing it
-    assert not rule.loads_faster(STORE) and rule.loads_faster(HOST)
+    assert not rule.worth_loading(STORE) and rule.worth_loading(HOST)
     assert rule.blocks_to_load([(DEVICE, 3), (HOST, 5), (STORE, 7)]) == 8
     assert rule.blocks_to_load([(DEVICE, 0), (HOST, 0), (STORE, 7)]) == 0
     assert rule.seconds_saved([(DEVICE, 0), (HOST, 0), (STORE, 7)]) == 0.0
@@ -78,30 +78,30 @@ def test_a_throughput_starts_at_its_prior_and_weighs_bytes_not_loads():
 
 
 def test_measured_rates_start_from_the_priors_of_their_device():
-    rates = MeasuredRates.for_device("cpu", block_size=16)
+    rates = MeasuredRates.for_device("cpu")
     assert rates.prefill.rate == 50.0
-    assert MeasuredRates.for_device("cuda", 16).prefill.rate == 17_000.0
-    assert MeasuredRates.for_device("npu", 16).prefill.rate == 17_000.0
-    rule = rates.costs(2 * MIB, host=True, store_path=STORE_SHM)
+    assert MeasuredRates.for_device("cuda").prefill.rate == 17_000.0
+    assert MeasuredRates.for_device("npu").prefill.rate == 17_000.0
+    rule = rates.costs(16, 2 * MIB, host=True, store_path=STORE_SHM)
     assert (rule.host_bytes_per_s, rule.store_bytes_per_s) == (HOST_PRIOR_BYTES_PER_S, STORE_SHM_PRIOR_BYTES_PER_S)
-    assert rates.costs(2 * MIB, host=True, store_path=STORE).store_bytes_per_s == STORE_PRIOR_BYTES_PER_S
-    assert rates.costs(2 * MIB, host=False, store_path=None) == KvCosts(16, 2 * MIB, 50.0, None, None)
+    assert rates.costs(16, 2 * MIB, host=True, store_path=STORE).store_bytes_per_s == STORE_PRIOR_BYTES_PER_S
+    assert rates.costs(16, 2 * MIB, host=False, store_path=None) == KvCosts(16, 2 * MIB, 50.0, None, None)
 
 
 def test_measurements_replace_the_priors():
-    rates = MeasuredRates.for_device("cuda", block_size=16)
-    rates.observe_step(31, 0.001)  # under two blocks' tokens: a step's fixed cost, not measured
+    rates = MeasuredRates.for_device("cuda")
+    rates.observe_step(31, 0.001, block_size=16)  # under two blocks' tokens: a step's fixed cost, not measured
     assert rates.prefill.rate == 17_000.0
-    rates.observe_step(4096, 0.128)
+    rates.observe_step(4096, 0.128, block_size=16)
     rates.observe_load(STORE, 64 * MIB, 0.016)
-    rule = rates.costs(2 * MIB, host=True, store_path=STORE)
+    rule = rates.costs(16, 2 * MIB, host=True, store_path=STORE)
     assert rule.prefill_tokens_per_s == 32_000.0
     assert rule.store_bytes_per_s == 4 * MIB * 1000
     assert rule.host_bytes_per_s == HOST_PRIOR_BYTES_PER_S
 
 
 def test_decisions_count_tokens_by_tier_and_outcome():
-    rates = MeasuredRates.for_device("cpu", block_size=16)
+    rates = MeasuredRates.for_device("cpu")
     rates.decided(HOST, 64, 0)
     rates.decided(STORE, 0, 32)
     rates.decided(HOST, 16, 0)
