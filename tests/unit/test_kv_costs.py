@@ -106,3 +106,27 @@ def test_decisions_count_tokens_by_tier_and_outcome():
     rates.decided(STORE, 0, 32)
     rates.decided(HOST, 16, 0)
     assert rates.decisions == {(HOST, "loaded"): 80, (STORE, "recomputed"): 32}
+
+
+def test_a_workers_metrics_show_the_rates_and_the_decided_tokens():
+    from deepinfer.telemetry import new_registry
+    from deepinfer.worker.kv_cost_metrics import KvCostMetrics
+
+    rates, registry = MeasuredRates.for_device("cpu"), new_registry(process_metrics=False)
+    metrics = KvCostMetrics(registry, rates)
+    rates.observe_load(STORE, 3_000, 0.001)
+    rates.decided(HOST, 64, 0)
+    rates.decided(STORE, 0, 32)
+    metrics.update()
+    rates.decided(HOST, 16, 0)
+    metrics.update()
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(f"deepinfer_{name}", labels)
+
+    assert sample("worker_prefill_tokens_per_second") == 50.0
+    assert sample("worker_kv_load_bytes_per_second", path=STORE) == 3e6
+    assert sample("worker_kv_load_bytes_per_second", path=STORE_SHM) == STORE_SHM_PRIOR_BYTES_PER_S
+    assert sample("worker_kv_load_decision_tokens_total", tier=HOST, decision="loaded") == 80
+    assert sample("worker_kv_load_decision_tokens_total", tier=STORE, decision="recomputed") == 32
+    assert sample("worker_kv_load_decision_tokens_total", tier=STORE, decision="loaded") == 0
