@@ -52,22 +52,27 @@ class Throughput:
     """amount / seconds with exponentially decayed sums (module docstring); `prior` until the first sample."""
 
     prior: float
-    amount: float = 0.0
-    seconds: float = 0.0
-    num_samples: int = 0
+    #: (decayed amount, decayed seconds, samples taken): replaced whole at each sample, so a reader on another
+    #: thread never mixes two samples' sums.
+    sums: tuple[float, float, int] = (0.0, 0.0, 0)
 
     def observe(self, amount: float, seconds: float) -> None:
         """One sample: `amount` (bytes or tokens) in `seconds`; ignored unless both are positive."""
         if amount <= 0 or seconds <= 0:
             return
-        self.amount = DECAY * self.amount + amount
-        self.seconds = DECAY * self.seconds + seconds
-        self.num_samples += 1
+        total, total_s, num_samples = self.sums
+        self.sums = (DECAY * total + amount, DECAY * total_s + seconds, num_samples + 1)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples taken so far."""
+        return self.sums[2]
 
     @property
     def rate(self) -> float:
         """The measured rate, or the prior before any sample."""
-        return self.amount / self.seconds if self.num_samples else self.prior
+        total, total_s, num_samples = self.sums
+        return total / total_s if num_samples else self.prior
 
 
 @dataclass
