@@ -2,8 +2,10 @@
 computes prompts (tokens/s), and what its load-or-recompute choices (deepinfer.kv_costs) decided. Pure (no torch).
 
     rate         fed by (each sample: amount, seconds)                                 prior (no sample yet)
-    host         HostTier: a load's bytes, issue → seen complete                        HOST_PRIOR_BYTES_PER_S
-    store        StoreTier: a load's bytes from the store, over the data plane          STORE_PRIOR_BYTES_PER_S
+    host         HostTier: a load's bytes, its copy's own time (CUDA timing events      HOST_PRIOR_BYTES_PER_S
+                 on the copy stream; the CPU's synchronous copy)
+    store        StoreTier: a load's bytes from the store, over the data plane, in      STORE_PRIOR_BYTES_PER_S
+                 the whole load's time (gets and imports)
     store_shm    StoreTier: the same when every live shard is same-host shared memory   STORE_SHM_PRIOR_BYTES_PER_S
     prefill      EngineCore: a step's batched tokens, when it computed prompt tokens    PREFILL_PRIOR_TOKENS_PER_S
                  (steps of fewer than two blocks' tokens are not measured: their fixed cost dominates, as in
@@ -38,7 +40,7 @@ PREFILL_PRIOR_TOKENS_PER_S = {"cuda": 17_000.0, "cpu": 50.0}
 #: Weight of everything older at each new sample.
 DECAY = 0.5
 
-#: Keys of the load rates, the tiers' and the store's shared-memory path.
+#: The store's shared-memory path: a key of MeasuredRates.loads beside HOST and STORE.
 STORE_SHM = "store_shm"
 
 
