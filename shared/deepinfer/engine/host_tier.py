@@ -187,7 +187,7 @@ class HostTier:
         num_device = num_device_tokens // block_size
         num_held = self.pool.num_leading_hits(hashes[num_device:])
         num_misses = len(hashes) - num_device - num_held
-        num_host = self.worth_loading(num_device, num_held, block_size)
+        num_host = self.blocks_worth_loading(num_device, num_held, block_size)
         # A resume is looked up at every step that admits until it is admitted: its misses count once, as it loads.
         if request.num_preemptions == 0:
             self.stats.miss_blocks += num_misses
@@ -216,7 +216,7 @@ class HostTier:
         self._loads[request.request_id] = copy
         return True
 
-    def worth_loading(self, num_device: int, num_held: int, block_size: int) -> int:
+    def blocks_worth_loading(self, num_device: int, num_held: int, block_size: int) -> int:
         """How many of the `num_held` blocks held here past `num_device` device hits to load: those whose load
         beats recomputing them at the measured rates (deepinfer.kv_costs), the others recomputed."""
         costs = self.rates.costs(block_size, self.block_nbytes, host=True, store_path=None)
