@@ -6,8 +6,8 @@
 
 A settings map allows exactly the fields of its settings class (camelCase, `deepinfer.config.to_camel`), minus
 secrets (they come from the Secret) and the fields the templates set themselves (CHART_SET), plus the old key of a
-renamed setting for the release that deprecates it (deepinfer.config.renamed): a typo or a removed setting fails
-`helm lint`.
+renamed or removed setting for the release that deprecates it (deepinfer.config.renamed): a typo or a setting removed
+earlier fails `helm lint`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deepinfer.config import SERVICE_SETTINGS, CommonSettings, to_camel
 from deepinfer.config.describe import is_secret, setting_fields
-from deepinfer.config.renamed import renamed_fields
+from deepinfer.config.renamed import removed_fields, renamed_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "helm" / "deepinfer" / "values.schema.json"
@@ -67,6 +67,8 @@ def settings_schema(group: str, cls: type) -> dict:
     for old, new in renamed_fields(cls).items():  # the old key, for the release that deprecates it
         if to_camel(new) in properties:
             properties[to_camel(old)] = properties[to_camel(new)] | {"description": f"deprecated: use {to_camel(new)}"}
+    for old, why in removed_fields(cls).items():  # the old key, for the release that removes it: no effect
+        properties[to_camel(old)] = {"description": f"deprecated, no effect: {why}"}
     return {"type": "object", "additionalProperties": False, "properties": dict(sorted(properties.items()))}
 
 

@@ -342,8 +342,6 @@ def build_policy(settings: SchedulerSettings, index: KvIndex, rng: random.Random
     if settings.routing_policy == "least_loaded":
         return LeastLoadedPolicy(settings.scheduler_id, rng=rng)
     weights = CostWeights(
-        host_hit_weight=settings.host_hit_weight,
-        store_hit_weight=settings.store_hit_weight,
         load_weight=settings.load_weight,
         kv_usage_weight=settings.kv_usage_weight,
         direct_decode_min_fraction=settings.direct_decode_min_fraction,

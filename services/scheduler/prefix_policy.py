@@ -3,21 +3,28 @@ cache saving is worth. Pure: the KV index is read (and touched), nothing else.
 
 For a request of P prompt tokens, every usable worker w gets a cost in prompt tokens:
 
-    credit(w)  = block_size × (device blocks + host_hit_weight × lower-tier blocks
-                                + store_hit_weight × store blocks)
-                 of w's cached prefix (KvIndex.match: the walk ends at the first block none of them holds)
+    credit(w)  = the time w's cached prefix saves it, in prompt tokens w computes in that time. The prefix is
+                 KvIndex.match's runs [device | host tier | store] (the walk ends at the first block none holds).
+                 From a worker reporting its measured costs (protocol 2.8): deepinfer.kv_costs' tokens_saved over
+                 those runs at w's own rates, the rule w's admission applies — a device block saves block_size
+                 tokens, a loaded block block_size minus the tokens w computes while it loads, and a tier slower
+                 than computing saves nothing (w recomputes it).
+                 From an older worker: block_size × (device blocks + LEGACY_HOST_HIT_WEIGHT × host blocks
+                 + LEGACY_STORE_HIT_WEIGHT × store blocks).
     pending(w) = running + waiting (its heartbeat) + in-flight decisions not yet in it
     cost(w)    = (P − min(credit, P)) + P × (load_weight × pending(w) + kv_usage_weight × kv_usage(w))
 
-so a request ahead costs `load_weight` of this prompt and a full KV pool `kv_usage_weight` of it. A prefix every
-request carries (a system prompt) wins only while the worker holding it has fewer than saving / (load_weight × P)
-more requests than the others: past that the load term wins and the prompt is computed (and then cached) elsewhere.
+Every term is in this prompt's tokens: the credit converts w's seconds saved at w's own prefill rate, so workers of
+different speeds are compared by the share of the prompt they avoid computing, as the load terms compare them (a
+request ahead costs `load_weight` of this prompt, a full KV pool `kv_usage_weight` of it). A prefix every request
+carries (a system prompt) wins only while the worker holding it has fewer than credit / (load_weight × P) more
+requests than the others: past that the load term wins and the prompt is computed (and then cached) elsewhere.
 
 The decode worker is the cheapest of role decode or both; the prefill worker the cheapest of role prefill or
 both with its layout. When the decode worker holds at least `direct_decode_min_fraction` of the prompt's blocks
 itself (the next turn of a conversation it decoded) — or no prefill worker is usable — it computes the prompt
 itself (prefill_worker_id None). Equal costs are broken at random. expected_cached_tokens = the computing worker's
-cached prefix in tokens (all tiers), at most P.
+cached prefix in tokens that it reuses (measured costs: the part worth loading; an older worker: all tiers), at most P.
 """
 
 from __future__ import annotations
@@ -28,26 +35,49 @@ from dataclasses import dataclass, field
 
 from deepinfer.defaults import (
     DEFAULT_DIRECT_DECODE_MIN_FRACTION,
-    DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_KV_USAGE_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
-    DEFAULT_STORE_HIT_WEIGHT,
 )
+from deepinfer.kv_costs import DEVICE, HOST, STORE
 from deepinfer.membership import Member
 from deepinfer.protocol import RouteDecision, RouteRequest
 from services.scheduler.kv_index import KvIndex, PrefixMatch
 from services.scheduler.policy import DEFAULT_RETRY_AFTER_S, accepted, overloaded, usable_workers, worker_load
+
+#: Credit of a host-tier / store block relative to a device block, for a worker older than protocol 2.8 (no
+#: measured costs in its heartbeat): the weights every worker got before.
+LEGACY_HOST_HIT_WEIGHT = 0.8
+LEGACY_STORE_HIT_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
 class CostWeights:
     """The knobs of the cost: SchedulerSettings' fields of the same names (their meaning is described there)."""
 
-    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
-    store_hit_weight: float = DEFAULT_STORE_HIT_WEIGHT
     load_weight: float = DEFAULT_LOAD_WEIGHT
     kv_usage_weight: float = DEFAULT_KV_USAGE_WEIGHT
     direct_decode_min_fraction: float = DEFAULT_DIRECT_DECODE_MIN_FRACTION
+
+
+def runs(match: PrefixMatch) -> list[tuple[str, int]]:
+    """A match as deepinfer.kv_costs' runs: device blocks, then host-tier blocks, then store blocks."""
+    return [(DEVICE, match.device_blocks), (HOST, match.lower_blocks), (STORE, match.store_blocks)]
+
+
+def prefix_credit(member: Member, match: PrefixMatch) -> float:
+    """The credit of the module docstring: the prompt tokens' worth of time the cached prefix saves `member`."""
+    costs = member.kv_costs
+    if costs is None:
+        return member.block_size * (match.device_blocks + LEGACY_HOST_HIT_WEIGHT * match.lower_blocks
+                                    + LEGACY_STORE_HIT_WEIGHT * match.store_blocks)
+    return costs.tokens_saved(runs(match))
+
+
+def reused_tokens(member: Member, match: PrefixMatch) -> int:
+    """Tokens of the cached prefix `member` reuses: as far as loading pays at its rates (older worker: all)."""
+    costs = member.kv_costs
+    num_blocks = match.num_blocks if costs is None else costs.blocks_to_load(runs(match))
+    return num_blocks * member.block_size
 
 
 def kv_usage(member: Member) -> float:
@@ -94,10 +124,9 @@ class PrefixPolicy:
         if prefill is None or direct or prefill.member.worker_id == decode.member.worker_id:
             prefill = None
         computing = decode if prefill is None else prefill
-        block_size = computing.member.block_size
         self.index.touch(computing.member.worker_id, request.block_hashes[: computing.match.num_blocks])
         return accepted(request, self.scheduler_id, decode.member, None if prefill is None else prefill.member,
-                        min(computing.match.num_blocks * block_size, request.num_prompt_tokens))
+                        min(reused_tokens(computing.member, computing.match), request.num_prompt_tokens))
 
     def score(
         self, request: RouteRequest, candidates: Sequence[Member], in_flight: Mapping[str, int]
@@ -115,9 +144,7 @@ class PrefixPolicy:
     def cost(self, request: RouteRequest, member: Member, match: PrefixMatch, in_flight: Mapping[str, int]) -> float:
         """Prompt tokens left to compute after the cached-prefix credit, plus the load term, in tokens."""
         w, num_tokens = self.weights, request.num_prompt_tokens
-        credit = member.block_size * (
-            match.device_blocks + w.host_hit_weight * match.lower_blocks + w.store_hit_weight * match.store_blocks
-        )
+        credit = prefix_credit(member, match)
         load = w.load_weight * worker_load(member, in_flight) + w.kv_usage_weight * kv_usage(member)
         return num_tokens - min(credit, num_tokens) + num_tokens * load
 

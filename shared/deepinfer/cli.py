@@ -35,12 +35,13 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config_run(args: argparse.Namespace) -> int:
     from deepinfer.config import ALL_SETTINGS, describe_settings, load_settings
-    from deepinfer.config.renamed import deprecated_env_names
+    from deepinfer.config.renamed import deprecated_env_names, removed_env_names
 
     loaded = [load_settings(cls) for cls in ALL_SETTINGS]  # exits 2 with one line on a bad env value
     rows = describe_settings(loaded)
     known = {row.env for row in rows}
     known |= {old for cls in ALL_SETTINGS for old in deprecated_env_names(cls)}  # read, with a warning of their own
+    known |= {old for cls in ALL_SETTINGS for old in removed_env_names(cls)}  # reported as having no effect
     for name in sorted(os.environ):
         if name.startswith("DEEPINFER_") and name not in known:  # most likely a typo
             print(f"deepinfer: warning: unknown setting {name} is ignored", file=sys.stderr)

@@ -64,10 +64,6 @@ DEFAULT_TENSOR_PARALLEL_SIZE = 1
 DEFAULT_LOAD_FORMAT = "auto"
 
 # -- the router: SchedulerSettings, services.scheduler (its cost: services/scheduler/prefix_policy.py) -------------
-#: Credit of a prefix block in a worker's host tier, relative to one on its device.
-DEFAULT_HOST_HIT_WEIGHT = 0.8
-#: Credit of a prefix block in the kvcache store, relative to one on the worker's device.
-DEFAULT_STORE_HIT_WEIGHT = 0.5
 #: Cost of each request on a worker, as a fraction of the routed prompt's tokens.
 DEFAULT_LOAD_WEIGHT = 0.5
 #: Cost of a worker's full KV pool, as a fraction of the routed prompt's tokens.

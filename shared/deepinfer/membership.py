@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deepinfer.kv_costs import KvCosts
 from deepinfer.protocol import WorkerLoad, WorkerRole
 
 #: Roles that compute prompts / generate tokens (`both` serves either side).
@@ -47,12 +48,25 @@ class Member:
     epoch: str = ""
     #: Requests the worker admitted since it started (protocol 2.2; None from older workers).
     num_received: int | None = None
+    #: Its measured costs (protocol 2.8; None from older workers): see WorkerLoad.
+    kv_bytes_per_block: int | None = None
+    prefill_tokens_per_s: float | None = None
+    host_load_bytes_per_s: float | None = None
+    store_load_bytes_per_s: float | None = None
 
     @classmethod
     def from_load(cls, load: WorkerLoad, now_s: float) -> Member:
         """A member from one heartbeat received at `now_s`."""
         fields = {name: getattr(load, name) for name in cls.__dataclass_fields__ if name != "last_seen_s"}
         return cls(**fields, last_seen_s=now_s)
+
+    @property
+    def kv_costs(self) -> KvCosts | None:
+        """Its load-or-recompute rule at the rates it measured; None from a worker older than protocol 2.8."""
+        if self.kv_bytes_per_block is None or self.prefill_tokens_per_s is None:
+            return None
+        return KvCosts(self.block_size, self.kv_bytes_per_block, self.prefill_tokens_per_s,
+                       self.host_load_bytes_per_s, self.store_load_bytes_per_s)
 
     @property
     def can_prefill(self) -> bool:

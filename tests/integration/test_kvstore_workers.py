@@ -1,6 +1,7 @@
 """Workers on the kvcache store, on a real nats-server with a real kvcache shard process and a tiny model on the
 CPU: a prompt computed by one worker is loaded from the store by fresh ones (greedy output identical to a
-recompute, cached tokens reported by tier); a store that dies mid-load leaves a correct recompute; a burst of
+recompute, cached tokens reported by tier, the load a sample of its path's rate); a worker computing faster than
+the store loads recomputes without asking; a store that dies mid-load leaves a correct recompute; a burst of
 admissions with hits and misses is looked up together, each request answered right.
 
 The workers reach the shard through a TCP proxy in this process (announced in the shard's name on the heartbeat
@@ -30,6 +31,8 @@ from deepinfer.dataplane.auth import NONCE_BYTES, PROOF_BYTES
 from deepinfer.dataplane.frames import LENGTH_PREFIX_BYTES, FrameLimits, FrameOp, decode_header, header_length
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
+from deepinfer.kv_costs import STORE
+from deepinfer.kv_rates import STORE_SHM, Throughput
 from deepinfer.protocol import (
     KvStoreHeartbeat,
     PrefillRequest,
@@ -258,6 +261,9 @@ async def test_a_prompt_computed_by_one_worker_is_loaded_from_the_store_by_other
         assert metric(second, "worker_store_loaded_blocks_total") == 5
         assert metric(second, "worker_store_loaded_bytes_total") > 0
         assert metric(second, "worker_store_load_seconds_count") == 1
+        rates = second.runtime.engine.rates  # load or recompute chose the load; the load measured the store
+        assert rates.decisions == {(STORE, "loaded"): 20}
+        assert (rates.loads[STORE].num_samples, rates.loads[STORE_SHM].num_samples) == (1, 0)
 
         prefill = await start_worker(PrefillHandler, PrefillSettings, nats_server, tiny_dir, tmp_path, bus, "pre-c",
                                      address)
@@ -297,6 +303,8 @@ async def test_a_same_host_shard_with_shared_memory_serves_the_load_without_the_
         assert (chunk.num_cached_tokens, chunk.cached_tokens_by_tier) == (20, {"device": 0, "host": 0, "store": 20})
         assert metric(second, "worker_store_shm_blocks_total") == 5
         assert metric(second, "worker_store_shm_fallbacks_total") == 0
+        rates = second.runtime.engine.rates
+        assert (rates.loads[STORE].num_samples, rates.loads[STORE_SHM].num_samples) == (0, 1)
         assert "lease" in proxy.ops[ops_before:] and "get" not in proxy.ops[ops_before:]
 
 
@@ -320,6 +328,17 @@ async def test_a_prompt_rest_shorter_than_the_lookup_minimum_is_recomputed_witho
             asked = store_tokens > 0
             assert metric(worker, "worker_store_lookup_round_trips_total") == int(asked)
             assert metric(worker, "worker_store_lookups_total", result="skipped") == int(not asked)
+
+        # A worker that computes a block faster than the store loads one never asks: it recomputes.
+        worker = await start_worker(DecodeHandler, DecodeSettings, nats_server, tiny_dir, tmp_path, bus, "dec-p",
+                                    store.address)
+        store.workers.append(worker)
+        worker.runtime.engine.rates.prefill = Throughput(1e12)
+        tokens, chunk = await generate(bus, model, "dec-p", "r15")
+        assert tokens == reference
+        assert chunk.cached_tokens_by_tier == {"device": 0, "host": 0, "store": 0}
+        assert metric(worker, "worker_store_lookup_round_trips_total") == 0
+        assert metric(worker, "worker_store_lookups_total", result="slower") == 1
 
 
 async def test_a_store_that_dies_mid_load_leaves_a_correct_recompute(nats_server, bus, tiny_dir, tmp_path, reference):

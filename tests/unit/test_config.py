@@ -236,6 +236,18 @@ def test_every_rename_names_a_field_and_retires_the_old_name():
     fields = {name for cls in ALL_SETTINGS for name in setting_fields(cls)}
     for old, new in renamed.RENAMED.items():
         assert new in fields and old not in fields, (old, new)
+    for old, (beside, _) in renamed.REMOVED.items():
+        assert beside in fields and old not in fields, (old, beside)
+
+
+def test_a_removed_settings_env_name_is_reported_as_having_no_effect(monkeypatch, caplog, capsys):
+    monkeypatch.setenv("DEEPINFER_SCHEDULER_STORE_HIT_WEIGHT", "0.5")
+    with caplog.at_level(logging.WARNING, logger=renamed.__name__):
+        settings = load_settings(SchedulerSettings)
+    assert not hasattr(settings, "store_hit_weight")
+    assert "DEEPINFER_SCHEDULER_STORE_HIT_WEIGHT=0.5 is deprecated and has no effect: the router credits" in caplog.text
+    assert cli.main(["config", "--json"]) == 0
+    assert "unknown setting" not in capsys.readouterr().err
 
 
 # -- one default per setting: the settings and the code they configure agree -----------------------------------------

@@ -13,6 +13,8 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.engine.kv_transfer import export_blocks
 from deepinfer.engine.request import RequestStatus
 from deepinfer.hashing import hash_blocks
+from deepinfer.kv_costs import HOST
+from deepinfer.kv_rates import Throughput
 from deepinfer.sampling.params import SamplingParams
 
 P = [5, 17, 42, 99, 7, 250, 31, 64, 12, 8, 77, 150, 23, 4, 200, 180, 9, 11, 300]  # 19 tokens: 4 full blocks to hit
@@ -108,6 +110,21 @@ def test_an_evicted_prompt_loads_from_the_host_tier_while_another_request_decode
     assert (stats.hit_blocks, stats.loaded_blocks, stats.failed_loads) == (4, 4, 0)
     assert not core.host_tier.busy
     assert core.scheduler.block_pool.num_free_blocks == DEVICE_BLOCKS - 1  # no reference left behind
+    assert core.rates.decisions[HOST, "loaded"] == 16 and core.rates.loads[HOST].num_samples == 1
+    assert core.rates.prefill.num_samples > 0  # the prompt steps (P: 19 tokens, over two blocks)
+
+
+def test_a_host_tier_slower_than_computing_is_not_loaded_from(tiny_dir, block_bytes, reference):
+    core = engine(tiny_dir, block_bytes)
+    evict_p(core)
+    core.rates.prefill = Throughput(1e12)  # computing a block takes no time: no load is worth it
+    core.add_request("p", P, GREEDY)
+    assert core.scheduler.requests["p"].status is RequestStatus.WAITING and not core.host_tier.busy
+    first = core.step()[0]
+    assert (first.num_cached_tokens, first.num_host_cached_tokens) == (0, 0)
+    assert first.new_token_ids + run(core)["p"] == reference["p"]
+    assert core.rates.decisions == {(HOST, "recomputed"): 16}
+    assert core.host_tier.stats.loaded_blocks == 0
 
 
 def test_a_host_slot_holds_the_block_in_the_store_payload_format(tiny_dir, block_bytes):
@@ -126,7 +143,7 @@ def test_a_load_that_fails_recomputes(tiny_dir, block_bytes, reference, monkeypa
     core = engine(tiny_dir, block_bytes)
     evict_p(core)
 
-    def broken(slots, block_ids):
+    def broken(slots, block_ids, started=None):
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(core.host_tier, "copy_to_device", broken)

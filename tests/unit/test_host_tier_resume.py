@@ -155,7 +155,7 @@ def test_a_resume_whose_load_fails_recomputes_in_the_same_step(
     core = engine(tiny_dir, DEVICE_BLOCKS * block_bytes, HOST_BLOCKS * block_bytes, async_scheduling)
     seen: list[RequestStatus] = []
 
-    def broken(slots, block_ids):
+    def broken(slots, block_ids, started=None):
         seen.append(core.scheduler.requests["b"].status)
         raise RuntimeError("copy engine fault")
 

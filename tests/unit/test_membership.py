@@ -170,3 +170,17 @@ def test_latest_member_gives_the_model_identity():
     latest = membership.latest()
     assert latest is not None and (latest.worker_id, latest.model_fingerprint, latest.block_size) == (
         "d1", b"fp-new", 16)
+
+
+def test_measured_costs_cross_the_heartbeat_and_an_older_worker_has_none():
+    from deepinfer.kv_costs import KvCosts
+
+    beat = load("w1", kv_bytes_per_block=2 << 20, prefill_tokens_per_s=16_000.0, host_load_bytes_per_s=4e10,
+                store_load_bytes_per_s=None)
+    member = Member.from_load(WorkerLoad.from_bytes(beat.to_bytes()), 0.0)
+    assert member.kv_costs == KvCosts(16, 2 << 20, 16_000.0, 4e10, None)
+    older = load("w2").model_dump()  # a 2.7 worker's heartbeat: none of the fields
+    for name in ("kv_bytes_per_block", "prefill_tokens_per_s", "host_load_bytes_per_s", "store_load_bytes_per_s"):
+        del older[name]
+    older["v"] = "2.7"
+    assert Member.from_load(WorkerLoad.model_validate(older), 0.0).kv_costs is None

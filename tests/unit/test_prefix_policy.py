@@ -7,6 +7,8 @@ import asyncio
 import random
 from collections import Counter
 
+import pytest
+
 from deepinfer import subjects
 from deepinfer.config import CommonSettings, SchedulerSettings
 from deepinfer.hashing import hash_blocks
@@ -33,6 +35,7 @@ from tests.unit.test_scheduler_policy import FP, heartbeat, member
 
 P, D, B = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
 BS = 16
+MIB = 1 << 20
 
 
 def hashes(tokens: list[int]) -> list[bytes]:
@@ -62,22 +65,59 @@ def index_with(holdings: dict[str, list[bytes]], lower: dict[str, list[bytes]] |
 PROMPT = list(range(100, 228))  # 128 tokens = 8 blocks
 
 
-def test_cost_is_uncached_tokens_plus_load_with_tier_weights():
+def test_a_worker_without_measured_costs_gets_the_legacy_tier_weights():
     blocks = hashes(PROMPT)
     index = index_with({"p1": blocks[:4], "p2": blocks[:2]}, lower={"p2": blocks[2:6]})
     index.apply_store_batch(KvStoreEventBatch(shard="s", seq=1, layout_id="L", stored_block_hashes=blocks[:7], ts=0))
-    policy = PrefixPolicy("s1", index, CostWeights(host_hit_weight=0.75, store_hit_weight=0.5, load_weight=0.5, kv_usage_weight=1))
+    policy = PrefixPolicy("s1", index, CostWeights(load_weight=0.5, kv_usage_weight=1))
     members = [member("p1", P, running=1), member("p2", P, num_free_blocks=75), member("d1", D)]
     scored = {s.member.worker_id: s.cost for s in policy.score(route("r", PROMPT), members, {"p1": 1})}
-    # p1: 4 device + 3 store blocks = 16 × 5.5 = 88 credit → 40 left; load 0.5 × 2 requests × 128 = 128
-    # p2: 2 device + 4 host + 1 store = 16 × 5.5 = 88 → 40 left; KV 25% used × 128 = 32
-    # d1: 7 store blocks = 56 credit → 72 left
-    assert scored == {"p1": 40 + 128, "p2": 40 + 32, "d1": 72}
+    # p1: 4 device + 0.5 × 3 store blocks = 16 × 5.5 = 88 credit → 40 left; load 0.5 × 2 requests × 128 = 128
+    # p2: 2 device + 0.8 × 4 host + 0.5 × 1 store = 16 × 5.7 = 91.2 → 36.8 left; KV 25% used × 128 = 32
+    # d1: 0.5 × 7 store blocks = 56 credit → 72 left
+    assert scored == pytest.approx({"p1": 40 + 128, "p2": 36.8 + 32, "d1": 72})
     decision = policy.pick(route("r", PROMPT), members, {"p1": 1})
     assert decision == RouteDecision(
         request_id="r", status=RouteStatus.ACCEPTED, prefill_worker_id="p2", decode_worker_id="d1",
         expected_cached_tokens=112, scheduler_id="s1",
     )
+
+
+def measured(prefill_tokens_per_s: float = 16_000.0, host: float | None = None, store: float | None = None) -> dict:
+    """Heartbeat fields of a worker reporting its costs: 2 MiB blocks of 16 tokens, 1 ms to compute one."""
+    return {"kv_bytes_per_block": 2 * MIB, "prefill_tokens_per_s": prefill_tokens_per_s,
+            "host_load_bytes_per_s": host, "store_load_bytes_per_s": store}
+
+
+def test_the_credit_is_the_time_a_prefix_saves_at_each_workers_own_rates():
+    blocks = hashes(PROMPT)
+    index = index_with({"p1": blocks[:2], "p2": blocks[:2]}, lower={"p1": blocks[2:4]})
+    index.apply_store_batch(KvStoreEventBatch(shard="s", seq=1, layout_id="L", stored_block_hashes=blocks[:7], ts=0))
+    policy = PrefixPolicy("s1", index, CostWeights(load_weight=0.5, kv_usage_weight=0))
+    members = [
+        member("p1", P, **measured(host=8 * MIB * 1000, store=4 * MIB * 1000)),  # host 0.25 ms, store 0.5 ms a block
+        member("p2", P, **measured(host=8 * MIB * 1000, store=1 * MIB * 1000)),  # a store slower than computing
+        member("d1", D, **measured(store=4 * MIB * 1000)),  # a fast (same-host shared memory) store
+        member("d2", D, **measured(store=1 * MIB * 1000)),  # the data plane: 2 ms a block
+    ]
+    scored = {s.member.worker_id: s.cost for s in policy.score(route("r", PROMPT), members, {})}
+    # a loaded block saves 16 tokens less the 16 tokens a ms computes while it loads:
+    # p1: 2 device (32) + 2 host (2 × 12) + 3 store (3 × 8) = 80 → 48 left
+    # p2: 2 device (32), its 5 store blocks recomputed → 96 left
+    # d1: 7 store blocks (7 × 8 = 56) → 72 left; d2: nothing worth loading → 128
+    assert scored == pytest.approx({"p1": 48, "p2": 96, "d1": 72, "d2": 128})
+    decision = policy.pick(route("r", PROMPT), members, {})
+    assert (decision.prefill_worker_id, decision.decode_worker_id, decision.expected_cached_tokens) == (
+        "p1", "d1", 112)
+
+
+def test_expected_cached_tokens_count_only_the_part_worth_loading():
+    blocks = hashes(PROMPT)
+    index = index_with({"d1": blocks[:3]})
+    index.apply_store_batch(KvStoreEventBatch(shard="s", seq=1, layout_id="L", stored_block_hashes=blocks[:7], ts=0))
+    policy = PrefixPolicy("s1", index, CostWeights(load_weight=0.5, kv_usage_weight=0))
+    decision = policy.pick(route("r", PROMPT), [member("d1", B, **measured(store=1 * MIB * 1000))], {})
+    assert (decision.prefill_worker_id, decision.expected_cached_tokens) == (None, 48)  # its 3 device blocks
 
 
 def test_the_cached_prefix_wins_at_equal_load():

@@ -7,8 +7,10 @@ import asyncio
 import time
 
 from deepinfer.config import WorkerSettings
-from deepinfer.engine import EngineRequest
+from deepinfer.engine import ComputeKv, EngineRequest, StoredKv
 from deepinfer.hashing import hash_blocks
+from deepinfer.kv_costs import HOST, STORE
+from deepinfer.kv_rates import Throughput
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.telemetry import counter, new_registry
 from deepinfer.testing.fake_engine import AdmissionRecorder
@@ -29,6 +31,9 @@ class Store:
 
     def has_shards(self) -> bool:
         return True
+
+    def all_shared_memory(self) -> bool:
+        return False
 
     async def has(self, layout_id, hashes, connection="read"):
         self.asked.append(list(hashes))
@@ -154,3 +159,43 @@ def test_a_rest_shorter_than_the_lookup_minimum_is_queued_without_asking_the_sto
         assert engine.added == ["r"]
         assert (len(store.asked), count(registry, "worker_store_lookups", result="skipped")) == (
             (1, 0) if asked else (0, 1))
+
+
+# -- load or recompute at admission (deepinfer.kv_costs at the engine's measured rates) -----------------------------
+
+def admit(engine: AdmissionRecorder, store: Store, prompt: list[int]) -> object:
+    registry = new_registry(process_metrics=False)
+    tier = StoreTier(WorkerSettings(kv_store_min_lookup_tokens=0), registry, engine, engine, store)
+    asyncio.run(tier.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=4))))
+    return registry
+
+
+def test_a_store_slower_than_this_worker_computes_is_not_asked():
+    prompt = list(range(3 * BLOCK + 1))
+    store = Store(held=hash_blocks(prompt, BLOCK, FINGERPRINT, "")[:3])
+    engine = AdmissionRecorder(BLOCK, FINGERPRINT, kv_bytes_per_block=1 << 20)
+    engine.rates.prefill = Throughput(4e6)  # a 4-token block in 1 µs; 1 MiB from the store at 1.5 GB/s: ~0.7 ms
+    registry = admit(engine, store, prompt)
+    assert store.asked == [] and count(registry, "worker_store_lookups", result="slower") == 1
+    assert engine.kv_sources["r"] == ComputeKv()
+
+
+def test_a_faster_store_loads_its_leading_run_past_the_device_hits():
+    prompt = list(range(6 * BLOCK + 1))
+    hashes = hash_blocks(prompt, BLOCK, FINGERPRINT, "")
+    engine = AdmissionRecorder(BLOCK, FINGERPRINT, cached=(2, 0))  # CPU priors: a block computes in 80 ms
+    admit(engine, Store(held=hashes[2:5]), prompt)
+    assert engine.kv_sources["r"] == StoredKv(5, hashes)
+    assert engine.rates.decisions == {(STORE, "loaded"): 3 * BLOCK}
+
+
+def test_stored_blocks_after_a_host_run_too_slow_to_pay_for_are_recomputed():
+    prompt = list(range(6 * BLOCK + 1))
+    hashes = hash_blocks(prompt, BLOCK, FINGERPRINT, "")
+    engine = AdmissionRecorder(BLOCK, FINGERPRINT, has_host_tier=True, kv_bytes_per_block=1 << 20, cached=(0, 4))
+    engine.rates.prefill = Throughput(4000.0)  # 1 ms a block
+    engine.rates.loads[HOST] = Throughput(1 << 29)  # 2 ms a block: 4 ms lost over the host run
+    engine.rates.loads[STORE] = Throughput(1 << 31)  # 0.5 ms a block: 1 ms saved over the store's two
+    admit(engine, Store(held=hashes[4:6]), prompt)
+    assert engine.kv_sources["r"] == ComputeKv()  # the engine's own admission decides the host run
+    assert engine.rates.decisions == {(STORE, "recomputed"): 2 * BLOCK}

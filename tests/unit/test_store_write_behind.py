@@ -21,6 +21,9 @@ class NoShardLookups:
     def has_shards(self) -> bool:
         return True
 
+    def all_shared_memory(self) -> bool:
+        return False
+
     async def has(self, layout_id, hashes, connection="read"):
         return [False] * len(hashes)
 

@@ -20,6 +20,8 @@ TORCH_FREE_MODULES = (
     "deepinfer.hashing",
     "deepinfer.kvcache.store",
     "deepinfer.membership",
+    "deepinfer.kv_costs",
+    "deepinfer.kv_rates",
     "deepinfer.tasks",
     "deepinfer.tokenizer",
     "deepinfer.engine.outputs",

@@ -1,4 +1,5 @@
-"""Renamed settings: for one release an old env name still sets the new field, with a deprecation warning.
+"""Renamed settings: for one release an old env name still sets the new field, with a deprecation warning; a
+removed setting's env name is only reported (it has no effect).
 
 `RENAMED` maps an old field name to its new one. Every settings class that has the new field also reads its own
 prefix + the old name (DEEPINFER_DECODE_<OLD>), below the new name: when both are set the new one wins. Only the
@@ -31,6 +32,21 @@ REPLACED: dict[str, tuple[str, dict[bool, Any]]] = {
 }
 
 
+#: Removed field -> (a field still beside it in the settings class that had it, what replaced it): for one release
+#: its env name is reported as having no effect, and the chart's schema still accepts its key.
+REMOVED: dict[str, tuple[str, str]] = {  # issue 31: each worker's measured costs replaced the router's fixed weights
+    "host_hit_weight": ("load_weight", "the router credits a cached prefix with the time it saves, from each "
+                        "worker's measured load and prefill rates (docs/services.md)"),
+    "store_hit_weight": ("load_weight", "the router credits a cached prefix with the time it saves, from each "
+                         "worker's measured load and prefill rates (docs/services.md)"),
+}
+
+
+def removed_fields(cls: type[BaseSettings]) -> dict[str, str]:
+    """The removed settings `cls` had: old field name -> what replaced it."""
+    return {old: why for old, (beside, why) in REMOVED.items() if beside in cls.model_fields}
+
+
 def renamed_fields(cls: type[BaseSettings]) -> dict[str, str]:
     """The renames that apply to `cls`: old field name -> new field name, for each new name `cls` has."""
     return {old: new for old, new in RENAMED.items() if new in cls.model_fields}
@@ -40,6 +56,12 @@ def deprecated_env_names(cls: type[BaseSettings]) -> dict[str, str]:
     """Old env name -> new env name of every rename that applies to `cls`."""
     prefix = str(cls.model_config.get("env_prefix", ""))
     return {f"{prefix}{old}".upper(): f"{prefix}{new}".upper() for old, new in renamed_fields(cls).items()}
+
+
+def removed_env_names(cls: type[BaseSettings]) -> list[str]:
+    """The env names of the removed settings `cls` had (read only to report them)."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    return [f"{prefix}{old}".upper() for old in removed_fields(cls)]
 
 
 class RenamedEnvSource(EnvSettingsSource):
@@ -62,7 +84,16 @@ class RenamedEnvSource(EnvSettingsSource):
                 data[new] = self.prepare_field_value(new, field, value, is_complex)
             except ValueError as exc:
                 raise SettingsError(f'error parsing value for field "{new}" from {old_env}') from exc
+        self._report_removed(prefix)
         return data | self._replaced(prefix)
+
+    def _report_removed(self, prefix: str) -> None:
+        """Log each removed setting's env name that is set: it has no effect."""
+        for old, why in removed_fields(self.settings_cls).items():
+            env = f"{prefix}{old}".upper()
+            raw = self.env_vars.get(env if self.case_sensitive else env.lower())
+            if raw is not None:
+                log.warning("%s=%s is deprecated and has no effect: %s", env, raw, why)
 
     def _replaced(self, prefix: str) -> dict[str, Any]:
         """Values the old boolean env names of REPLACED give their new fields (each one reported)."""

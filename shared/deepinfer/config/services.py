@@ -36,7 +36,6 @@ from deepinfer.defaults import (
     DEFAULT_EXECUTION_MODE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_GRAPH_SAMPLING,
-    DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_KV_INDEX_MAX_ENTRIES,
     DEFAULT_KV_USAGE_WEIGHT,
     DEFAULT_LOAD_FORMAT,
@@ -46,7 +45,6 @@ from deepinfer.defaults import (
     DEFAULT_MIXED_STEP_DECODE_KERNEL,
     DEFAULT_STORE_DISK_BYTES,
     DEFAULT_STORE_FSYNC,
-    DEFAULT_STORE_HIT_WEIGHT,
     DEFAULT_STORE_RAM_BYTES,
     DEFAULT_STORE_TTL_S,
     DEFAULT_TENSOR_PARALLEL_SIZE,
@@ -222,14 +220,6 @@ class SchedulerSettings(ServiceSettings):
         DEFAULT_KV_INDEX_MAX_ENTRIES, ge=1,
         description="Most (worker, block) entries in the KV index (~250 B each); past it the worker with the most "
         "entries loses its least recently stored or credited block.",
-    )
-    host_hit_weight: float = Field(
-        DEFAULT_HOST_HIT_WEIGHT, ge=0, le=1,
-        description="Credit of a prefix block in a worker's host tier, relative to one on its device.",
-    )
-    store_hit_weight: float = Field(
-        DEFAULT_STORE_HIT_WEIGHT, ge=0, le=1,
-        description="Credit of a prefix block in the kvcache store, relative to one on the worker's device.",
     )
     load_weight: float = Field(
         DEFAULT_LOAD_WEIGHT, ge=0,

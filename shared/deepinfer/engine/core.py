@@ -38,6 +38,7 @@ from deepinfer.engine.start_progress import StartProgress
 from deepinfer.hashing import model_fingerprint
 from deepinfer.host_memory import usable_memory
 from deepinfer.kernels import compile_watch, get_ops, resolve_accelerator
+from deepinfer.kv_rates import MeasuredRates
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import resolve_model
@@ -128,6 +129,8 @@ class EngineCore:
         self.spec_decode_stats = SpecDecodeStats()
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
+        #: Measured prefill and load rates (deepinfer.kv_rates): load-or-recompute at admission, the heartbeat.
+        self.rates = MeasuredRates.for_device(self.device.type)
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model, progress)
             progress.begin("allocating the host KV tier")
@@ -136,8 +139,10 @@ class EngineCore:
         progress.finish()
         #: Async scheduling: the step launched last and not updated yet.
         self._in_flight: tuple[SchedulerOutput, PendingSample] | None = None
-        #: `SchedulerOutput.kind` of the step the last `step()` call spent its time on (async: the one it waited for).
+        #: `SchedulerOutput.kind` of the step the last `step()` call spent its time on (async: the one it waited for),
+        #: and its batched tokens.
         self.last_step_kind = "empty"
+        self.last_step_tokens = 0
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%d tokens), max_model_len=%d",
             self.model_config.architecture, self.device, self.dtype, self.kv_plan.num_blocks,
@@ -280,7 +285,10 @@ class EngineCore:
                 time.sleep(HOST_COPY_POLL_S)  # only copies in flight: poll again soon
                 self.last_step_kind = "empty"
                 return []
+        started_s = time.monotonic()
         outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if self.last_step_kind in ("prefill", "mixed"):  # async: the call's time is mostly its wait for that step
+            self.rates.observe_step(self.last_step_tokens, time.monotonic() - started_s, self.args.block_size)
         if host_tier is not None:
             host_tier.offload(flush=not self.scheduler.has_unfinished_requests())
         return outputs
@@ -289,7 +297,7 @@ class EngineCore:
         """schedule → execute → update, then (speculative decoding) draft for the next step. A step whose decodes
         carry drafts is verified (`ModelRunner.execute_verify`) and may give a request several tokens."""
         scheduled = self.scheduler.schedule()
-        self.last_step_kind = scheduled.kind
+        self.last_step_kind, self.last_step_tokens = scheduled.kind, scheduled.num_batched_tokens
         started_s = time.monotonic()
         requests = self.scheduler.requests
         verifies = scheduled.num_draft_tokens > 0
@@ -342,7 +350,8 @@ class EngineCore:
         if self._in_flight is not None and self._in_flight[1].needs_sync:
             outputs = self._finish_in_flight()  # its tokens feed the next step's penalties on the host
         scheduled = self.scheduler.schedule()
-        self.last_step_kind = (waited[0] if waited is not None else scheduled).kind
+        timed = waited[0] if waited is not None else scheduled
+        self.last_step_kind, self.last_step_tokens = timed.kind, timed.num_batched_tokens
         launched = (scheduled, self.runner.execute_async(scheduled, self.scheduler.requests))
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
@@ -455,7 +464,7 @@ class EngineCore:
         if num_slots == 0:
             logger.warning("host KV tier off: kv_host_cache_bytes=%d holds no block", budget)
             return None
-        tier = HostTier(kv_caches, num_slots, self.scheduler.block_pool, ops=self.ops)
+        tier = HostTier(kv_caches, num_slots, self.scheduler.block_pool, ops=self.ops, rates=self.rates)
         # A preempted request resuming looks here too, as admission does (at the head of the queue, in schedule()).
         self.scheduler.resume_loader = functools.partial(tier.start_load, self.scheduler)
         logger.info("host KV tier: %d blocks (%.2f GiB)", num_slots, tier.capacity_bytes / (1 << 30))

@@ -2,7 +2,8 @@
 
     add_request(EngineRequest)  → Admission   where its KV comes from is a field of the request (requests.py)
     step()                      → outputs     schedule → execute → update (EngineCore)
-    abort, stats, spec_decode_stats, take_kv_events, kv_snapshot, num_cached_prefix_blocks
+    abort, stats, spec_decode_stats, take_kv_events, kv_snapshot, cached_prefix_tiers
+    rates / kv_costs                                                 measured load and prefill rates (kv_rates)
     held_block_ids / export_held / release_held / device_export      a prefill worker's leases
     staging_pool / import_chunk / complete_load / fail_load / pin_cached  the kvcache store's loads and writes
 
@@ -37,7 +38,7 @@ from deepinfer.engine.kv_load import (
     pin_cached,
     start_load,
 )
-from deepinfer.engine.kv_transfer import StagingPool, kv_layout_of
+from deepinfer.engine.kv_transfer import StagingPool, block_nbytes, kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 from deepinfer.engine.requests import (
     Admission,
@@ -50,6 +51,8 @@ from deepinfer.engine.requests import (
 )
 from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
+from deepinfer.kv_costs import KvCosts
+from deepinfer.kv_rates import MeasuredRates
 from deepinfer.protocol.kv import KvDeviceExport, KvHandle, KvLayout
 from deepinfer.tokenizer import Tokenizer
 
@@ -77,6 +80,11 @@ class Engine:
         self.num_kv_blocks: int = core.kv_plan.num_blocks
         #: The layout of this engine's KV blocks: what a KvHandle from another engine must match.
         self.kv_layout: KvLayout = kv_layout_of(core.runner.kv_caches, args.block_size)
+        #: Bytes of one KV block of every layer (a store payload, a host-tier slot).
+        self.kv_bytes_per_block: int = block_nbytes(core.runner.kv_caches)
+        #: Measured prefill and load rates (deepinfer.kv_rates): read from any thread as hints; the engine thread
+        #: feeds prefill and the host tier's, the worker's event loop the store's (`observe_load`).
+        self.rates: MeasuredRates = core.rates
         #: The execution mode the runner built (deepinfer.engine.execution).
         self.execution_mode: ExecutionMode = core.runner.mode
         #: Same-host owners' device caches mapped for PeerDeviceKv (CUDA IPC), each once.
@@ -182,13 +190,22 @@ class Engine:
         host = host_tier.pool.block_hashes() if host_tier is not None else []
         return list(self.core.scheduler.block_pool.cached_block_hash_to_block), host
 
-    def num_cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        """Leading blocks held by the device prefix cache or the host tier. Any thread, as a hint: a block evicted
-        meanwhile only means a load or a recompute, never wrong KV (admission checks again)."""
+    def cached_prefix_tiers(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(leading blocks in the device prefix cache, the blocks after them held by the host tier), as admission
+        reuses and loads them. Any thread, as a hint: a block evicted meanwhile only means a load or a recompute,
+        never wrong KV (admission checks again)."""
         pool, host_tier = self.core.scheduler.block_pool, self.core.host_tier
-        host = host_tier.pool if host_tier is not None else None
-        return next((i for i, block_hash in enumerate(block_hashes) if pool.get_cached_block(block_hash) is None
-                     and (host is None or host.lookup(block_hash) is None)), len(block_hashes))
+        num_device = next((i for i, h in enumerate(block_hashes) if pool.get_cached_block(h) is None),
+                          len(block_hashes))
+        if host_tier is None:
+            return num_device, 0
+        return num_device, host_tier.pool.num_leading_hits(block_hashes[num_device:])
+
+    def kv_costs(self, store_path: str | None) -> KvCosts:
+        """Load or recompute at this engine's measured rates (deepinfer.kv_costs), its store loads taking
+        `store_path` (kv_rates.STORE or STORE_SHM; None: no store). Any thread, as a hint."""
+        return self.rates.costs(self.block_size, self.kv_bytes_per_block, host=self.has_host_tier,
+                                store_path=store_path)
 
     @property
     def has_host_tier(self) -> bool:

@@ -5,7 +5,8 @@
         launch) into a device staging buffer, then non_blocking copies into the pinned host slots; an event;
         each device block holds an extra reference until that event completed (polled at the start of a step),
         so it is never freed or reused before its copy is done, and no step waits for a copy.
-    admission (EngineCore.add_request): device hits, then the following blocks held here ─► add_loading_request
+    admission (EngineCore.add_request): device hits, then the following blocks held here, as many as loading beats
+        recomputing at the measured rates (deepinfer.kv_costs; the rest recomputed) ─► add_loading_request
         (WAITING_FOR_REMOTE_KVS: the others keep running) ─► copy stream: pinned slots → device staging →
         one scatter of every layer (ops.scatter_blocks, one launch) ─► event ─► at the start of a later step
         finish_loading(loaded=True): the request runs from its first token not loaded. A copy that cannot be
@@ -41,6 +42,8 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kernels import KernelOps, compile_watch, get_ops
 from deepinfer.kernels.torch_block_copy import layer_table
+from deepinfer.kv_costs import DEVICE, HOST
+from deepinfer.kv_rates import MeasuredRates
 
 log = logging.getLogger(__name__)
 
@@ -100,19 +103,25 @@ class _Copy:
     #: Device blocks holding an extra reference until the copy is done.
     blocks: list[KVCacheBlock]
     started_s: float
+    #: The copy's own time, for the tier's measured rate: on CUDA between `started` and `event` (timing events on
+    #: the copy stream, so neither a step nor the wait for one counts), on the CPU the synchronous copy's seconds.
+    started: torch.cuda.Event | None = None
+    copy_s: float = 0.0
 
 
 class HostTier:
     """Pinned host slots for one engine's KV caches, the copy stream and the copies in flight."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], num_slots: int, block_pool: BlockPool,
-                 ops: KernelOps | None = None) -> None:
+                 ops: KernelOps | None = None, rates: MeasuredRates | None = None) -> None:
         self.kv_caches = list(kv_caches)
         self.block_nbytes = block_nbytes(kv_caches)
         self.pool = HostPool(num_slots, block_pool.enable_kv_events)
         self.block_pool = block_pool
         self.device = kv_caches[0].device
         self.cuda = self.device.type == "cuda"
+        #: The engine's measured rates: each load is a sample of this tier's, and admission decides from them.
+        self.rates = rates if rates is not None else MeasuredRates.for_device(self.device.type)
         #: gather_blocks / scatter_blocks: the one-launch Triton kernels on CUDA (the torch twins without Triton).
         self.ops = ops if ops is not None else get_ops("cuda" if self.cuda else "cpu")
         self._layers = layer_table(self.kv_caches)
@@ -176,11 +185,13 @@ class HostTier:
         hashes = request.block_hashes[: (request.num_tokens - 1) // block_size]
         _, num_device_tokens = scheduler.kv_manager.get_computed_blocks(request)
         num_device = num_device_tokens // block_size
-        num_host = self.pool.num_leading_hits(hashes[num_device:])
-        num_misses = len(hashes) - num_device - num_host
+        num_held = self.pool.num_leading_hits(hashes[num_device:])
+        num_misses = len(hashes) - num_device - num_held
+        num_host = self.blocks_worth_loading(num_device, num_held, block_size)
         # A resume is looked up at every step that admits until it is admitted: its misses count once, as it loads.
         if request.num_preemptions == 0:
             self.stats.miss_blocks += num_misses
+            self.rates.decided(HOST, num_host * block_size, (num_held - num_host) * block_size)
         if num_host == 0:
             return False
         plan = scheduler.add_loading_request(request, num_device + num_host)
@@ -194,14 +205,22 @@ class HostTier:
         self.block_pool.touch(blocks)  # an abort meanwhile must not hand them out while the copy writes them
         self.stats.hit_blocks += len(block_ids)
         copy = _Copy(None, slots, blocks, time.perf_counter())
+        copy.started = torch.cuda.Event(enable_timing=True) if self.cuda else None
         try:
-            copy.event = self.copy_to_device(slots, block_ids)
+            copy.event = self.copy_to_device(slots, block_ids, copy.started)
+            copy.copy_s = time.perf_counter() - copy.started_s
         except Exception:
             log.exception("host-tier load of %d blocks for %s failed: recomputing", len(slots), request.request_id)
             self._end_load(scheduler, request.request_id, copy, loaded=False)
             return True
         self._loads[request.request_id] = copy
         return True
+
+    def blocks_worth_loading(self, num_device: int, num_held: int, block_size: int) -> int:
+        """How many of the `num_held` blocks held here past `num_device` device hits to load: those whose load
+        beats recomputing them at the measured rates (deepinfer.kv_costs), the others recomputed."""
+        costs = self.rates.costs(block_size, self.block_nbytes, host=True, store_path=None)
+        return max(0, costs.blocks_to_load([(DEVICE, num_device), (HOST, num_held)]) - num_device)
 
     def poll(self, scheduler: Scheduler) -> None:
         """At the start of a step: finish the copies that completed (never waits for one); unpin what write-behind
@@ -219,9 +238,12 @@ class HostTier:
         self.pool.unpin(copy.slots)
         self.block_pool.free_blocks(reversed(copy.blocks))
         if loaded:
+            seconds = time.perf_counter() - copy.started_s
             self.stats.loaded_blocks += len(copy.slots)
             self.stats.loaded_bytes += len(copy.slots) * self.block_nbytes
-            self.stats.load_seconds.append(time.perf_counter() - copy.started_s)
+            self.stats.load_seconds.append(seconds)
+            copy_s = copy.started.elapsed_time(copy.event) / 1e3 if copy.started is not None else copy.copy_s
+            self.rates.observe_load(HOST, len(copy.slots) * self.block_nbytes, copy_s)
         else:
             self.stats.failed_loads += 1
 
@@ -322,13 +344,18 @@ class HostTier:
                                                                      non_blocking=True)
             return self._record()
 
-    def copy_to_device(self, slots: list[int], block_ids: list[int]) -> torch.cuda.Event | None:
-        """Host slots → device blocks: per staging chunk one copy per slot run, then one scatter of every layer."""
+    def copy_to_device(self, slots: list[int], block_ids: list[int],
+                       started: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Host slots → device blocks: per staging chunk one copy per slot run, then one scatter of every layer.
+        `started` (a timing event): recorded on the copy stream as the copy begins, the returned event then times
+        the copy too."""
         if not self.cuda:
             rows = self.host.index_select(0, torch.tensor(slots, dtype=torch.long))
             self.ops.scatter_blocks(rows, self.kv_caches, torch.tensor(block_ids, dtype=torch.long), self._layers)
             return None
         with self._on_copy_stream():
+            if started is not None:
+                started.record(self.stream)
             for start in range(0, len(block_ids), self._staging.shape[0]):
                 ids, chunk_slots = block_ids[start : start + self._staging.shape[0]], slots[start:]
                 for first, host_first, count in _runs(chunk_slots[: len(ids)]):
@@ -336,7 +363,7 @@ class HostTier:
                                                                non_blocking=True)
                 self.ops.scatter_blocks(self._staging[: len(ids)], self.kv_caches, self._device_index(ids),
                                         self._layers)
-            return self._record()
+            return self._record(timing=started is not None)
 
     def _warm_up(self) -> None:
         """Compile the block copies at start: block 0 (the padding block) to the staging and back, unchanged."""
@@ -356,8 +383,8 @@ class HostTier:
         # From pinned memory, non_blocking: a pageable copy would make the engine thread wait for the stream.
         return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
-    def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+    def _record(self, timing: bool = False) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(self.stream)
         return event
 

@@ -26,7 +26,10 @@ PROTOCOL_MAJOR = 2
 #: 2.6: SnapshotPage.host_block_hashes (a worker's host-memory tier; an older reader sees only the device blocks).
 #: 2.7: SamplingParams.prompt_logprobs, PromptLogprobs in PrefillResult and TokenChunk (a request's prompt scored
 #:      where it is computed; an older worker ignores the field, so the gateway refuses an answer without them).
-PROTOCOL_MINOR = 7
+#: 2.8: WorkerLoad's measured costs (kv_bytes_per_block, prefill_tokens_per_s, host_load_bytes_per_s,
+#:      store_load_bytes_per_s): the router credits a cached prefix with the time it saves on that worker; from an
+#:      older worker (None) it falls back to fixed weights.
+PROTOCOL_MINOR = 8
 
 
 class ProtocolError(ValueError):

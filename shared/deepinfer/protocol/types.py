@@ -17,3 +17,6 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 
 #: A size or a limit that cannot be zero (block_size, max_num_seqs).
 PositiveInt = Annotated[int, Field(ge=1)]
+
+#: A rate that cannot be zero (bytes or tokens per second).
+PositiveFloat = Annotated[float, Field(gt=0)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from deepinfer.protocol.base import Message
-from deepinfer.protocol.types import NonNegativeInt, PositiveInt
+from deepinfer.protocol.types import NonNegativeInt, PositiveFloat, PositiveInt
 
 
 class WorkerRole(StrEnum):
@@ -47,5 +47,12 @@ class WorkerLoad(Message):
     num_received: NonNegativeInt | None = None
     #: Boot id of this worker process (2.2): a new epoch is a restart, its KV index entries start over.
     epoch: str = ""
+    #: Measured costs (2.8; None from older workers), so the router credits a cached prefix with the seconds it
+    #: saves here (deepinfer.kv_costs): bytes of one KV block of every layer, prompt tokens per second computed,
+    #: bytes per second of a load from the host tier and from the kvcache store (None: no such tier here).
+    kv_bytes_per_block: PositiveInt | None = None
+    prefill_tokens_per_s: PositiveFloat | None = None
+    host_load_bytes_per_s: PositiveFloat | None = None
+    store_load_bytes_per_s: PositiveFloat | None = None
     #: Unix seconds on the worker's clock.
     ts: float

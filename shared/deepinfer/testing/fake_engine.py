@@ -9,6 +9,9 @@ from types import SimpleNamespace
 from typing import TypeVar
 
 from deepinfer.engine import Admission, EngineCommand, EngineRequest, EngineStats
+from deepinfer.engine.requests import KvSource
+from deepinfer.kv_costs import KvCosts
+from deepinfer.kv_rates import MeasuredRates
 
 T = TypeVar("T")
 
@@ -53,20 +56,32 @@ class ScriptedEngine:
 
 class AdmissionRecorder:
     """The engine as the worker's store tier uses it, both its front door and its thread: reads (block size,
-    fingerprint, layout id "layout", prefix hints: nothing cached here) and `call(command)`, which applies the
-    command to this object at once. Each admitted request's id goes to `added`; it is computed, never loaded."""
+    fingerprint, layout id "layout", prefix hints: `cached` = (device, host) leading blocks, none by default; the
+    measured `rates`, the CPU's priors until a test sets them) and `call(command)`, which applies the command to
+    this object at once. Each admitted request's id goes to `added` and its KV source to `kv_sources`; it is
+    computed, never loaded."""
 
-    def __init__(self, block_size: int, fingerprint: bytes, has_host_tier: bool = False) -> None:
+    def __init__(self, block_size: int, fingerprint: bytes, has_host_tier: bool = False,
+                 kv_bytes_per_block: int = 1024, cached: tuple[int, int] = (0, 0)) -> None:
         self.block_size, self.fingerprint, self.has_host_tier = block_size, fingerprint, has_host_tier
         self.kv_layout = SimpleNamespace(layout_id=lambda: "layout")
+        self.kv_bytes_per_block, self.cached = kv_bytes_per_block, cached
+        self.rates = MeasuredRates.for_device("cpu")
         self.added: list[str] = []
+        self.kv_sources: dict[str, KvSource] = {}
 
     async def call(self, command: EngineCommand[T]) -> T:
         return command.apply(self)  # type: ignore[arg-type]
 
     def add_request(self, request: EngineRequest) -> Admission:
         self.added.append(request.request_id)
+        self.kv_sources[request.request_id] = request.kv
         return Admission("computed")
 
-    def num_cached_prefix_blocks(self, block_hashes) -> int:
-        return 0
+    def cached_prefix_tiers(self, block_hashes) -> tuple[int, int]:
+        num_device = min(self.cached[0], len(block_hashes))
+        return num_device, min(self.cached[1], len(block_hashes) - num_device)
+
+    def kv_costs(self, store_path: str | None) -> KvCosts:
+        return self.rates.costs(self.block_size, self.kv_bytes_per_block, host=self.has_host_tier,
+                                store_path=store_path)

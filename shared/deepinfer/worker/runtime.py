@@ -53,6 +53,7 @@ from deepinfer.telemetry.hops import Hops
 from deepinfer.worker.engine_loop import EngineLoop, StepTimes
 from deepinfer.worker.errors import error_detail
 from deepinfer.worker.host_tier_metrics import HostTierMetrics
+from deepinfer.worker.kv_cost_metrics import KvCostMetrics
 from deepinfer.worker.kv_event_wire import encode_kv_event_batch
 from deepinfer.worker.kv_snapshot import SnapshotPages
 from deepinfer.worker.model_server_metrics import ModelServerGauges
@@ -113,6 +114,8 @@ class WorkerRuntime:
         self.host_tier_metrics: HostTierMetrics | None = None
         #: vLLM's spec_decode counters, on a worker that speculates (None: it does not).
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
+        #: Measured load and prefill rates, and the load-or-recompute decisions (None until loaded).
+        self.kv_cost_metrics: KvCostMetrics | None = None
         self.data_plane_address = ""
         self.internal_address = ""
         self.draining = False
@@ -181,6 +184,7 @@ class WorkerRuntime:
             self.host_tier_metrics.update(report)
         if engine.args.speculative_config is not None:
             self.spec_decode_metrics = SpecDecodeMetrics(self._registry)
+        self.kv_cost_metrics = KvCostMetrics(self._registry, engine.rates)
         gauge(self._registry, "worker_kernel_compiles_serving",
               "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
               ).set_function(lambda: engine.num_serving_compiles)
@@ -275,6 +279,8 @@ class WorkerRuntime:
             self.host_tier_metrics.update(self.engine.host_tier_report())
         if self.spec_decode_metrics is not None:
             self.spec_decode_metrics.update(self.engine.spec_decode_stats())
+        if self.kv_cost_metrics is not None:
+            self.kv_cost_metrics.update()
         load = self._worker_load()
         self._published_load = (load.num_running, load.num_waiting, load.num_received or 0)
         self._last_heartbeat_s = time.monotonic()
@@ -335,6 +341,7 @@ class WorkerRuntime:
     def _worker_load(self) -> WorkerLoad:
         engine, layout, stats = self.engine, self.layout, self.stats
         assert engine is not None and layout is not None
+        costs = engine.kv_costs(self.store.store_path() if self.store is not None else None)
         return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
@@ -353,6 +360,10 @@ class WorkerRuntime:
             internal_address=self.internal_address,
             draining=self.draining,
             epoch=self.epoch,
+            kv_bytes_per_block=costs.kv_bytes_per_block,
+            prefill_tokens_per_s=costs.prefill_tokens_per_s,
+            host_load_bytes_per_s=costs.host_bytes_per_s,
+            store_load_bytes_per_s=costs.store_bytes_per_s,
             ts=time.time(),
         )
 

@@ -1,14 +1,17 @@
 """`StoreTier`: a worker's use of the kvcache store (docs/kvstore.md, "Workers").
 
-    admission   hashes of the request's full blocks past those the device or the host tier holds ─ has
-                (lookup_timeout_s; coalesced with the requests that arrive together: StoreLookups) ─► n stored
-                (a leading run)
-                n = 0: AddRequest, computed (a host-tier hit loads there)
-                n > 0: AddRequest with StoredKv → WAITING_FOR_REMOTE_KVS (the engine steps the others); then
+    admission   hashes of the request's full blocks past those the device or the host tier holds, when a store
+                block loads faster than this worker computes one (deepinfer.kv_costs, at the measured rates) ─ has
+                (lookup_timeout_s; coalesced with the requests that arrive together: StoreLookups) ─► s stored
+                (a leading run) ─► n = the prefix worth loading of [device | host | store s]
+                n within device + host: AddRequest, computed (the engine's admission loads the host part)
+                n past them: AddRequest with StoredKv(n) → WAITING_FOR_REMOTE_KVS (the engine steps the others); then
                        per chunk of a StagingPool's rows (load_staged): the host-held blocks copied in, the rest
                        ─ get into the rows (checksums verified) ─► engine thread: ImportChunk (one scatter_blocks)
                        while the loop receives the next chunk ─► CompleteLoad: runs from its first token not loaded
                        a failed or late get (load_timeout_s) ─► FailLoad: recomputed, the blocks never served
+                       a completed load: its store bytes and seconds are a sample of the store path's rate
+                       (STORE_SHM when every live shard is same-host shared memory, else STORE)
     write-behind  prompt blocks entering the cache (generated blocks too with kv_store_write_generated): with
                 the host tier, its Stored events (the block's host slot is written); without, the device's
                 ─► bounded queue (full: dropped, counted) ─► background task: has → on the engine thread between
@@ -54,6 +57,8 @@ from deepinfer.engine import (
     StoredKv,
 )
 from deepinfer.hashing import hash_blocks
+from deepinfer.kv_costs import DEVICE, HOST, STORE
+from deepinfer.kv_rates import STORE_SHM
 from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
@@ -91,9 +96,11 @@ class StoreTier:
 
     def _metrics(self, registry: CollectorRegistry) -> None:
         self.m_lookups = counter(registry, "worker_store_lookups", "Store lookups at admission by result (hit, "
-                                 "miss, error; skipped: fewer uncached tokens than kv_store_min_lookup_tokens).",
+                                 "miss, error; skipped: fewer uncached tokens than kv_store_min_lookup_tokens; "
+                                 "slower: the store loads a block slower than this worker computes it).",
                                  ["result"])
         self.m_lookups_skipped = self.m_lookups.labels("skipped")  # per admission: `labels` builds its key each call
+        self.m_lookups_slower = self.m_lookups.labels("slower")
         self.m_lookup_round_trips = counter(
             registry, "worker_store_lookup_round_trips",
             "Store lookups sent at admission (each one `has` for every request waiting, coalesced).")
@@ -149,27 +156,45 @@ class StoreTier:
         # Ask the store only about blocks past the prefix the device or the host tier holds: a prompt held here
         # (the next turn of a conversation, a shared system prompt) costs no round trip before it reaches the
         # engine, whose admission loads the host-held part itself. And only when they are worth a round trip
-        # (kv_store_min_lookup_tokens): a short rest is recomputed.
-        num_local = self.engine.num_cached_prefix_blocks(hashes)
+        # (kv_store_min_lookup_tokens: a short rest is recomputed) and the store loads a block faster than this
+        # worker computes it (else the whole rest is recomputed: a slower last run never pays for itself).
+        num_device, num_host = self.engine.cached_prefix_tiers(hashes)
+        num_local = num_device + num_host
         beyond = hashes[num_local:]
+        path = self.store_path()
+        costs = self.engine.kv_costs(path)
         if beyond and len(beyond) * self.block_size < self.settings.kv_store_min_lookup_tokens:
             self.m_lookups_skipped.inc()  # recomputing this little costs less than asking
             beyond = []
+        elif beyond and not costs.worth_loading(STORE):
+            self.m_lookups_slower.inc()
+            beyond = []
         num_beyond = await self.lookups.leading(beyond)
-        num_stored = num_local + num_beyond if num_beyond else 0
-        if not num_stored:
+        if not num_beyond:
             return await self.engine_loop.call(AddRequest(request))
-        admission = await self.engine_loop.call(AddRequest(replace(request, kv=StoredKv(num_stored, hashes))))
+        num_load = costs.blocks_to_load([(DEVICE, num_device), (HOST, num_host), (STORE, num_beyond)])
+        num_store_loaded = max(0, num_load - num_local)
+        self.engine.rates.decided(STORE, num_store_loaded * self.block_size,
+                                  (num_beyond - num_store_loaded) * self.block_size)
+        if num_load <= num_local:
+            return await self.engine_loop.call(AddRequest(request))
+        admission = await self.engine_loop.call(AddRequest(replace(request, kv=StoredKv(num_load, hashes))))
         plan = admission.load
         if plan is None:
             self.m_loads.labels("skipped").inc()  # the device had them, or no room: queued to compute
             return admission
         await self._load(plan, hashes[plan.first_block : plan.first_block + len(plan.block_ids)],
-                         admission.local_payloads)
+                         admission.local_payloads, path)
         return admission
 
-    async def _load(self, plan: LoadPlan, hashes: list[bytes], local: list[bytes | None]) -> None:
-        """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all."""
+    def store_path(self) -> str:
+        """The path this worker's store gets take now: STORE_SHM when every live shard is on this host with its
+        RAM tier in shared memory, else STORE (the data plane)."""
+        return STORE_SHM if self.client.all_shared_memory() else STORE
+
+    async def _load(self, plan: LoadPlan, hashes: list[bytes], local: list[bytes | None], path: str) -> None:
+        """Get the plan's blocks not in `local` (payloads read from the host tier) from the store; import all.
+        A completed load is a sample of `path`'s rate (the store's bytes over the whole load's seconds)."""
         started = time.perf_counter()
         missing = [h for h, payload in zip(hashes, local, strict=True) if payload is None]
         pool = self._staging_pool()
@@ -194,7 +219,9 @@ class StoreTier:
             await self.engine_loop.call(FailLoad(plan.request_id))
         self.m_loads.labels("loaded" if loaded else "failed").inc()
         if loaded:
-            self.m_load_s.observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.m_load_s.observe(seconds)
+            self.engine.rates.observe_load(path, len(missing) * pool.block_nbytes, seconds)
             self.m_loaded_blocks.inc(len(missing))
             self.m_loaded_bytes.inc(len(missing) * pool.block_nbytes)
 

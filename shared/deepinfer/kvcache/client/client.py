@@ -83,6 +83,13 @@ class KvStoreClient:
         """True while at least one shard is live."""
         return bool(self.shards.live())
 
+    def all_shared_memory(self) -> bool:
+        """True when every live shard is on this host with its RAM tier in shared memory: gets skip the socket
+        (unless one falls back)."""
+        shards = self.shards.live().values()
+        host_id = self.shared_memory.host_id
+        return bool(shards) and all(s.shm and s.host_id and s.host_id == host_id for s in shards)
+
     async def has(self, layout_id: str, block_hashes: Sequence[bytes], connection: str = "read") -> list[bool]:
         """One flag per block: held by its shard. A shard that fails answers False for its blocks. `connection`
         names the connection to each shard it goes on ("read", with the gets; admission lookups use their own,
