@@ -24,7 +24,9 @@ SOURCES = {"deepinfer": ROOT / "shared" / "deepinfer", "services": ROOT / "servi
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("deepinfer.hashing",),  # block identity (hashes, fingerprint, layout_id): imports nothing of ours
     ("deepinfer.subjects", "deepinfer.process", "deepinfer.protocol", "deepinfer.defaults", "deepinfer.tasks",
-     "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.host_identity", "deepinfer.ports"),
+     "deepinfer.cpus", "deepinfer.host_memory", "deepinfer.host_identity", "deepinfer.ports",
+     "deepinfer.kv_costs"),
+    ("deepinfer.kv_rates",),  # a worker's measured load and prefill rates, as kv_costs' rule
     ("deepinfer.config", "deepinfer.bus", "deepinfer.telemetry", "deepinfer.dataplane", "deepinfer.tokenizer",
      "deepinfer.sampling", "deepinfer.nats_server", "deepinfer.membership", "deepinfer.structured"),
     ("deepinfer.kvcache",),  # the block store, a worker's client of it, shard placement: bus and data plane
