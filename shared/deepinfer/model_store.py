@@ -87,6 +87,12 @@ def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bo
         return path.resolve()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return prepare_gguf(path.resolve(), cache_dir, _slug(path.stem), progress)
+    if path.is_absolute() or str(name_or_path).startswith((".", "~")):
+        raise FileNotFoundError(
+            f"model path {path} does not exist: put the model there (a Hugging Face directory with config.json, or "
+            f"a .gguf file); in a container, mount the volume that holds it (the images' model volume is "
+            f"{cache_dir}: e.g. `-v models:{cache_dir}` with the model copied into it)"
+        )
     raise ValueError(
         f"cannot resolve model {str(name_or_path)!r}: expected nothing or {DEFAULT_MODEL!r} "
         "(the built-in default, also 'HuggingFaceTB/SmolLM2-135M-Instruct'), a Hugging Face model directory "

@@ -112,8 +112,12 @@ def test_deepinfer_prepare_prepares_the_default_model_once(tmp_path):
     stamp = (model_dir / ".complete").stat().st_mtime_ns
     again = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert again.stdout == first.stdout and (model_dir / ".complete").stat().st_mtime_ns == stamp  # reused
-    bad = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env | {"DEEPINFER_MODEL": "/nope"})
+    bad = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env | {"DEEPINFER_MODEL": "nope"})
     assert bad.returncode == 2 and "cannot resolve model" in bad.stderr
+    missing = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env | {"DEEPINFER_MODEL": "/nope"})
+    # a path that is not there: where the model should be, and the volume to mount
+    assert missing.returncode == 2 and "model path /nope does not exist" in missing.stderr
+    assert f"mount the volume that holds it (the images' model volume is {tmp_path}" in missing.stderr
 
 
 def test_the_tool_fetch_is_idempotent(tools: Tools):
