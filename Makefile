@@ -9,7 +9,8 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint lint-deploy unit test-stress demo bench-offline fuzz clean
+.PHONY: venv test lint lint-deploy unit test-stress demo bench-offline fuzz clean base-image images image-cuda \
+	compose-test
 
 venv: $(STAMP)
 
@@ -79,6 +80,21 @@ bench-offline: venv
 FUZZ_EXAMPLES ?= 1000
 fuzz: venv
 	$(PY) -m tests.fuzz.gateway --max-examples $(FUZZ_EXAMPLES)
+
+# Images and the compose stack, built and run on this machine (docs/deploy.md "Containers"). Without a Docker
+# engine, scripts/dockerd.sh starts a private one (root, Debian's docker.io); without an image registry the images
+# start from a local Debian base (`make base-image`, debootstrap) and install from packages resolved here.
+base-image:
+	scripts/base_image.sh
+
+images:
+	scripts/images.sh slim cpu
+
+image-cuda:
+	scripts/images.sh cuda
+
+compose-test: venv
+	$(PY) scripts/compose_test.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

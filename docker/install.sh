@@ -1,26 +1,45 @@
 #!/bin/sh
 # Install DeepInfer for one accelerator (docker/Dockerfile): the same source and constraints.txt for every image.
+#
+# With WHEELHOUSE set (scripts/images.sh, on the build machine) it installs nothing: every `pip install` becomes a
+# `pip download` into that directory under the machine's own pip configuration (its index, certificates, local
+# wheels), and the image build then installs from it offline (PIP_NO_INDEX, PIP_FIND_LINKS build args).
 set -eu
 accelerator="$1"
 torch_version=2.13.0
-pip_install() { python3 -m pip install "$@"; }
+# Where torch's CPU build comes from (empty: pip's configured index, e.g. a mirror or local wheels).
+torch_cpu_index=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
+if [ -n "${WHEELHOUSE:-}" ]; then
+  pip_install() { python3 -m pip download --quiet -d "$WHEELHOUSE" "$@"; }
+  pip_install "setuptools>=69"  # the project's build backend: the image build installs it from the wheelhouse
+else
+  pip_install() { python3 -m pip install "$@"; }
+fi
+torch_cpu() { pip_install ${torch_cpu_index:+--index-url "$torch_cpu_index"} "torch==${torch_version}"; }
 case "$accelerator" in
   slim)
     pip_install -c constraints.txt ".[gguf]" ;;
   cpu)
-    pip_install --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}"
+    torch_cpu
     pip_install -c constraints.txt ".[engine]" ;;
   cuda)
+    if [ -z "${WHEELHOUSE:-}" ] && { ! command -v gcc > /dev/null || [ ! -x /opt/venv/bin/python3 ]; }; then
+      # The CUDA runtime image has neither Python nor the compiler Triton builds its launcher with.
+      apt-get update
+      apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc
+      rm -rf /var/lib/apt/lists/*
+      [ -x /opt/venv/bin/python3 ] || python3 -m venv /opt/venv
+    fi
     # constraints.txt pins the triton of the CPU dev venv (3.6.0); torch 2.13.0's CUDA build requires 3.7.1.
     sed 's/^triton==.*/triton==3.7.1/' constraints.txt > /tmp/constraints-cuda.txt
     pip_install -c /tmp/constraints-cuda.txt "torch==${torch_version}" ".[engine]"
     rm /tmp/constraints-cuda.txt ;;
   ascend)
     # torch_npu runs on torch's CPU build (x86-64 and aarch64 wheels on that index).
-    pip_install --index-url https://download.pytorch.org/whl/cpu "torch==${torch_version}"
+    torch_cpu
     pip_install -c constraints.txt "torch-npu==${torch_version}" ".[engine]"
     # triton-ascend provides the `triton` module: it replaces the CUDA build the engine extra pulled in.
-    python3 -m pip uninstall -y triton
+    [ -n "${WHEELHOUSE:-}" ] || python3 -m pip uninstall -y triton
     pip_install "triton-ascend==3.2.0" ;;
   *)
     echo "install.sh: unknown ACCELERATOR '$accelerator' (slim, cpu, cuda, ascend)" >&2

@@ -277,3 +277,35 @@ def test_extra_env_reaches_every_service_container(tools: Tools):
             assert [e for e in main["env"] if e["name"].startswith("OTEL_")] == env, doc["metadata"]["name"]
     assert not any(e["name"].startswith("OTEL_") for doc in workloads(render(tools))
                    for e in pod_spec(doc)["containers"][0].get("env", []))  # none by default
+
+
+def built_tags() -> dict[str, str]:
+    """accelerator -> the tag scripts/images.sh gives its image (its `tag_of`, run by bash)."""
+    import subprocess
+    import tomllib
+
+    from tests.deploy_harness import ROOT
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    script = (ROOT / "scripts" / "images.sh").read_text()
+    tag_of = next(line for line in script.splitlines() if line.startswith("tag_of()"))
+    return {acc: subprocess.run(["bash", "-c", f"VERSION={version}; {tag_of}; tag_of {acc}"], capture_output=True,
+                                text=True, check=True).stdout.strip() for acc in ("slim", "cpu", "cuda")}
+
+
+def test_chart_and_compose_run_the_images_make_images_builds_with_the_same_commands(rendered):
+    tags = built_tags()
+    services = yaml.safe_load((CHART.parents[1] / "docker-compose.yml").read_text())["services"]
+    compose_images = {name: s["image"] for name, s in services.items() if name != "nats"}
+    assert set(compose_images.values()) == set(tags.values())
+    for case in ("default", "cuda"):
+        for doc in workloads(rendered[case]):
+            name = component(doc)
+            if name is None:
+                continue  # the NATS chart's
+            spec = pod_spec(doc)
+            for container in spec["containers"] + spec.get("initContainers", []):
+                assert container["image"] in tags.values(), (case, name, container["image"])
+            assert spec["containers"][0]["args"] == services[name]["command"], (case, name)
+            for init in spec.get("initContainers", []):
+                assert init["args"] == services["prepare-model"]["command"]
