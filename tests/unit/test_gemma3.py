@@ -9,6 +9,7 @@ masking_utils: a key at distance >= sliding_window is masked).
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -199,3 +200,82 @@ def test_graph_runners_without_capture_equal_the_eager_forward(models, graphs):
             hidden, eager = runner.run(ids, positions, meta, rows).hidden, eager[rows]
         torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
         assert_kv_writes(caches, cache.kv_caches, before, meta.slot_mapping)
+
+
+#: llama.cpp's gemma3 tensor names for our HF ones, under blk.N. (its converter also adds 1 to every norm).
+LLAMA_CPP_GEMMA3_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def write_gemma3_gguf(path, checkpoint) -> None:
+    """The tiny checkpoint as llama.cpp's convert_hf_to_gguf writes a Gemma 3 (F32 tensors, norms + 1, no q/k
+    permutation), with a small sentencepiece vocabulary (tests/unit/test_model_store.py's)."""
+    import gguf
+    from safetensors.numpy import load_file
+    from test_model_store import _add_tokenizer
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_sliding_window(config["sliding_window"])
+    assert _add_tokenizer(writer, "llama") == config["vocab_size"]
+    for name, tensor in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
+        stem = name.removesuffix(".weight")
+        if stem == "model.embed_tokens":
+            gguf_name = "token_embd"
+        elif stem == "model.norm":
+            gguf_name = "output_norm"
+        else:
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{LLAMA_CPP_GEMMA3_NAMES[part]}"
+        writer.add_tensor(f"{gguf_name}.weight", tensor + 1 if stem.endswith("norm") else tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_conversion_matches_transformers_gguf_loader(tmp_path):
+    """A llama.cpp-layout Gemma 3 GGUF, converted by us, against transformers loading the same file: the weights
+    (norms zero-centred again, q/k as stored) and the logits of a prompt four windows long. head_dim 256: the
+    query_pre_attn_scalar transformers assumes for a GGUF, and the one llama.cpp's head_dim rule gives."""
+    from transformers import AutoModelForCausalLM
+
+    from deepinfer.loader.gguf import convert_gguf_to_hf
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "hf", "gemma3", sliding_window=WINDOW, vocab_size=266,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                      query_pre_attn_scalar=256)
+    gguf_path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma3_gguf(gguf_path, checkpoint)
+    converted = convert_gguf_to_hf(gguf_path, tmp_path / "converted", progress=False)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config["sliding_window"], config["query_pre_attn_scalar"]) == (WINDOW, 256)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    ref_weights = ref.state_dict()
+    from deepinfer.loader.hf import iter_safetensors
+
+    for name, tensor in iter_safetensors(converted):
+        assert torch.equal(tensor, ref_weights[name]), name
+    ours = load_model(converted, torch.float32, torch.device("cpu"), get_ops("cpu"), progress=False)
+    token_ids = prompt(4 * WINDOW, seed=12, vocab_size=266)
+    (logits,) = paged(ours).step(ours, [(0, token_ids, 0)])
+    with torch.no_grad():
+        want = ref(torch.tensor([token_ids])).logits[0].float()
+    assert_close(logits, want, "logits of the converted GGUF")
