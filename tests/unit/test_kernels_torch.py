@@ -196,6 +196,14 @@ def test_silu_and_mul(shape):
     torch.testing.assert_close(torch_ops.silu_and_mul(x).double(), ref, atol=1e-6, rtol=1e-6)
 
 
+def test_gelu_tanh_and_mul_is_transformers_gelu_pytorch_tanh():
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(7, 2 * 48, dtype=torch.float64) * 3
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(torch_ops.gelu_tanh_and_mul(x), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
 # --- selection ----------------------------------------------------------------------------------------
 
 
@@ -207,7 +215,7 @@ def test_get_ops_falls_back_to_twins(accelerator):
         assert ops.rms_norm is torch_ops.rms_norm and ops.silu_and_mul is torch_ops.silu_and_mul
     assert set(ops.implementations()) == {
         "reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-        "fused_moe", "attention_plan", "mla_paged_attention", "mla_cache_write", "varlen_causal_attention",
+        "gelu_tanh_and_mul", "fused_moe", "attention_plan", "mla_paged_attention", "mla_cache_write", "varlen_causal_attention",
         "gather_blocks", "scatter_blocks",
     }
 

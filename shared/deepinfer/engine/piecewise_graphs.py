@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.kernels.metadata import AttentionMetadata
-from deepinfer.models.layers import DecoderLayer, DecoderStack
+from deepinfer.models.layers import Attention, DecoderStack, PreNormBlock
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +73,17 @@ def smallest_bucket(buckets: list[int], num_tokens: int) -> int | None:
 
 
 def supports_piecewise(model: torch.nn.Module) -> bool:
-    """True for a single-rank model whose blocks are all the Llama-family `DecoderLayer` (Llama, Mistral, Qwen2,
-    Qwen3); DeepSeek (MLA, MoE) and tensor-parallel shards run their prompt steps eagerly."""
+    """True for a single-rank model whose blocks are all pre-norm blocks over the paged `Attention` (Llama,
+    Mistral, Qwen2, Qwen3, Gemma 3); DeepSeek (MLA, MoE) and tensor-parallel shards run their prompt steps
+    eagerly."""
     stack = getattr(model, "model", None)
     tp = getattr(model, "tp", None)
     if not isinstance(stack, DecoderStack) or (tp is not None and tp.world_size != 1):
         return False
     layers = list(stack.layers)
-    return bool(layers) and all(type(layer) is DecoderLayer for layer in layers)
+    return bool(layers) and all(
+        isinstance(layer, PreNormBlock) and type(layer.self_attn) is Attention for layer in layers
+    )
 
 
 def capture_piecewise(
@@ -116,7 +119,7 @@ class PiecewiseGraphRunner:
         if not supports_piecewise(model):
             raise ValueError(f"{type(model).__name__} has no piecewise forward (see supports_piecewise)")
         self.stack: DecoderStack = model.model
-        self.layers: list[DecoderLayer] = list(self.stack.layers)
+        self.layers: list[PreNormBlock] = list(self.stack.layers)
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         self.kv_caches = kv_caches

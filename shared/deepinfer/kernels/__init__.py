@@ -54,6 +54,8 @@ class KernelOps:
     fused_add_rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
+    #: Gemma's GeGLU; the twin everywhere (no faster kernel yet)
+    gelu_tanh_and_mul: Callable[..., Any] = torch_ops.gelu_tanh_and_mul
     fused_moe: Callable[..., Any] = torch_moe.fused_moe
     #: (query, out, meta) -> plan; plan(kv_cache, scale, sliding_window) writes paged_attention into out
     attention_plan: Callable[..., Any] = torch_ops.AttentionPlan
@@ -81,6 +83,7 @@ def _torch_twins(accelerator: str) -> KernelOps:
         fused_add_rms_norm=torch_ops.fused_add_rms_norm,
         rotary_embedding=torch_ops.rotary_embedding,
         silu_and_mul=torch_ops.silu_and_mul,
+        gelu_tanh_and_mul=torch_ops.gelu_tanh_and_mul,
         fused_moe=torch_moe.fused_moe,
         attention_plan=torch_ops.AttentionPlan,
         mla_paged_attention=torch_mla.mla_paged_attention,

@@ -223,3 +223,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2I], got {tuple(x.shape)}"
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I]: GeGLU with transformers' `gelu_pytorch_tanh` (Gemma)."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2I], got {tuple(x.shape)}"
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

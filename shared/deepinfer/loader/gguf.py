@@ -17,9 +17,9 @@ from deepinfer.loader.gguf_tokenizer import build_tokenizer, build_tokenizer_con
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
-# GGUF per-layer tensor stem → HF Llama parameter stem, under `model.layers.N.`.
+# GGUF per-layer tensor stem → HF parameter stem, under `model.layers.N.`.
 _LAYER_TENSOR_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -31,6 +31,21 @@ _LAYER_TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 (llama.cpp's names): QK-norm, and four norms a block, its `ffn_norm` being the pre-feedforward one.
+_GEMMA3_LAYER_TENSOR_NAMES = {
+    **_LAYER_TENSOR_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_TENSOR_NAMES_BY_ARCHITECTURE = {"llama": _LAYER_TENSOR_NAMES, "gemma3": _GEMMA3_LAYER_TENSOR_NAMES}
+#: llama.cpp's Gemma 3 graph has no per-file settings for these: every sixth layer is global, the local layers'
+#: RoPE base is 10000, and the query scale is head_dim ** -0.5 but for the 27B (62 layers): (hidden / heads) ** -0.5.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_27B_BLOCK_COUNT = 62
 _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -58,16 +73,18 @@ def gguf_architecture(metadata: dict[str, Any]) -> str:
     return architecture
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF Llama parameter name for a GGUF tensor name (`blk.3.attn_q.weight` → `model.layers.3...`)."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The HF parameter name for a GGUF tensor name (`blk.3.attn_q.weight` → `model.layers.3...`)."""
+    layer_names = _LAYER_TENSOR_NAMES_BY_ARCHITECTURE[architecture]
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        if part in _LAYER_TENSOR_NAMES:
-            return f"model.layers.{int(layer)}.{_LAYER_TENSOR_NAMES[part]}.{suffix}"
+        if part in layer_names:
+            return f"model.layers.{int(layer)}.{layer_names[part]}.{suffix}"
     elif stem in _GLOBAL_TENSOR_NAMES:
         return f"{_GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent; cannot convert this file")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {architecture} equivalent; cannot convert "
+                     "this file")
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -82,7 +99,8 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf_state_dict(gguf_path: str | Path, progress: bool = False) -> dict[str, np.ndarray]:
-    """Dequantize every tensor of a llama GGUF to float32, under HF Llama names, q/k un-permuted."""
+    """Dequantize every tensor of a GGUF to float32, under HF names, as transformers holds them (llama: q/k
+    un-permuted; gemma3: norm weights zero-centred again)."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -101,11 +119,14 @@ def _dequantize_tensors(reader: Any, metadata: dict[str, Any], progress: bool) -
     for tensor in tensors:
         if tensor.name == "rope_freqs.weight":
             raise ValueError("GGUF with llama3-style rope scaling (a rope_freqs tensor) is not supported")
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, architecture)
         # numpy shape is the GGUF shape reversed, which is HF's [out_features, in_features]
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if name.endswith("q_proj.weight"):
+        if architecture == "gemma3":
+            if name.endswith("norm.weight"):
+                weight = weight - np.float32(1.0)  # llama.cpp stores Gemma's gains as 1 + weight
+        elif name.endswith("q_proj.weight"):
             weight = unpermute_rotary(weight, num_heads)
         elif name.endswith("k_proj.weight"):
             weight = unpermute_rotary(weight, num_kv_heads)
@@ -114,7 +135,7 @@ def _dequantize_tensors(reader: Any, metadata: dict[str, Any], progress: bool) -
 
 
 def build_config(metadata: dict[str, Any], tie_word_embeddings: bool, vocab_size: int) -> dict[str, Any]:
-    """A LlamaForCausalLM config.json from the GGUF's `llama.*` metadata."""
+    """A LlamaForCausalLM or Gemma3ForCausalLM config.json from the GGUF's `<architecture>.*` metadata."""
     arch = gguf_architecture(metadata)
 
     def key(name: str, default: Any = None) -> Any:
@@ -147,11 +168,33 @@ def build_config(metadata: dict[str, Any], tie_word_embeddings: bool, vocab_size
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        config = _gemma3_config(config, key)
     for name in ("bos_token_id", "eos_token_id", "padding_token_id"):
         token_id = metadata.get(f"tokenizer.ggml.{name}")
         if token_id is not None:
             config[name.replace("padding", "pad")] = int(token_id)
     return config
+
+
+def _gemma3_config(llama: dict[str, Any], key: Any) -> dict[str, Any]:
+    """The Llama-shaped config turned into a Gemma 3 text one, with the settings llama.cpp hard-codes."""
+    num_layers, head_dim = llama["num_hidden_layers"], llama["head_dim"]
+    scalar = llama["hidden_size"] // llama["num_attention_heads"] if num_layers == _GEMMA3_27B_BLOCK_COUNT else head_dim
+    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    dropped = ("hidden_act", "mlp_bias")
+    return {
+        **{name: value for name, value in llama.items() if name not in dropped},
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(key("attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)],
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
 
 
 def _shortest_float(value: float) -> float:
@@ -179,6 +222,7 @@ def build_generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
         config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
     eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     eos_ids = list(dict.fromkeys(int(metadata[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in metadata))
+    eos_ids += [i for i in end_of_turn_ids(metadata) if i not in eos_ids]
     if eos_ids:
         config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if metadata.get("tokenizer.ggml.padding_token_id") is not None:
@@ -192,8 +236,17 @@ def build_generation_config(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def end_of_turn_ids(metadata: dict[str, Any]) -> list[int]:
+    """Gemma's `<end_of_turn>`, which ends a chat reply; llama.cpp counts it as end of generation though a GGUF
+    names it nowhere (Google's own generation_config lists it beside `<eos>`)."""
+    if metadata.get("general.architecture") != "gemma3":
+        return []
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    return [i for i, token in enumerate(tokens) if token == "<end_of_turn>"][:1]
+
+
 def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Write a Hugging Face Llama directory (float32 safetensors, config, tokenizer) from a llama GGUF."""
+    """Write a Hugging Face directory (float32 safetensors, config, tokenizer) from a llama or gemma3 GGUF."""
     import gguf
     from safetensors.numpy import save_file
 

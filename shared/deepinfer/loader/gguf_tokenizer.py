@@ -1,10 +1,13 @@
 """A GGUF's tokenizer as Hugging Face files: `tokenizer.json` rebuilt from the `tokenizer.ggml.*` metadata
-(byte-level BPE for "gpt2" vocabularies, sentencepiece BPE for "llama" ones) and `tokenizer_config.json`.
-Used by the GGUF converter (deepinfer.loader.gguf)."""
+(byte-level BPE for "gpt2" vocabularies, sentencepiece BPE for "llama" ones, Gemma's variant of it for gemma3
+files) and `tokenizer_config.json`. Used by the GGUF converter (deepinfer.loader.gguf); transformers' GGUF
+tokenizer (`integrations/gguf/gguf_tokenizer_mapping.py`) is the reference the tests compare with."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from deepinfer.loader.chat_templates import GEMMA3_CHAT_TEMPLATE
 
 # llama.cpp's token types (gguf.TokenType): what the vocabulary says each entry is.
 _TOKEN_TYPE_CONTROL = 3
@@ -44,13 +47,16 @@ def _add_bos_token(metadata: dict[str, Any]) -> bool:
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """A `tokenizers.Tokenizer` rebuilt from the GGUF's `tokenizer.ggml.*` metadata."""
     model = metadata.get("tokenizer.ggml.model")
+    gemma = model == "llama" and _is_gemma(metadata)
     if model == "gpt2":
         tokenizer = _byte_level_bpe(metadata)
+    elif gemma:
+        tokenizer = _gemma_bpe(metadata)
     elif model == "llama":
         tokenizer = _sentencepiece_bpe(metadata)
     else:
         raise ValueError(f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2', 'llama')")
-    _add_special_tokens(tokenizer, metadata, byte_level=model == "gpt2")
+    _add_special_tokens(tokenizer, metadata, byte_level=model == "gpt2", known_user_defined_only=gemma)
     _set_post_processor(tokenizer, metadata)
     return tokenizer
 
@@ -113,6 +119,30 @@ def _sentencepiece_bpe(metadata: dict[str, Any]) -> Any:
     return tokenizer
 
 
+def _is_gemma(metadata: dict[str, Any]) -> bool:
+    return metadata.get("general.architecture") in ("gemma", "gemma2", "gemma3")
+
+
+def _gemma_bpe(metadata: dict[str, Any]) -> Any:
+    """Gemma's sentencepiece BPE (transformers' GemmaTokenizer): spaces become "▁" in a normalizer, no prefix
+    space, byte fallback. A GGUF spells its all-space tokens with real spaces ("  "): they are respelled "▁▁" so
+    that merges built from them match. The file lists no merges and Gemma's scores do not follow the merge order;
+    the vocabulary's order does, so merges are rebuilt ranked by it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in metadata["tokenizer.ggml.tokens"]]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _merges_from_scores(vocab, {token: -index for index, token in enumerate(tokens)})
+    unk = _special_token(metadata, "unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     # A sentencepiece file lists no merges: every split of a token into two known pieces is one, best score first.
     merges = []
@@ -124,7 +154,11 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     return [(left, right) for left, right, _ in merges]
 
 
-def _add_special_tokens(tokenizer: Any, metadata: dict[str, Any], byte_level: bool) -> None:
+def _add_special_tokens(
+    tokenizer: Any, metadata: dict[str, Any], byte_level: bool, known_user_defined_only: bool = False
+) -> None:
+    # known_user_defined_only: add a user-defined token only if the vocabulary spells it as the file does (Gemma's
+    # respelled all-space tokens are not added whole, as transformers does not).
     from tokenizers import AddedToken, pre_tokenizers
 
     alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
@@ -138,7 +172,7 @@ def _add_special_tokens(tokenizer: Any, metadata: dict[str, Any], byte_level: bo
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_USER_DEFINED
+        if kind == _TOKEN_TYPE_USER_DEFINED and (not known_user_defined_only or tokenizer.token_to_id(token) is not None)
     ]
     if control:
         tokenizer.add_special_tokens(control)
@@ -185,4 +219,7 @@ def build_tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
             config[f"{name}_token"] = token
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = metadata["tokenizer.chat_template"]
+    elif arch == "gemma3":
+        # llama.cpp's GGUF-my-repo conversions of the base models carry none; Google's is the Gemma 3 format
+        config["chat_template"] = GEMMA3_CHAT_TEMPLATE
     return config

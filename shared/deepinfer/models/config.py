@@ -74,7 +74,12 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    #: the attention window (a key at distance >= window is masked): of every layer, or, when `layer_types` is
+    #: set, of its "sliding_attention" layers only.
     sliding_window: int | None = None
+    #: per layer "full_attention" or "sliding_attention" (Gemma 3's interleaved local/global layers); () when
+    #: every layer is the same.
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -142,6 +147,7 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden_size = int(hf["hidden_size"])
         rope_theta, rope_scaling = _parse_rope(hf)
+        num_layers = int(hf["num_hidden_layers"])
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         return cls(
@@ -150,7 +156,7 @@ class ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
@@ -161,6 +167,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             sliding_window=_parse_sliding_window(hf),
+            layer_types=_parse_layer_types(hf, num_layers),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
@@ -211,13 +218,22 @@ def _parse_moe(hf: dict[str, Any]) -> MoeConfig | None:
     )
 
 
+#: rope_theta of a config.json that names none, where the architecture's default is not 10000.
+_DEFAULT_ROPE_THETA = {"gemma3_text": 1_000_000.0}
+#: Gemma 3 configs before `layer_types`: every sliding_window_pattern-th layer is global (transformers' default 6).
+_DEFAULT_SLIDING_WINDOW_PATTERN = 6
+
+
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either config style."""
+    """(rope_theta, scaling dict or None) from either config style; with one RoPE per layer type (Gemma 3), the
+    full-attention layers' (the sliding layers' plain RoPE is the model's to read)."""
     params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # transformers 5.x, per type
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:  # transformers 5.x
         theta, scaling = float(params["rope_theta"]), dict(params)
     else:
-        theta = float(hf.get("rope_theta", 10000.0))
+        theta = float(hf.get("rope_theta", _DEFAULT_ROPE_THETA.get(hf.get("model_type", ""), 10000.0)))
         scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
     if scaling is None:
         return theta, None
@@ -240,3 +256,17 @@ def _parse_sliding_window(hf: dict[str, Any]) -> int | None:
             raise ValueError("Qwen sliding-window attention (use_sliding_window=true) is not supported yet")
         return None
     return int(window) if window else None
+
+
+def _parse_layer_types(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Per-layer attention types when config.json gives them (or, for Gemma 3, its sliding_window_pattern)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None and hf.get("model_type") == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern") or _DEFAULT_SLIDING_WINDOW_PATTERN)
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if not layer_types:
+        return ()
+    if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types must give 'full_attention' or 'sliding_attention' for each of the {num_layers} "
+                         f"layers, got {layer_types!r}")
+    return tuple(layer_types)

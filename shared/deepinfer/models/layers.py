@@ -79,6 +79,8 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     sliding_window: int | None = None
+    #: the softmax scale of q.k; None: head_dim ** -0.5 (Gemma 3 uses query_pre_attn_scalar ** -0.5)
+    scale: float | None = None
 
 
 class Attention(nn.Module):
@@ -99,7 +101,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if options.scale is None else options.scale
         self.sliding_window = options.sliding_window
         self.ops = ops
         self.qkv_proj = qkv_projection(config, options.qkv_bias, tp)

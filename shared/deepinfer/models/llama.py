@@ -41,13 +41,15 @@ class LlamaForCausalLM(nn.Module):
 
     #: Builds with a TensorParallelGroup of any size (deepinfer.distributed).
     supports_tensor_parallel = True
+    #: The stack under `model.`: (config, ops, attention options, tp) -> DecoderStack.
+    stack_class: type[DecoderStack] = DecoderModel
 
     def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
         self.tp = tp
-        self.model = DecoderModel(config, ops, self.attention_options(config), tp)
+        self.model = self.stack_class(config, ops, self.attention_options(config), tp)
         # Tied models read the embedding matrix directly: no second parameter to keep tied.
         self.lm_head = None
         if not config.tie_word_embeddings:

@@ -9,6 +9,7 @@ from typing import Any
 _ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepinfer.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepinfer.models.deepseek:DeepseekV3ForCausalLM",
+    "Gemma3ForCausalLM": "deepinfer.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "deepinfer.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "deepinfer.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "deepinfer.models.qwen2:Qwen2ForCausalLM",

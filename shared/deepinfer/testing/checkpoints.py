@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 #: Special tokens take ids 0..3 in the tiny tokenizer.
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -62,6 +62,20 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"head_dim": 32},
+    # Five local layers then a global one, a window far shorter than the test prompts, each type its own RoPE base
+    # and a query_pre_attn_scalar that is not head_dim (so a wrong scale shows).
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        "query_pre_attn_scalar": 24,
+        "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
 }
 
 
@@ -73,21 +87,28 @@ def _config(arch: str, overrides: dict[str, Any]) -> Any:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {TINY_ARCHS}")
     kwargs = {**_BASE, **_ARCH_DEFAULTS[arch], **overrides}
-    return classes[arch](**kwargs)
+    if arch == "gemma3":
+        kwargs.pop("rope_theta")  # Gemma 3 names one base per layer type, in rope_parameters
+    config = classes[arch](**kwargs)
+    if arch == "gemma3":
+        config.architectures = ["Gemma3ForCausalLM"]  # AutoModelForCausalLM's class for gemma3_text
+    return config
 
 
-def _randomise(model: Any, std: float) -> None:
+def _randomise(model: Any, std: float, zero_centred_norms: bool = False) -> None:
     """Wide random weights (norm gains around 1, small biases) so logits have clear winners."""
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.5, 1.5)
+                # a gain around 1; Gemma stores gains zero-centred (the norm multiplies by 1 + weight)
+                param.uniform_(-0.5, 0.5) if zero_centred_norms else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
             else:
@@ -149,7 +170,7 @@ def make_tiny_checkpoint(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _randomise(model, std)
+        _randomise(model, std, zero_centred_norms=arch == "gemma3")
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
