@@ -254,12 +254,21 @@ def test_directory_passes_through_and_needs_config(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("name", ["meta-llama/Llama-3-8B", "no-such-model", str(Path("/nonexistent/x.gguf"))])
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3-8B", "no-such-model"])
 def test_unknown_model_is_a_clear_error(name, tmp_path):
     with pytest.raises(ValueError, match="not supported") as excinfo:
         resolve_model(name, tmp_path / "cache")
     message = str(excinfo.value)
     assert name in message and ".gguf" in message and "config.json" in message and "smollm2-135m-instruct" in message
+
+
+@pytest.mark.parametrize("name", ["/nonexistent/x.gguf", "./not-here", "~/not-here-either"])
+def test_a_model_path_that_is_not_there_says_where_the_model_should_be(name, tmp_path):
+    with pytest.raises(FileNotFoundError) as excinfo:
+        resolve_model(name, tmp_path / "cache")
+    message = str(excinfo.value)
+    assert f"model path {Path(name).expanduser()} does not exist" in message
+    assert ".gguf" in message and "config.json" in message and f"volume is {tmp_path / 'cache'}" in message
 
 
 def test_default_model_cache_dir_follows_xdg(tmp_path):
