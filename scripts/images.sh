@@ -34,9 +34,16 @@ base_or_local() {  # IMAGE: IMAGE if present or pullable, else the local Debian 
 wheelhouse() {  # ACCELERATOR: .wheelhouse/ACCELERATOR filled by install.sh in download mode
     local dir=.wheelhouse/$1
     mkdir -p "$dir"
-    # The CUDA image takes torch's CUDA build from the index, never a local CPU wheel.
+    # The CUDA image takes torch's CUDA build from the index: this machine's pip settings without its local wheel
+    # directories (which may hold torch's CPU build, a higher version than the index's to pip: 2.13.0+cpu).
     if [ "$1" = cuda ]; then
-        PIP_FIND_LINKS= WHEELHOUSE=$PWD/$dir sh docker/install.sh "$1"
+        (
+            unset PIP_FIND_LINKS
+            eval "$(python3 -m pip config list | sed -n "s/^[a-z]*\.\([a-z-]*\)=\(.*\)$/\1 \2/p" \
+                | grep -v '^find-links ' | while read -r key value; do
+                    echo "export PIP_$(echo "$key" | tr 'a-z-' 'A-Z_')=$value"; done)"
+            PIP_CONFIG_FILE=/dev/null WHEELHOUSE=$PWD/$dir sh docker/install.sh "$1"
+        )
     else
         WHEELHOUSE=$PWD/$dir TORCH_CPU_INDEX= sh docker/install.sh "$1"
     fi
@@ -60,6 +67,10 @@ for accelerator in "$@"; do
         --build-arg PIP_FIND_LINKS="http://127.0.0.1:$port/" . || status=$?
     kill "$server"
     [ "$status" = 0 ] || exit "$status"
+    if [ "$accelerator" = cuda ]; then  # torch's CUDA build, not a CPU wheel that pip preferred
+        docker run --rm --entrypoint python3 "$(tag_of cuda)" -c \
+            'import torch; assert torch.version.cuda, torch.__version__; print("torch", torch.__version__)'
+    fi
     size=$(docker image inspect -f '{{.Size}}' "$(tag_of "$accelerator")")
     summary+=("$(tag_of "$accelerator"): $((size / 1000000)) MB, built in $((SECONDS - started)) s")
 done
