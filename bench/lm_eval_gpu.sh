@@ -32,10 +32,15 @@ print(f"random weights written in {time.perf_counter() - started:.0f} s", file=s
 PY
 export DEEPINFER_SERVED_MODEL_NAME=llama-8b-random DEEPINFER_DECODE_KV_CACHE_BYTES=8GiB \
     DEEPINFER_DECODE_MAX_MODEL_LEN=4096 DEEPINFER_DECODE_DTYPE=bfloat16
-deepinfer up --model "$model" --device cuda --prefill 0 --kvcache 0 --port 8000 > "$OUT/lm-eval-gpu-stack.log" 2>&1 &
+python3 -m deepinfer.cli up --model "$model" --device cuda --prefill 0 --kvcache 0 --port 8000 > "$OUT/lm-eval-gpu-stack.log" 2>&1 &
 stack=$!
 for _ in $(seq 240); do
-    curl -sf http://127.0.0.1:8000/v1/models > /dev/null && break
+    python3 - 2> /dev/null <<'PY' && break
+"""Ready once a one-token completion is answered (the gateway lists the model before a worker has joined)."""
+import json, urllib.request as u
+body = json.dumps({"model": "llama-8b-random", "prompt": "Hi", "max_tokens": 1}).encode()
+u.urlopen(u.Request("http://127.0.0.1:8000/v1/completions", body, {"Content-Type": "application/json"}), timeout=30)
+PY
     kill -0 $stack 2> /dev/null || { echo "the stack exited"; tail -30 "$OUT/lm-eval-gpu-stack.log"; exit 5; }
     sleep 1
 done
