@@ -29,11 +29,12 @@ def model_dir(tmp_path_factory):
     return checkpoints.make_tiny_checkpoint(tmp_path_factory.mktemp("speculative") / "llama", "llama")
 
 
-def build(model_dir, mode: str, speculative: bool):
+def build(model_dir, mode: str, speculative: bool, num_speculative_tokens: int | str = 4):
     from deepinfer import LLM
 
+    config = {**NGRAM, "num_speculative_tokens": num_speculative_tokens} if speculative else None
     return LLM(str(model_dir), dtype="float32", execution_mode=mode, max_num_seqs=8, max_model_len=256,
-               kv_cache_bytes=64 << 20, progress=False, speculative_config=NGRAM if speculative else None)
+               kv_cache_bytes=64 << 20, progress=False, speculative_config=config)
 
 
 def outputs(llm, params):
@@ -62,3 +63,18 @@ def test_drafts_give_the_plain_tokens_in_every_mode(model_dir, mode, sampling):
             assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in b)
     stats = spec.engine.spec_decode_stats()
     assert 0 < stats.num_accepted_tokens - before.num_accepted_tokens < stats.num_draft_tokens - before.num_draft_tokens
+
+
+def test_auto_draft_lengths_give_the_plain_tokens_beside_decode_graphs(model_dir):
+    """num_speculative_tokens="auto": the cost table sets graph-replayed decode steps against eager verify steps;
+    whatever it chooses, the tokens are the plain run's, and the first (optimistic) steps do verify drafts."""
+    from deepinfer import SamplingParams
+    from deepinfer.testing.drafters import ScriptedDrafter
+
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
+    reference = outputs(build(model_dir, "decode", speculative=False), params)
+    spec = build(model_dir, "decode", speculative=True, num_speculative_tokens="auto")
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    spec.engine.core.drafter = ScriptedDrafter(continuations, 3)
+    assert [o.token_ids for o in outputs(spec, params)] == [o.token_ids for o in reference]
+    assert spec.engine.spec_decode_stats().num_draft_tokens > 0

@@ -49,7 +49,7 @@ def test_config_defaults_as_vllm():
 @pytest.mark.parametrize(("config", "message"), [
     ([("method", "ngram")], "must be a dict"),
     ({"method": "ngram", "num_speculative_tokens": True}, "must be an int >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": "auto"}, "must be an int >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": "automatic"}, "must be an int >= 1 or \"auto\""),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "not implemented yet"),
     ({"num_speculative_tokens": 2}, "missing method"),

@@ -78,6 +78,21 @@ def test_scripted_drafts_give_the_plain_tokens_and_logprobs(plain, spec, wrong_e
     assert (accepted == drafted) == (wrong_every == 0) and accepted > 0
 
 
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_auto_draft_lengths_give_the_plain_tokens(tiny_dir, plain, wrong_every):
+    reference = run(plain, greedy(max_tokens=30))
+    auto = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config={**NGRAM, "num_speculative_tokens": "auto"})
+    # n-gram drafts first (mostly rejected by the random model), then scripted ones.
+    assert [o.token_ids for o in run(auto, greedy(max_tokens=30))] == [o.token_ids for o in reference]
+    drafter = scripted(auto, reference, wrong_every=wrong_every)
+    before = auto.engine.spec_decode_stats()
+    assert [o.token_ids for o in run(auto, greedy(max_tokens=30))] == [o.token_ids for o in reference]
+    stats = auto.engine.spec_decode_stats()
+    # The controller verified some of the scripted drafts (never longer than proposed), and kept the good ones.
+    assert drafter.num_proposed > 0 and stats.num_accepted_tokens > before.num_accepted_tokens
+    assert auto.engine.core.draft_controller.costs.seconds  # decode steps were measured
+
+
 def test_acceptance_counters_of_a_fully_accepted_run(tiny_dir, plain):
     prompt = [PROMPTS[1]]
     reference = run(plain, greedy(max_tokens=13), prompt)

@@ -16,6 +16,7 @@ from deepinfer.engine.async_step import PendingSample
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.draft_controller import DraftController
 from deepinfer.engine.drafter import Drafter, make_drafter
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
@@ -127,6 +128,10 @@ class EngineCore:
         spec = args.speculative_config
         self.drafter: Drafter | None = None if spec is None else make_drafter(spec)
         self.spec_decode_stats = SpecDecodeStats()
+        #: num_speculative_tokens="auto": chooses each step's draft lengths; with an int every draft is verified.
+        self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
+        #: (auto) request_id -> first token of a draft the controller did not verify: scored against the step's token.
+        self._unverified_drafts: dict[str, int] = {}
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         #: Measured prefill and load rates (deepinfer.kv_rates): load-or-recompute at admission, the heartbeat.
@@ -302,6 +307,9 @@ class EngineCore:
         requests = self.scheduler.requests
         verifies = scheduled.num_draft_tokens > 0
         sampled = self.runner.execute_verify(scheduled, requests) if verifies else self.runner.execute(scheduled, requests)
+        if self.draft_controller is not None and scheduled.kind == "decode":
+            self.draft_controller.observe_step(len(scheduled.scheduled), scheduled.num_batched_tokens,
+                                               time.monotonic() - started_s)
         if self.chunk_timer is not None and scheduled.kind in ("prefill", "mixed"):
             self.chunk_timer.observe(scheduled.num_batched_tokens, time.monotonic() - started_s)
             self.scheduler.max_prefill_tokens = self.chunk_timer.max_prefill_tokens
@@ -310,6 +318,8 @@ class EngineCore:
         else:
             updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
             outputs = _engine_outputs(updates, sampled)
+        if self.draft_controller is not None:
+            self._observe_acceptance(scheduled, sampled, outputs)
         if self.drafter is not None:
             self._propose_drafts()
         return outputs
@@ -331,13 +341,38 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every running request that decodes next (not those with
-        a grammar: a draft token the grammar forbids would have to be rejected before verification, not yet)."""
-        drafter, k = self.drafter, self.args.speculative_config.num_speculative_tokens
+        a grammar: a draft token the grammar forbids would have to be rejected before verification, not yet);
+        with "auto", keep only the leading tokens the draft controller finds worth verifying."""
+        drafter, k = self.drafter, self.args.speculative_config.max_num_draft_tokens
+        proposed: dict[str, list[int]] = {}
         for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens == 1 and request.grammar is None:
-                request.draft_token_ids = drafter.propose(request, k).token_ids
-            else:
-                request.draft_token_ids = ()
+            request.draft_token_ids = ()
+            if request.num_tokens - request.num_computed_tokens == 1:
+                proposed[request.request_id] = (drafter.propose(request, k).token_ids
+                                                if request.grammar is None else [])
+        if self.draft_controller is None:
+            for request in self.scheduler.running:
+                request.draft_token_ids = proposed.get(request.request_id, ())
+            return
+        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()})
+        self._unverified_drafts = {rid: d[0] for rid, d in proposed.items() if d and lengths[rid] == 0}
+        for request in self.scheduler.running:
+            if lengths.get(request.request_id):
+                request.draft_token_ids = proposed[request.request_id][: lengths[request.request_id]]
+
+    def _observe_acceptance(self, scheduled: SchedulerOutput, sampled: dict, outputs: list[EngineOutput]) -> None:
+        """(auto) Feed the draft controller this step's verified drafts, its unverified drafts' first tokens
+        against the emitted ones; drop the state of requests gone."""
+        controller = self.draft_controller
+        for s in scheduled.scheduled:
+            if s.num_draft_tokens and s.request_id in sampled:
+                controller.observe_draft(s.request_id, s.num_draft_tokens, len(sampled[s.request_id]) - 1)
+        for u in outputs:
+            draft_token_id = self._unverified_drafts.get(u.request_id)
+            if draft_token_id is not None and u.new_token_ids:
+                controller.observe_unverified(u.request_id, draft_token_id, u.new_token_ids[0])
+        self._unverified_drafts = {}
+        controller.retain(self.scheduler.requests)
 
     def _step_async(self) -> list[EngineOutput]:
         """schedule(N+1) → launch(N+1) → update(N) with N's tokens: the device never waits for the host.
@@ -446,7 +481,7 @@ class EngineCore:
         spec, args = self.args.speculative_config, self.args
         if spec is None:
             return args.max_num_seqs
-        return max(args.max_num_seqs, min(args.max_num_seqs * (1 + spec.num_speculative_tokens),
+        return max(args.max_num_seqs, min(args.max_num_seqs * (1 + spec.max_num_draft_tokens),
                                           args.max_num_batched_tokens))
 
     def _make_host_tier(self) -> HostTier | None:

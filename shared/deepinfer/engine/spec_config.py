@@ -16,6 +16,8 @@ from typing import Any
 #: Methods a config may name (vLLM's names), and those this build can run.
 KNOWN_METHODS = ("ngram", "suffix", "mtp", "draft_model")
 IMPLEMENTED_METHODS = ("ngram",)
+#: `num_speculative_tokens: "auto"`: the most draft tokens a request proposes (the controller verifies fewer).
+AUTO_MAX_DRAFT_TOKENS = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,8 +25,9 @@ class SpeculativeConfig:
     """How a running sequence's decode steps propose and verify draft tokens (docs/speculative.md)."""
 
     method: str
-    #: Draft tokens verified per step at most (k: a step feeds k + 1 query positions).
-    num_speculative_tokens: int
+    #: Draft tokens verified per step: an int k (always the drafter's whole draft, up to k: a step feeds k + 1
+    #: query positions), or "auto" (up to AUTO_MAX_DRAFT_TOKENS, as many as pay: engine/draft_controller.py).
+    num_speculative_tokens: int | str
     #: n-gram prompt lookup: the shortest and longest suffix n-gram matched against the context (vLLM: both
     #: default to 5 when neither is given, and either one to the other when only one is).
     prompt_lookup_min: int | None = None
@@ -38,8 +41,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method={self.method!r} is not implemented yet "
                              f"(implemented: {', '.join(IMPLEMENTED_METHODS)})")
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1 or \"auto\", got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -51,6 +54,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @property
+    def adaptive(self) -> bool:
+        """True with `num_speculative_tokens: "auto"`: draft lengths follow acceptance and measured step cost."""
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def max_num_draft_tokens(self) -> int:
+        """The most draft tokens one request proposes per step."""
+        return AUTO_MAX_DRAFT_TOKENS if self.adaptive else self.num_speculative_tokens
 
     @classmethod
     def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:

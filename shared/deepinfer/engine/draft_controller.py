@@ -1,0 +1,136 @@
+"""Adaptive draft length (`num_speculative_tokens: "auto"`): how many of each request's draft tokens a verify step
+carries, from the request's running acceptance and the measured cost of verify steps. No torch.
+
+    controller.observe_step(num_rows, num_query_tokens, seconds)   # after every pure decode step
+    controller.observe_draft(request_id, proposed, accepted)        # after a request's draft was verified
+    controller.observe_unverified(request_id, draft_token, token)   # a draft not verified, scored for free
+    lengths = controller.draft_lengths({request_id: draft_len})     # before the next step: tokens to verify each
+
+Per request: `acceptance` is a moving ratio of accepted to tried draft positions (decay DECAY per observation,
+starting from PRIOR_ACCEPTED / PRIOR_TRIED). A draft of d tokens with m accepted tried min(m + 1, d) positions
+(after the first rejection the rest say nothing). Position i of a draft (1-based) is accepted with probability
+acceptance ** i, its expected extra tokens. A draft that is not verified (the cost model cut it) is still scored on
+its first token against the token the step emitted: n-gram drafts cost nothing to propose, so a request whose
+acceptance fell recovers as soon as its drafts start to hit, with no verify spent on probing.
+
+Per step: `StepCostTable` holds the measured seconds of decode steps by (rows, query tokens). With B rows and D draft
+tokens chosen, the step emits B + sum of the chosen positions' expected tokens in cost(B, B + D) seconds. Draft
+positions are taken in order of expected tokens (highest first, a request's positions in order) and D is the prefix
+that maximises tokens per second; D = 0 (no speculation) when no prefix beats the plain step. A cell never measured
+costs what the nearest measured cell with fewer tokens of the same rows costs (optimistic: drafts are tried, their
+steps measured, and kept only if they pay). So under load, where an extra query row costs about what a sequence
+does, drafts stop by themselves; at batch 1 on a memory-bound device they are nearly free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+#: Weight kept by the older observations of a request's acceptance at each new one.
+DECAY = 0.7
+#: A new request's acceptance: PRIOR_ACCEPTED of PRIOR_TRIED positions (0.5, worth two observations).
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0
+#: Weight of the newest measurement of a (rows, query tokens) cell.
+COST_EMA_WEIGHT = 0.25
+#: Draft positions whose expected tokens are below this are never verified (saves a table walk on hopeless tails).
+MIN_EXPECTED_TOKENS = 0.02
+
+
+class StepCostTable:
+    """Measured seconds of decode steps by (rows, query tokens), a moving average per cell."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def observe(self, num_rows: int, num_query_tokens: int, seconds: float) -> None:
+        """A decode step of `num_rows` sequences and `num_query_tokens` tokens took `seconds`."""
+        if seconds <= 0:
+            return
+        key = (num_rows, num_query_tokens)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else COST_EMA_WEIGHT * seconds + (1 - COST_EMA_WEIGHT) * old
+
+    def cost(self, num_rows: int, num_query_tokens: int) -> float | None:
+        """Seconds of such a step: its cell, else the nearest measured one of the same rows with fewer tokens;
+        None when no step of these rows was measured with at most that many tokens."""
+        for tokens in range(num_query_tokens, num_rows - 1, -1):
+            seconds = self.seconds.get((num_rows, tokens))
+            if seconds is not None:
+                return seconds
+        return None
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    accepted: float = PRIOR_ACCEPTED
+    tried: float = PRIOR_TRIED
+
+    def observe(self, accepted: int, tried: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + tried
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+
+class DraftController:
+    """Chooses each step's draft lengths (module docstring); one per engine, keyed by request_id."""
+
+    def __init__(self) -> None:
+        self.costs = StepCostTable()
+        self._acceptance: dict[str, _Acceptance] = {}
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's running acceptance per draft position (the prior for a request never seen)."""
+        state = self._acceptance.get(request_id)
+        return state.rate if state is not None else PRIOR_ACCEPTED / PRIOR_TRIED
+
+    def observe_step(self, num_rows: int, num_query_tokens: int, seconds: float) -> None:
+        """A pure decode step (with or without drafts) took `seconds`."""
+        self.costs.observe(num_rows, num_query_tokens, seconds)
+
+    def observe_draft(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verified draft of `num_proposed` tokens had its first `num_accepted` accepted."""
+        if num_proposed > 0:
+            self._state(request_id).observe(num_accepted, min(num_accepted + 1, num_proposed))
+
+    def observe_unverified(self, request_id: str, draft_token_id: int, token_id: int) -> None:
+        """A draft that was not verified is scored on its first token against the token the step emitted."""
+        self._state(request_id).observe(int(draft_token_id == token_id), 1)
+
+    def retain(self, live_request_ids: Collection[str]) -> None:
+        """Drop the state of requests no longer live (finished or aborted); `live_request_ids` supports `in`."""
+        if len(self._acceptance) > len(live_request_ids):
+            self._acceptance = {rid: a for rid, a in self._acceptance.items() if rid in live_request_ids}
+
+    def draft_lengths(self, proposed: dict[str, int]) -> dict[str, int]:
+        """How many leading tokens of each request's proposed draft (request_id -> its length) the next step
+        verifies; every request of the step's decodes is a key (0 for one without a draft)."""
+        num_rows = len(proposed)
+        lengths = dict.fromkeys(proposed, 0)
+        plain_s = self.costs.cost(num_rows, num_rows)
+        if plain_s is None:  # no plain step of this batch measured yet: measure one first
+            return lengths
+        positions = sorted(
+            ((self.acceptance(rid) ** i, rid) for rid, n in proposed.items() for i in range(1, n + 1)),
+            key=lambda p: -p[0])  # stable: a request's positions stay in order (their values decrease anyway)
+        best_rate, best_count = num_rows / plain_s, 0
+        emitted = float(num_rows)
+        for count, (expected, _) in enumerate(positions, start=1):
+            if expected < MIN_EXPECTED_TOKENS:
+                break
+            emitted += expected
+            seconds = self.costs.cost(num_rows, num_rows + count)
+            if emitted / seconds > best_rate:
+                best_rate, best_count = emitted / seconds, count
+        for _, rid in positions[:best_count]:
+            lengths[rid] += 1
+        return lengths
+
+    def _state(self, request_id: str) -> _Acceptance:
+        state = self._acceptance.get(request_id)
+        if state is None:
+            state = self._acceptance[request_id] = _Acceptance()
+        return state
