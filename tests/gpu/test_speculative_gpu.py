@@ -33,8 +33,10 @@ def build(model_dir, mode: str, speculative: bool, num_speculative_tokens: int |
     from deepinfer import LLM
 
     config = {**NGRAM, "num_speculative_tokens": num_speculative_tokens} if speculative else None
+    # No host tier: its default pins a share of the host's memory per engine, and the engines of earlier tests in
+    # the same process (two per case here) are freed only when collected (CUDA out of memory pinning it, 2026-12-04).
     return LLM(str(model_dir), dtype="float32", execution_mode=mode, max_num_seqs=8, max_model_len=256,
-               kv_cache_bytes=64 << 20, progress=False, speculative_config=config)
+               kv_cache_bytes=64 << 20, kv_host_cache_bytes=0, progress=False, speculative_config=config)
 
 
 def outputs(llm, params):
