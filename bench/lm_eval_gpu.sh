@@ -3,7 +3,7 @@
 # weights, both bfloat16, on a random-weight checkpoint of the Llama-3.1-8B shape (bench/lm_eval_parity.py).
 #
 #     python bench/random_model.py llama-8b --cache-dir .bench-models            # here: config + tokenizer
-#     ROOTS="lm-eval tenacity" bash bench/device_wheels.sh .whl-lmeval          # here: the harness's wheels
+#     ROOTS="lm-eval tenacity pytz" bash bench/device_wheels.sh .whl-lmeval          # here: the harness's wheels
 #     bash bench/lm_eval_gpu.sh      # on the device, carrying .whl-stack, .whl-lmeval and .bench-models
 #
 # Writes the checkpoint's random bf16 weights (transformers' own initialisation, seed 0) next to the carried config,
