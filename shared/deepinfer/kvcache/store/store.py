@@ -107,15 +107,7 @@ class KvStore:
         """Payloads (bytes, read-only views) in request order; BlockNotFound (nothing served) unless all are held."""
         if block_ids:
             raise DataPlaneError("the kvcache store serves blocks by hash, not by owner-local block id")
-        keys = [(layout_id, bytes(h)) for h in block_hashes]
-        with self._lock:
-            self._check_open()
-            now = self._clock()
-            missing = [key for key in keys if not self._holds(key, now, expire=True)]
-            if missing:
-                self._count_misses(missing)
-        if missing:
-            raise _not_found(layout_id, missing)
+        keys = self._all_held(layout_id, block_hashes)
         payloads = [self._read_one(key) for key in keys]
         self._try_flush_touches()
         lost = [key for key, payload in zip(keys, payloads, strict=True) if payload is None]
@@ -176,15 +168,7 @@ class KvStore:
             raise DataPlaneError("this kvcache store keeps no RAM tier in shared memory")
         if host_id != self.host_id:
             raise DataPlaneError(f"shared memory is for readers on host {self.host_id!r}, not {host_id!r}")
-        keys = [(layout_id, bytes(h)) for h in block_hashes]
-        with self._lock:
-            self._check_open()
-            now = self._clock()
-            missing = [key for key in keys if not self._holds(key, now, expire=True)]
-            if missing:
-                self._count_misses(missing)
-        if missing:
-            raise _not_found(layout_id, missing)
+        keys = self._all_held(layout_id, block_hashes)
         for key in keys:
             self._read_one(key, copy=False)
         self._try_flush_touches()
@@ -440,6 +424,20 @@ class KvStore:
                 self._events.add(StoreEventKind.EVICTED, key[0], key[1], now)
 
     # -- bookkeeping -----------------------------------------------------------------------------------------
+    def _all_held(self, layout_id: str, block_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
+        """The blocks' keys, in order, when every one is held (expired ones dropped); else BlockNotFound naming
+        the missing ones, counted as misses."""
+        keys = [(layout_id, bytes(h)) for h in block_hashes]
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            missing = [key for key in keys if not self._holds(key, now, expire=True)]
+            if missing:
+                self._count_misses(missing)
+        if missing:
+            raise _not_found(layout_id, missing)
+        return keys
+
     def _check_open(self) -> None:
         if self._closed:
             raise DataPlaneError("the kvcache store is closed")
