@@ -142,7 +142,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     for command in (
         Subcommand(
             name="bench",
-            help="benchmark tools: `compare` two result files (a table of deltas; exit 1 on a regression)",
+            help="`run` a load sweep against an OpenAI-compatible server; `compare` two results (exit 1 if worse)",
             add_arguments=_bench_arguments,
             run=_bench_run,
         ),

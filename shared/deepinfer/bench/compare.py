@@ -53,12 +53,21 @@ class Delta:
 
 
 def figures(result: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
-    """(dotted name, value) of every numeric leaf under dicts; lists and strings are not figures."""
+    """(dotted name, value) of every numeric leaf under dicts, and under lists of sweep points (dicts named by
+    their `concurrency`: `points.c=64.output_tok_s`); other lists and strings are not figures."""
     if isinstance(result, dict):
         for key, value in result.items():
-            yield from figures(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}")
+            nested = isinstance(value, dict) or _is_sweep(value)
+            yield from figures(value, f"{prefix}{key}." if nested else f"{prefix}{key}")
+    elif _is_sweep(result):
+        for point in result:
+            yield from figures(point, f"{prefix}c={point['concurrency']}.")
     elif isinstance(result, int | float) and not isinstance(result, bool) and prefix:
         yield prefix, float(result)
+
+
+def _is_sweep(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "concurrency" in p for p in value)
 
 
 def direction(name: str) -> int:

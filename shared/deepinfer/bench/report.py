@@ -1,0 +1,50 @@
+"""A `deepinfer bench run` result: one JSON object (schema below) and the same points as CSV rows.
+
+    {"bench": "deepinfer-bench-run", "schema": 1, "date": "...", "base_url": "...", "model": "...",
+     "settings": {"num_prompts": N, "input_words": W, "max_tokens": M, "ignore_eos": bool, "seed": S},
+     "points": [{"concurrency": c, <deepinfer.bench.metrics.summarize's keys>}, ...]}
+
+The CSV has one row per point: `concurrency`, then every figure with nested names joined by "_" (`ttft_ms_p99`).
+`deepinfer bench compare` reads two such files (a point's figures are compared by concurrency).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+SCHEMA = 1
+
+
+def flat(point: dict, prefix: str = "") -> dict[str, object]:
+    """A point's figures with nested names joined by "_"."""
+    out: dict[str, object] = {}
+    for key, value in point.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}_")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def write(result: dict, json_path: Path, csv_path: Path | None) -> None:
+    """The JSON (nan as null, so any JSON reader takes it) and, if asked, the CSV."""
+    json_path.write_text(json.dumps(_no_nan(result), indent=1, allow_nan=False) + "\n")
+    if csv_path is not None:
+        rows = [flat(point) for point in result["points"]]
+        with csv_path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["concurrency"])
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def _no_nan(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
