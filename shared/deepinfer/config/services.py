@@ -409,7 +409,8 @@ class DecodeSettings(WorkerSettings):
     )
     speculative_config: str | None = Field(
         None, description="Speculative decoding as vLLM's speculative_config, a JSON object (docs/speculative.md), "
-        'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; '
+        'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+        '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs); '
         "checked when the engine is built (a bad one stops the start). Unset = off. Needs synchronous scheduling "
         "(unset async_scheduling resolves to off with it).",
     )
