@@ -31,30 +31,10 @@ for section in $sections; do
         esac
     done
 done
-python3 - "$OUT" <<'EOF'
-"""before / after, side by side: prefill and decode tok/s (gpu.py), service/offline ratio per concurrency (serve.py)."""
-import json
-import sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-
-
-def load(name: str) -> dict:
-    path = out / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-gpu = [load(f"{w}-gpu") for w in ("before", "after")]
-serve = [{p["concurrency"]: p for p in load(f"{w}-serve").get("points", [])} for w in ("before", "after")]
-rows = [("prefill 4x4096 tok/s", *(g.get("prefill", {}).get("ours_tok_s") for g in gpu))]
-rows += [(f"decode B={b} tok/s", *(g.get("decode", {}).get(b, {}).get("graphs_tok_s") for g in gpu))
-         for b in ("1", "64", "256")]
-for c in sorted(set(serve[0]) | set(serve[1])):
-    rows.append((f"serve c={c} service/offline", *(s.get(c, {}).get("service_over_offline") for s in serve)))
-    rows.append((f"serve c={c} service tok/s", *(s.get(c, {}).get("service_output_tok_s") for s in serve)))
-print(f"{'figure':32s} {'before':>12s} {'after':>12s} {'after/before':>12s}")
-for name, before, after in rows:
-    change = f"{after / before:.3f}" if before and after else ""
-    print(f"{name:32s} {before!s:>12s} {after!s:>12s} {change:>12s}")
-EOF
+# Side by side: every figure both runs have (serve.py's points by concurrency), `deepinfer bench compare`'s table.
+for section in $sections; do
+    [ -f "$OUT/before-$section.json" ] && [ -f "$OUT/after-$section.json" ] \
+        && PYTHONPATH=/tmp/site:$PWD/shared python3 -m deepinfer.cli bench compare \
+            "$OUT/before-$section.json" "$OUT/after-$section.json"
+done
+exit 0

