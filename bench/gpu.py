@@ -89,6 +89,14 @@ def make_engine(model_dir: Path, max_num_seqs: int = 256, batch_invariant: bool 
     return engine, time.perf_counter() - start
 
 
+def release_engines() -> None:
+    """Free the engines a section dropped: make_engine froze their objects (gc.freeze), which a plain gc.collect()
+    never frees, so the next engine would find the device memory still held."""
+    gc.unfreeze()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def prefill_ours(engine, rng, reps: int = 3, num_seqs: int = PREFILL_SEQS, seq_len: int = PREFILL_LEN) -> float:
     """Median seconds of one engine step over num_seqs fresh random seq_len-token prompts (cold: no prefix hits)."""
     vocab = engine.model_config.vocab_size
@@ -326,17 +334,14 @@ def main() -> None:
         if sections & {"prefill", "decode", "idle", "serving"}:
             on = args.async_scheduling == "on"
             guarded(res, "ours_error", lambda: run_ours(model_dir, cfg, sections, res, save, args.num_requests, on))
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_engines()
         if args.async_scheduling == "both" and sections & {"decode", "idle", "serving"}:
             serving = lambda engine: serving_ours(engine, args.num_requests)  # noqa: E731
             guarded(res, "async_error", lambda: run_async(make_engine, model_dir, sections, res, save, serving))
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_engines()
         if args.batch_invariant:
             guarded(res, "batch_invariant_error", lambda: run_invariant(model_dir, res, save))
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_engines()
         if "hf" in sections:
             from gpu_hf import run_hf
 
