@@ -34,6 +34,7 @@ from deepinfer.distributed.parallel_state import SINGLE_RANK, TensorParallelGrou
 from deepinfer.kernels import KernelOps
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import (
+    MLP,
     Attention,
     AttentionOptions,
     DecoderStack,
@@ -42,7 +43,7 @@ from deepinfer.models.layers import (
     RotaryEmbedding,
 )
 from deepinfer.models.llama import LlamaForCausalLM
-from deepinfer.models.parallel import down_projection, gate_up_projection, token_embedding
+from deepinfer.models.parallel import token_embedding
 
 SLIDING_ATTENTION = "sliding_attention"
 #: transformers' defaults for fields older Gemma 3 configs leave out.
@@ -81,14 +82,8 @@ def embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
     return float(torch.tensor(hidden_size**0.5, dtype=dtype))
 
 
-class GegluMLP(nn.Module):
+class GegluMLP(MLP):
     """gelu_tanh(gate) * up, with a fused gate/up projection (HF names gate_proj, up_proj, down_proj)."""
-
-    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallelGroup = SINGLE_RANK) -> None:
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = gate_up_projection(config, tp)
-        self.down_proj = down_projection(config, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
