@@ -1,13 +1,8 @@
-"""bench/pyspy_summary.py: py-spy raw stacks folded per thread into self and inclusive shares."""
+"""deepinfer.bench.pyspy_summary: py-spy raw stacks folded per thread into self and inclusive shares."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import pyspy_summary  # noqa: E402
+from deepinfer.bench import pyspy_summary
 
 RAW = [
     "thread (1): MainThread;run (asyncio/base_events.py:641);select (selectors.py:468) 6",
