@@ -1,6 +1,6 @@
 """CPU bench: prefill and decode of our offline engine against `transformers` (sdpa), same weights, same process.
 
-    python bench/cpu.py [--prefill 512,2048,6000,8000] [--decode 1,8] [--repeats 3] [--threads 2] [--dtype float32]
+    PYTHONPATH=shared:. python bench/cpu/cpu.py [--prefill 512,2048,6000,8000] [--decode 1,8] [--repeats 3] [--threads 2] [--dtype float32]
                         [--hf-dtype float32] [--decode-context 512] [--decode-steps 64] [--model NAME_OR_PATH]
 
 Prefill: one prompt of fresh random token ids (never a prefix hit), max_tokens=1 on both sides (`LLM.generate`

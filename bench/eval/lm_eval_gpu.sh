@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue #39's GPU point: lm-eval's `local-completions` against a stack on one GPU next to its `hf` model on the same
-# weights, both bfloat16, on a random-weight checkpoint of the Llama-3.1-8B shape (bench/lm_eval_parity.py).
+# weights, both bfloat16, on a random-weight checkpoint of the Llama-3.1-8B shape (bench/eval/lm_eval_parity.py).
 #
-#     python bench/random_model.py llama-8b --cache-dir .bench-models            # here: config + tokenizer
+#     python -m deepinfer.testing.random_model llama-8b --cache-dir .bench-models            # here: config + tokenizer
 #     ROOTS="lm-eval tenacity pytz" bash bench/device_wheels.sh .whl-lmeval          # here: the harness's wheels
-#     bash bench/lm_eval_gpu.sh      # on the device, carrying .whl-stack, .whl-lmeval and .bench-models
+#     bash bench/eval/lm_eval_gpu.sh      # on the device, carrying .whl-stack, .whl-lmeval and .bench-models
 #
 # Writes the checkpoint's random bf16 weights (transformers' own initialisation, seed 0) next to the carried config,
 # starts `deepinfer up` on it (one decode worker, no prefill worker, no store), runs the parity script, and leaves
@@ -44,7 +44,7 @@ PY
     kill -0 $stack 2> /dev/null || { echo "the stack exited"; tail -30 "$OUT/lm-eval-gpu-stack.log"; exit 5; }
     sleep 1
 done
-python3 bench/lm_eval_parity.py --base-url http://127.0.0.1:8000 --model-dir "$model" \
+python3 bench/eval/lm_eval_parity.py --base-url http://127.0.0.1:8000 --model-dir "$model" \
     --served-model-name llama-8b-random --lm-eval /tmp/site-lmeval/bin/lm_eval --hf-dtype bfloat16 --hf-device cuda \
     --out /tmp/lm-eval-gpu 2> "$OUT/lm-eval-gpu.log" | tee "$OUT/lm-eval-gpu.json"
 status=${PIPESTATUS[0]}

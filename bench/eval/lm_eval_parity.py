@@ -4,7 +4,7 @@ on the same weights (float32 on the CPU, or --hf-dtype/--hf-device); prints both
 the differing generations, then one JSON line.
 
     deepinfer up --port 8000 &                          # or any deployment serving the model
-    python bench/lm_eval_parity.py --base-url http://127.0.0.1:8000 --model-dir ~/.cache/deepinfer/models/<dir> \\
+    PYTHONPATH=shared:. python bench/eval/lm_eval_parity.py --base-url http://127.0.0.1:8000 --model-dir ~/.cache/deepinfer/models/<dir> \\
         --lm-eval /path/to/venv/bin/lm_eval              # lm-eval[api]==0.4.13 (+ transformers, accelerate)
 
 The harness runs from its own environment (`--lm-eval`); the tasks are local files (deepinfer.testing.lm_eval_tasks),

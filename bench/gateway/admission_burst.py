@@ -1,6 +1,6 @@
 """Where a decode admission's time goes when a wave of requests arrives at once, on this CPU.
 
-    PYTHONPATH=shared:. python bench/admission_burst.py [--burst 64] [--running 64] [--bursts 6] [--repeats 3]
+    PYTHONPATH=shared:. python bench/gateway/admission_burst.py [--burst 64] [--running 64] [--bursts 6] [--repeats 3]
         [--fake-step HOST_US DEVICE_US] [--device-us-per-token US] [--prompt-len 35] [--sync] [--kvstore]
         [--shared-prefix N] [--distinct-prompts] [--out FILE] [--profile FILE]
 
@@ -37,7 +37,7 @@ Also: how many schedule() calls it took from the command to the step that sample
 no extra step), the event loop's CPU per admission beyond the running batch's own, and the engine thread's CPU
 and wall time running commands per admission (wall above CPU: waits for the GIL). Prints a table (p50 / p99 over
 every request of every burst, median over repeats) and one JSON line. The decode-side stand-ins and wrappers
-are in bench/admission_probe.py.
+are in bench/gateway/admission_probe.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decode side of bench/admission_burst.py: a GPU-shaped stand-in for the model runner, and per-request
+"""The decode side of bench/gateway/admission_burst.py: a GPU-shaped stand-in for the model runner, and per-request
 timestamps taken by wrapping the real DecodeHandler, EngineLoop, EngineCore and scheduler (nothing in them
 changes: each wrapper calls the original)."""
 

@@ -1,7 +1,7 @@
 """The gateway's per-token output work (`ChoiceOutput.add`: incremental detokenization, stop strings, the text so
 far) against how long the output already is, on this CPU.
 
-    PYTHONPATH=shared:. python bench/detok_cost.py [--tokens 16384]
+    PYTHONPATH=shared:. python bench/gateway/detok_cost.py [--tokens 16384]
 
 One choice, the default model's tokenizer, an English text fed one token per chunk (as a decode worker that
 keeps up sends it); µs per token over each range of output positions. Prints one JSON line. Run it on two

@@ -1,13 +1,13 @@
 """The gateway's cost of starting requests that arrive in a burst, and of streaming their tokens, on this CPU.
 
-    PYTHONPATH=shared:. python bench/gateway_burst.py [--bursts 16 64] [--rounds 20] [--stream-tokens 256]
+    PYTHONPATH=shared:. python bench/gateway/gateway_burst.py [--bursts 16 64] [--rounds 20] [--stream-tokens 256]
         [--gateway-root DIR] [--trace [--token-spans first_last|all]] [--out bench/results/NAME.json]
 
 One real gateway process (`python -m services.gateway`, one process, the default model's tokenizer, the code
 under `--gateway-root`, default this checkout) on a real nats-server on a free port, and the stand-in scheduler
-and decode worker of bench/gateway_burst_workers.py in a process of their own (why stand-ins: see there). The
+and decode worker of bench/gateway/gateway_burst_workers.py in a process of their own (why stand-ins: see there). The
 client (this process) keeps one HTTP/1.1 connection per concurrent request open and writes a burst of N
-streamed chat requests (~30-token prompts, as bench/serve.py) back to back, then reads every stream to its end;
+streamed chat requests (~30-token prompts, as bench/serve/serve.py) back to back, then reads every stream to its end;
 each burst starts with the gateway idle.
 
 Per burst size N, with max_tokens=1 (one token: the request is its start path plus one event):
@@ -56,7 +56,7 @@ CONTENT = re.compile(rb'"content":"[^"]')
 
 
 def prompt(i: int) -> list[dict[str, str]]:
-    """bench/serve.py's chat prompts (~30 tokens with the template)."""
+    """bench/serve/serve.py's chat prompts (~30 tokens with the template)."""
     return [{"role": "user", "content": f"Tell me {i % 3 + 2} things about {TOPICS[i % len(TOPICS)]}, part {i}."}]
 
 

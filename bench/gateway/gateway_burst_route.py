@@ -1,10 +1,10 @@
 """The route round trip of a burst against the real scheduler: is its reply slow, or the gateway's loop busy?
 
-    PYTHONPATH=shared:. python bench/gateway_burst_route.py [--bursts 1 16 64] [--rounds 20] [--out FILE]
+    PYTHONPATH=shared:. python bench/gateway/gateway_burst_route.py [--bursts 1 16 64] [--rounds 20] [--out FILE]
 
 A real nats-server and the real scheduler (`python -m services.scheduler`, its own process, the code of this
 checkout); one decode worker's heartbeats (room for every request) from this process, which then sends bursts
-of N RouteRequests at once (as N requests reaching the gateways at once would: bench/gateway_burst.py's prompts
+of N RouteRequests at once (as N requests reaching the gateways at once would: bench/gateway/gateway_burst.py's prompts
 are ~30 tokens, 2 block hashes) and times each round trip. Reports per N the round trip p50/p99 and the
 scheduler process's CPU per route (user + system from /proc). With the scheduler's CPU per route c, the last of
 a burst of N waits ~N x c in its queue; what the gateway sees beyond that is its own loop.

@@ -1,6 +1,6 @@
-"""Stand-in scheduler + decode worker for bench/gateway_burst.py, one process of its own on a real nats-server.
+"""Stand-in scheduler + decode worker for bench/gateway/gateway_burst.py, one process of its own on a real nats-server.
 
-    python bench/gateway_burst_workers.py NATS_URL TOKEN MODEL STEP_MS TOKEN_IDS   # prints "ready" once subscribed
+    PYTHONPATH=shared:. python bench/gateway/gateway_burst_workers.py NATS_URL TOKEN MODEL STEP_MS TOKEN_IDS   # prints "ready" once subscribed
 
 They are stand-ins, not the real services, on purpose: the bench measures the gateway's CPU, and on this 2-core
 machine the tiny model's engine (and the scheduler's and decode worker's own loops) would compete with the

@@ -1,7 +1,7 @@
 """The gateway's CPU per request before routing, by stage, for a long chat prompt: JSON parse, body validation, chat
 template, tokenize, SamplingParams (the workers' validation too) and block hashes.
 
-    python bench/gateway_request_cost.py MODEL_DIR [--tokens 8192] [--repeat 20]
+    PYTHONPATH=shared:. python bench/gateway/gateway_request_cost.py MODEL_DIR [--tokens 8192] [--repeat 20]
 
 MODEL_DIR: a Hugging Face model directory (tokenizer.json, tokenizer_config.json with a chat template, config.json).
 Timed on one core with `time.process_time`, median of `--repeat` runs; prints a table and one JSON line. Grammar

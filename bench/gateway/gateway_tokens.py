@@ -1,6 +1,6 @@
 """The gateway's CPU per streamed token, by stage, with the pydantic event path and the per-token path side by side.
 
-    python bench/gateway_tokens.py [--streams 256] [--steps 256]
+    PYTHONPATH=shared:. python bench/gateway/gateway_tokens.py [--streams 256] [--steps 256]
 
 Each decode step delivers one TokenBatch with a chunk for every stream (as a decode worker sends it); the
 gateway demultiplexes it (`TokenStreams.on_batch`), each stream takes its chunk (`RequestStream.get`),

@@ -1,13 +1,13 @@
 """What a hostile or naive client gets from a `deepinfer up` stack (issue #40), one case per subcommand.
 
-    python bench/hostile.py prompt      # 15.6 MB prompts on /tokenize, /v1/completions, /v1/chat/completions
+    PYTHONPATH=shared:. python bench/gateway/hostile.py prompt      # 15.6 MB prompts on /tokenize, /v1/completions, /v1/chat/completions
                                         # while a second client sends small requests
-    python bench/hostile.py schemas     # impossible and pathological JSON schemas
-    python bench/hostile.py integer     # {"population": {"type": "integer"}} at temperature 0
-    python bench/hostile.py scheduler   # a scheduler killed under 8 streaming clients
-    python bench/hostile.py abandon     # a 6,000-token prompt abandoned 2 s in, then a small request
-    python bench/hostile.py defaults    # 80 SDK-default chat answers to the France question
-    python bench/hostile.py defaults --env DEEPINFER_GATEWAY_SAMPLING_DEFAULTS=openai   # as before #40
+    PYTHONPATH=shared:. python bench/gateway/hostile.py schemas     # impossible and pathological JSON schemas
+    PYTHONPATH=shared:. python bench/gateway/hostile.py integer     # {"population": {"type": "integer"}} at temperature 0
+    PYTHONPATH=shared:. python bench/gateway/hostile.py scheduler   # a scheduler killed under 8 streaming clients
+    PYTHONPATH=shared:. python bench/gateway/hostile.py abandon     # a 6,000-token prompt abandoned 2 s in, then a small request
+    PYTHONPATH=shared:. python bench/gateway/hostile.py defaults    # 80 SDK-default chat answers to the France question
+    PYTHONPATH=shared:. python bench/gateway/hostile.py defaults --env DEEPINFER_GATEWAY_SAMPLING_DEFAULTS=openai   # as before #40
 
 Each starts its own stack (the default model, CPU; `--schedulers`), prints one line per measurement and a JSON
 line at the end. Figures: docs/hostile-clients.md.

@@ -1,6 +1,6 @@
 """Event-loop CPU of one step's TokenBatch encoding, per way of writing it, at a number of running requests.
 
-    PYTHONPATH=shared:. python bench/token_batch_encode.py [--chunks 1 64 256] [--repeats 7] [--out FILE]
+    PYTHONPATH=shared:. python bench/gateway/token_batch_encode.py [--chunks 1 64 256] [--repeats 7] [--out FILE]
 
 A steady decode step: every request gained one token, none is new, none finished, no logprobs (the chunks the
 worker writes all but twice per request). µs per step, the least of `--repeats` timings of many steps (other

@@ -1,7 +1,7 @@
 """Where a decode step's host time goes on a GPU: the engine alone (no service), async scheduling and CUDA graphs
 as on one device, `B` requests decoding at `--context` tokens, with the torch profiler's per-op host cost.
 
-    python bench/decode_step_profile.py --random-model llama-1b --batches 64,256 --context 320 --out FILE
+    PYTHONPATH=shared:. python bench/gpu/decode_step_profile.py --random-model llama-1b --batches 64,256 --context 320 --out FILE
 
 Per batch size: the step (wall / steps of `EngineCore.step`), the captured forward's GPU time alone (back-to-back
 replays: the step's floor), the GPU-busy share of a profiled window, and the ops and CUDA runtime calls with the

@@ -1,8 +1,8 @@
-"""Per-step times of decode steps at B=64 and B=256 (8B shape, random weights, bench/gpu.py's engine): step and
+"""Per-step times of decode steps at B=64 and B=256 (8B shape, random weights, bench/gpu/gpu.py's engine): step and
 execute() ms (median, mean, max) and the gen-2 collections inside the window. A mean far above the median is a
 pause, not a slower step (the front door's before/after, 2026-12-04: one 171 ms gen-2 collection among 32 steps).
 
-    python bench/decode_step_times.py TAG [--no-graph-sampling]     # on the GPU machine, from a tree's root
+    PYTHONPATH=shared:. python bench/gpu/decode_step_times.py TAG [--no-graph-sampling]     # on the GPU machine, from a tree's root
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu
 import numpy as np
 import torch
 
-from bench.gpu import gpu_decode
+from bench.gpu import gpu_decode, harness
 
 
 def step_times(engine, rng, batch: int, steps: int) -> dict:
@@ -68,8 +67,8 @@ def main() -> None:
     parser.add_argument("--no-graph-sampling", action="store_true")
     args = parser.parse_args()
     model_dir = Path(tempfile.mkdtemp())
-    (model_dir / "config.json").write_text(json.dumps(gpu.LLAMA_31_8B))
-    engine, _ = gpu.make_engine(model_dir, graph_sampling=not args.no_graph_sampling)
+    (model_dir / "config.json").write_text(json.dumps(harness.LLAMA_31_8B))
+    engine, _ = harness.make_engine(model_dir, graph_sampling=not args.no_graph_sampling)
     rng = np.random.default_rng(0)
     result = {batch: step_times(engine, rng, batch, steps) for batch, steps in ((64, 48), (256, 32))}
     print(args.tag, json.dumps(result))

@@ -1,10 +1,10 @@
 """GPU bench on one device, Llama-3.1-8B shape, random bf16 weights (no download), side by side in one run with
 `transformers` (sdpa) and with the ceilings measured in the same run.
 
-    python bench/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
+    PYTHONPATH=shared:. python bench/gpu/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
                         [--batch-invariant]   # also: the engine in batch-invariant mode (prefill, decode)
                         [--async-scheduling off|on|both]   # decode, idle, serving with async scheduling
-    python bench/gpu.py --model deepseek [--tiny] [--hf-compile]   # DeepSeek-V2-Lite shape: bench/gpu_deepseek.py
+    PYTHONPATH=shared:. python bench/gpu/gpu.py --model deepseek [--tiny] [--hf-compile]   # DeepSeek-V2-Lite shape: bench/gpu/gpu_deepseek.py
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
 `--baseline EARLIER.json` also prints every figure's change against an earlier run (`deepinfer bench compare`).
@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                         help="on: the engine runs async; both: sync, then decode/idle/serving again async")
     parser.add_argument("--model", choices=("llama", "deepseek"), default="llama",
-                        help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu_deepseek.py)")
+                        help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu/gpu_deepseek.py)")
     parser.add_argument("--tiny", action="store_true", help="deepseek: a toy config on the CPU (code paths only)")
     parser.add_argument("--hf-compile", action="store_true", help="deepseek: let transformers compile its decode")
     parser.add_argument("--execution-mode", choices=("eager", "decode", "piecewise", "full"), default="full",

@@ -1,4 +1,4 @@
-"""Decode-side measurements of bench/gpu.py: tok/s with host phases, graph replay time, GPU-busy fraction, and
+"""Decode-side measurements of bench/gpu/gpu.py: tok/s with host phases, graph replay time, GPU-busy fraction, and
 the decode + idle (+ serving) sections with async scheduling on (`run_async`)."""
 
 from __future__ import annotations

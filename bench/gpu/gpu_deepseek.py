@@ -1,4 +1,4 @@
-"""DeepSeek-V2-Lite shape (MLA + 64-expert MoE), random bf16 weights, on one device (`python bench/gpu.py
+"""DeepSeek-V2-Lite shape (MLA + 64-expert MoE), random bf16 weights, on one device (`python bench/gpu/gpu.py
 --model deepseek`): prefill and decode tok/s of our engine (CUDA graphs and eager) beside transformers'
 DeepseekV2ForCausalLM from the same config.json, a decode roofline over the bytes a step must read (weights,
 routed experts actually touched, latent KV) and the ceilings measured in the same run.
@@ -328,7 +328,7 @@ def print_table(res: dict) -> None:
 
 
 def main_deepseek(args: argparse.Namespace) -> None:
-    """Ceilings, our engine, then transformers; table, then one JSON line (bench/gpu.py --model deepseek)."""
+    """Ceilings, our engine, then transformers; table, then one JSON line (bench/gpu/gpu.py --model deepseek)."""
     shape = TINY if args.tiny else FULL
     sections = set(args.sections.split(",")) & {"ceilings", "prefill", "decode", "hf", "profile"}
     cfg = {**DEEPSEEK_V2_LITE, **(TINY_OVERRIDES if args.tiny else {})}

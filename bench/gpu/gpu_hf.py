@@ -1,5 +1,5 @@
-"""transformers (sdpa) on the same shape and random weights as bench/gpu.py: prefill 4x4096 and static-cache
-decode at batch 1 and 64 (imported by bench/gpu.py)."""
+"""transformers (sdpa) on the same shape and random weights as bench/gpu/gpu.py: prefill 4x4096 and static-cache
+decode at batch 1 and 64 (imported by bench/gpu/gpu.py)."""
 
 from __future__ import annotations
 

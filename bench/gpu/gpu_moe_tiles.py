@@ -1,6 +1,6 @@
 """Fused-MoE tile sweep on one GPU at DeepSeek-V2-Lite's expert shape (64 experts top-6, H 2048, I 1408, bf16).
 
-    python bench/gpu_moe_tiles.py [--tokens 1,64,8192]
+    PYTHONPATH=shared:. python bench/gpu/gpu_moe_tiles.py [--tokens 1,64,8192]
 
 For each token count: every candidate (block_m, block_n, block_k, warps, stages) checked against the torch
 twin (relative L2 error) and timed, eagerly (host launches included) and as CUDA-graph replays (device time), beside the floor of that shape (touched expert bytes at the copy rate, or

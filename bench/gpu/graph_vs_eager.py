@@ -1,7 +1,7 @@
 """Every execution mode against eager on one GPU: where greedy tokens first differ, and how close the eager run's
 top-2 logits were there (a near tie, or a bug).
 
-    PYTHONPATH=shared python3 bench/graph_vs_eager.py --out graph-vs-eager.json
+    PYTHONPATH=shared:. python3 bench/gpu/graph_vs_eager.py --out graph-vs-eager.json
 
 The tiny Llama of tests/gpu/test_model_gpu.py (4 layers, random weights, llama3 RoPE scaling), 11 prompts (a decode
 graph of 16 rows, 5 padding rows), 24 greedy tokens each. For each (dtype, mode) pair: per prompt, the first position
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from tiny_checkpoints import checkpoints
+
+from deepinfer.testing import checkpoints
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32}

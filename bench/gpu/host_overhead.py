@@ -1,7 +1,7 @@
 """Host time of one decode step on the CPU: Scheduler + the runner's input preparation + sampling + update,
 with a fake model step (no GPU), at batch 256 and 2k tokens of context.
 
-    PYTHONPATH=shared:. python bench/host_overhead.py [--batch 256] [--context 2048] [--steps 64] [--async]
+    PYTHONPATH=shared:. python bench/gpu/host_overhead.py [--batch 256] [--context 2048] [--steps 64] [--async]
 
 The fake model returns tiny tensors at once, so what is timed is what the host adds to every step in series
 with the GPU: schedule(), the runner's flat batch and staging (and the CUDA-graph input fill, done here into

@@ -1,6 +1,6 @@
 """Mixed prefill+decode steps, eager vs piecewise vs full CUDA graphs, split vs one attention kernel: ms a step.
 
-    PYTHONPATH=shared:. python bench/mixed_step.py --random-model llama-1b [--out FILE] \
+    PYTHONPATH=shared:. python bench/gpu/mixed_step.py --random-model llama-1b [--out FILE] \
         [--decode-rows 0,64,256] [--prompt-tokens 32,512,1536] [--steps 20]
 
 One engine (dummy weights, bf16, CUDA graphs on, sync scheduling, no host tier). For each (B decode rows,
@@ -97,7 +97,7 @@ def step_ms(engine, rng, device: str, decode_rows: int, prompt_tokens: int, cont
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--random-model", default="llama-1b", help="a random-weight shape (bench/random_model.py)")
+    parser.add_argument("--random-model", default="llama-1b", help="a random-weight shape (shared/deepinfer/testing/random_model.py)")
     parser.add_argument("--model", default=None, help="a checkpoint directory instead of --random-model")
     parser.add_argument("--cache-dir", type=Path, default=Path(".bench-models"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

@@ -1,7 +1,7 @@
 """Host time of one step's sampling metadata and sampled-token index copies, before and after
 `SamplingMetadataBuilder` / `HostStaging`, in one run.
 
-    PYTHONPATH=shared:. python bench/sampling_metadata_cost.py [--device cpu|cuda] [--rounds 7]
+    PYTHONPATH=shared:. python bench/gpu/sampling_metadata_cost.py [--device cpu|cuda] [--rounds 7]
 
 before: the per-step rebuild from every row's params (`tests/sampling_reference.reference_build`, the code the
 builder replaced) and `SampledTokenBuffer`'s old index copy (`torch.tensor(lists, pin_memory=...)`).

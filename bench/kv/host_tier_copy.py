@@ -2,7 +2,7 @@
 offload (one gather of every layer → staging → pinned slots) of batches of blocks, beside a pinned `copy_` of the
 same bytes as one tensor, in the same run. Prints "no CUDA" and exits 0 without one.
 
-    PYTHONPATH=shared:. python bench/host_tier_copy.py [--blocks 16 64 256] [--reps 10] [--ops torch] [--out NAME.json]
+    PYTHONPATH=shared:. python bench/kv/host_tier_copy.py [--blocks 16 64 256] [--reps 10] [--ops torch] [--out NAME.json]
 
 --ops torch times the torch twins of the block copies (one index_select / index_copy_ per layer, the copies before
 the Triton block copies) instead of the Triton kernels.

@@ -1,6 +1,6 @@
 """Store gets on one host: through the shard's shared memory vs through the data-plane socket vs a plain memcpy.
 
-    PYTHONPATH=shared:. python bench/kv_shm.py [--block-mib 2] [--blocks 64] [--reps 10] [--out FILE]
+    PYTHONPATH=shared:. python bench/kv/kv_shm.py [--block-mib 2] [--blocks 64] [--reps 10] [--out FILE]
 
 A kvcache shard (KvStore with its RAM tier in /dev/shm, behind a DataPlaneServer) runs in a process of its own;
 the worker side, in this one, reads the same --blocks blocks into the same preallocated rows (a staging pool)

@@ -1,17 +1,17 @@
 """TTFT of long prompts served from each KV tier vs recomputed, and a multi-turn workload with tiers off and on,
 through the whole stack (issue 12's benchmarks).
 
-    PYTHONPATH=shared:. python bench/kv_tiers.py --quick --device cpu                       # a few minutes
-    PYTHONPATH=shared:. python bench/kv_tiers.py --random-model llama-8b --device cuda      # 8k and 32k prompts
+    PYTHONPATH=shared:. python bench/kv/kv_tiers.py --quick --device cpu                       # a few minutes
+    PYTHONPATH=shared:. python bench/kv/kv_tiers.py --random-model llama-8b --device cuda      # 8k and 32k prompts
 
-Part 1, per mode (one stack each; bench/kv_tiers_stack.py says which tiers each has):
+Part 1, per mode (one stack each; shared/deepinfer/bench/tier_stack.py says which tiers each has):
     recompute   host tier off, store off          host    host tier on, store off
     store       host tier off, one kvcache shard, store on
 each prompt is sent once (recomputed; in `store` its blocks written behind, waited for), then filler prompts
 evict it from the device pool (made small on purpose: `--pool-prompts` x the longest prompt), then each prompt
 again: TTFT from that tier, the tier that served it (usage.prompt_tokens_details.cached_tokens_by_tier) and
 whether the greedy text equals the first send's.
-Part 2, modes tiers-off / tiers-on: bench/kv_tiers_multiturn.py (working set `--mt-working-set` x the pool).
+Part 2, modes tiers-off / tiers-on: bench/kv/kv_tiers_multiturn.py (working set `--mt-working-set` x the pool).
 
 TTFT = request sent -> first streamed content token (openai client). The host mode reports "unavailable" where
 the workers have no host tier yet. Prints a table per part and one JSON line; writes the JSON to --out. Exits

@@ -1,4 +1,4 @@
-"""Part 2 of bench/kv_tiers.py: a multi-turn workload whose working set is several times the device pool.
+"""Part 2 of bench/kv/kv_tiers.py: a multi-turn workload whose working set is several times the device pool.
 
 K conversations, each turn the previous request + its answer + a new user message, visited round-robin
 (every conversation's turn 1, then every turn 2, ...) by a few concurrent clients; a conversation's next turn

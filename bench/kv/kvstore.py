@@ -1,6 +1,6 @@
 """kvcache store put/get GB/s and latency on loopback, beside a raw socket copy of the same bytes in the same run.
 
-    PYTHONPATH=shared:. python bench/kvstore.py [--block-mib 2] [--blocks 64] [--reps 10] [--fsync none]
+    PYTHONPATH=shared:. python bench/kv/kvstore.py [--block-mib 2] [--blocks 64] [--reps 10] [--fsync none]
 
 Every server runs in a process of its own (as the store would), the client in this one, over 127.0.0.1:
 
@@ -23,7 +23,7 @@ blocks (puts under new hashes each time), the median of --reps. Latency: one blo
 Run it also with glibc told to keep freed buffers (a store process would be started so), which removes the page
 faults of every fresh 2 MiB block on both ends:
 
-    MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=4294967296 python bench/kvstore.py
+    MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=shared:. python bench/kv/kvstore.py
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
                 process.join(timeout=60)
     return {
         "bench": "kvstore",
-        "command": "python bench/kvstore.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/kv/kvstore.py " + " ".join(sys.argv[1:]),
         "device": "cpu",
         "host": platform.node(),
         "cpus": os.cpu_count(),

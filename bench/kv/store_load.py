@@ -1,6 +1,6 @@
 """Where a worker's load from the kvcache store spends its time on this machine: lookup, get, import.
 
-    PYTHONPATH=shared:. python bench/store_load.py [--blocks 256] [--reps 3] [--chunk-blocks 16]
+    PYTHONPATH=shared:. python bench/kv/store_load.py [--blocks 256] [--reps 3] [--chunk-blocks 16]
 
 A kvcache shard (DataPlaneServer over a RAM-only KvStore) runs in a process of its own, holding --blocks blocks of
 the 8B shape (32 layers x K/V x 16 tokens x 8 heads x 128 dims, bf16: 2 MiB a block). This process is the worker:

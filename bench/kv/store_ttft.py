@@ -1,6 +1,6 @@
 """TTFT of long prompts served from the kvcache store after a restart of the whole stack, vs recomputed.
 
-    PYTHONPATH=shared:. python bench/store_ttft.py [--prompts 3] [--facts 150] [--max-tokens 8]
+    PYTHONPATH=shared:. python bench/kv/store_ttft.py [--prompts 3] [--facts 150] [--max-tokens 8]
 
 Runs `deepinfer up`'s Stack (the default model, one kvcache shard, a fresh data dir) twice on the same data dir:
 

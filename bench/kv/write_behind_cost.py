@@ -1,12 +1,12 @@
 """Where a block written behind to the kvcache store costs a decode worker, per block, on this CPU.
 
-    PYTHONPATH=shared:. python bench/write_behind_cost.py [--steps 300] [--repeats 3] [--fake-step 300 2200]
+    PYTHONPATH=shared:. python bench/kv/write_behind_cost.py [--steps 300] [--repeats 3] [--fake-step 300 2200]
         [--concurrency 64] [--shard-nice N] [--out FILE]
 
 A real `DecodeHandler` (EngineLoop, StoreTier, host tier on through `kv_host_cache_bytes`), a real nats-server on a
 free port, a real kvcache shard process (`services.kvcache`) and a subscriber process draining the token subject.
 The model is a tiny random llama whose KV has llama-1b's block bytes (8 layers x 8 KV heads x 64 in float32 = 16
-layers in bf16: 512 KiB a block of 16 tokens); its forward is replaced by a GPU-shaped step (bench/loop_cost.py's
+layers in bf16: 512 KiB a block of 16 tokens); its forward is replaced by a GPU-shaped step (bench/serve/loop_cost.py's
 FakeStep: HOST_US of Python holding the GIL, then DEVICE_US waiting without it). The scheduler, the prefix cache,
 the host tier and write-behind all run for real: at concurrency 64 each step completes 4 blocks of generated
 tokens.

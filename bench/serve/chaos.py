@@ -1,8 +1,8 @@
 """Chaos harness: a steady load against `deepinfer up` (2 prefill + 2 decode workers) while faults are injected one
 at a time; every completed answer is compared with the same request served without faults.
 
-    python bench/chaos.py                          # 100 faults or 30 min, whichever comes first
-    python bench/chaos.py --faults 12 --concurrency 3 --only kill-decode,stop-decode
+    PYTHONPATH=shared:. python bench/serve/chaos.py                          # 100 faults or 30 min, whichever comes first
+    PYTHONPATH=shared:. python bench/serve/chaos.py --faults 12 --concurrency 3 --only kill-decode,stop-decode
 
 Bounded (--faults, --duration-s) and loopback only: it starts its own stack on 127.0.0.1 and stops it at the end.
 The stack has `--schedulers` replicas (2 by default, as the chart): with one, killing it is an outage by design.

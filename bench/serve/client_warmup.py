@@ -1,11 +1,11 @@
-"""What a fresh client process's first request costs the load generator itself (bench/serve_clients.py), against a
+"""What a fresh client process's first request costs the load generator itself (bench/serve/serve_clients.py), against a
 stub server that answers at once, so every millisecond is the client's own.
 
-    PYTHONPATH=shared:. python bench/client_warmup.py [--requests 8] [--repeats 3] [--out FILE]
+    PYTHONPATH=shared:. python bench/serve/client_warmup.py [--requests 8] [--repeats 3] [--out FILE]
 
 The stub (asyncio on a free port, in this process's thread) answers any request with one SSE content event and
 [DONE]. `run_load` at concurrency 1 sends --requests requests in a fresh client process, without the warm-up
-request (`warm=False`: how bench/serve.py measured before) and with it, --repeats times interleaved. Prints the
+request (`warm=False`: how bench/serve/serve.py measured before) and with it, --repeats times interleaved. Prints the
 TTFT of every request and one JSON line: the first request's TTFT against the median of the others.
 """
 

@@ -1,6 +1,6 @@
 """What a second thread's per-step work costs a host-bound engine thread on this machine's CPU (the GIL hand-off).
 
-    python bench/gil_handoff.py [--loop-us 30] [--step-us 1100] [--steps 3000] [--rounds 3] [--cpu N] [--out FILE]
+    PYTHONPATH=shared:. python bench/serve/gil_handoff.py [--loop-us 30] [--step-us 1100] [--steps 3000] [--rounds 3] [--cpu N] [--out FILE]
 
 An engine thread runs steps of `--step-us` of Python that drop the GIL every ~20 us (a numpy take, as torch ops
 do). Modes: `none` (nothing else), `thread` (an asyncio loop in the main thread, woken by an eventfd each step,

@@ -1,6 +1,6 @@
 """What a hop and a publish's trace context cost a service's event loop with the exporter none (the default).
 
-    PYTHONPATH=shared:. python bench/hop_cost.py [--n 20000]
+    PYTHONPATH=shared:. python bench/serve/hop_cost.py [--n 20000]
 
 µs per call, best of 5 runs of N calls, on the code under PYTHONPATH (run it once per checkout to compare): a
 `Hops.span` block and a `Hops.record` (each one histogram observation, and nothing else once the exporter is

@@ -1,6 +1,6 @@
 """Per-step host cost of the decode worker's service path, on this CPU, at concurrency 1 and 64.
 
-    PYTHONPATH=shared:. python bench/loop_cost.py [--concurrency 1 64] [--steps 600] [--repeats 3]
+    PYTHONPATH=shared:. python bench/serve/loop_cost.py [--concurrency 1 64] [--steps 600] [--repeats 3]
         [--fake-step HOST_US DEVICE_US] [--trace [--token-spans first_last|all] [--unsampled]] [--out FILE]
 
 The real decode side: `DecodeHandler` (EngineLoop, the token batch path, heartbeats, KV events) on a tiny

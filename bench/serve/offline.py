@@ -1,6 +1,6 @@
 """Offline throughput: our engine vs `transformers.generate` on the same prompts, same weights, same run.
 
-    python bench/offline.py [--num-prompts 64] [--max-tokens 64] [--device cpu] [--model NAME_OR_PATH]
+    PYTHONPATH=shared:. python bench/serve/offline.py [--num-prompts 64] [--max-tokens 64] [--device cpu] [--model NAME_OR_PATH]
 
 Prints a table and one JSON line. Both sides generate exactly --max-tokens tokens per prompt (ignore_eos /
 min_new_tokens), greedily, so the work is identical; prompts are chat-templated questions of varied length.

@@ -1,7 +1,7 @@
-"""Does the garbage collector move the offline engine's figure? The offline point of bench/serve.py, repeated,
+"""Does the garbage collector move the offline engine's figure? The offline point of bench/serve/serve.py, repeated,
 alternating without and with `gc.freeze()` of the loaded engine (the workers freeze theirs), in one process.
 
-    python bench/offline_gc.py --random-model llama-1b --device cuda --concurrency 64 --repeats 3 --max-tokens 256
+    PYTHONPATH=shared:. python bench/serve/offline_gc.py --random-model llama-1b --device cuda --concurrency 64 --repeats 3 --max-tokens 256
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The router's speed on the CPU: KV event ingest into the index, and route decisions over a large index.
 
-    python bench/router.py [--blocks 1000000] [--workers 32] [--decisions 20000] [--out bench/results/X.json]
+    PYTHONPATH=shared:. python bench/serve/router.py [--blocks 1000000] [--workers 32] [--decisions 20000] [--out bench/results/X.json]
 
 Simulated, through the real code: 32 workers (half prefill, half decode) join a SchedulerHandler (its KvIndex
 and PrefixPolicy, built from SchedulerSettings) with an empty snapshot each; then each worker's KvEventBatch

@@ -1,12 +1,12 @@
 """Serving path vs offline engine on the same device share, over a concurrency sweep, in one run.
 
-    python bench/serve.py                                        # default model, CPU or GPU, sweep 1,4
-    python bench/serve.py --random-model llama-1b --sweep 1,16,64,256 --max-tokens 256 [--trace]
-    python bench/serve.py --base-url http://host:8000/v1 --model NAME --no-offline
+    PYTHONPATH=shared:. python bench/serve/serve.py                                        # default model, CPU or GPU, sweep 1,4
+    PYTHONPATH=shared:. python bench/serve/serve.py --random-model llama-1b --sweep 1,16,64,256 --max-tokens 256 [--trace]
+    PYTHONPATH=shared:. python bench/serve/serve.py --base-url http://host:8000/v1 --model NAME --no-offline
 
 Without --base-url it starts the whole stack (`deepinfer up`'s Stack: nats, scheduler, prefill, decode, gateway;
 prefill on GPU 0 and decode on GPU 1 when two GPUs are there). `--random-model SHAPE` serves a random-weight
-checkpoint of that shape with the default model's tokenizer (bench/random_model.py; workers and the offline
+checkpoint of that shape with the default model's tokenizer (shared/deepinfer/testing/random_model.py; workers and the offline
 engine use load_format=dummy, so nothing is downloaded or read). The load comes from `serve_clients.py`:
 several client processes, each reporting its CPU (a warning when one nears a core). Client-side metrics as
 ANCHORS.md defines them: TTFT, ITL (every gap between streamed chunks), TPOT per request. After the stack

@@ -1,4 +1,4 @@
-"""The load generator of bench/serve.py: streaming chat clients spread over several processes, each reporting
+"""The load generator of bench/serve/serve.py: streaming chat clients spread over several processes, each reporting
 its own CPU use, so the generator is never the bottleneck it measures.
 
     results = run_load(base_url, model, prompts, concurrency=256, max_tokens=256, num_procs=16)
@@ -75,7 +75,7 @@ def run_load(
 ) -> LoadResult:
     """Split prompts and clients over `num_procs` processes (spawned, started together) and collect them;
     with several base URLs (gateways), process i talks to URL i modulo their number. `warm`: each client makes one
-    request before the start (see `_clients`; False only to measure what that removes: bench/client_warmup.py).
+    request before the start (see `_clients`; False only to measure what that removes: bench/serve/client_warmup.py).
     Every request streams exactly max_tokens tokens (ignore_eos) at `temperature`."""
     urls = [base_url] if isinstance(base_url, str) else base_url
     num_procs = max(1, min(num_procs, concurrency))
@@ -109,7 +109,7 @@ async def _clients(base_url: str, model: str, prompts: list[Any], concurrency: i
     """The process's clients, built and warmed before the common start, then its window from the start to its last
     answer. Both are one-time costs of a fresh client process that no served request pays: an SDK or httpx client
     takes tens of ms to make (its SSL context), and its first request ~25-35 ms more on the 2-core dev CPU (httpx's
-    and httpcore's lazy set-up: bench/client_warmup.py), likely the one slow request in 16 of every c=1 point on
+    and httpcore's lazy set-up: bench/serve/client_warmup.py), likely the one slow request in 16 of every c=1 point on
     the H200 (TTFT p99 67-104 ms against a p50 of 9-24 ms)."""
     queue: asyncio.Queue = asyncio.Queue()
     for messages in prompts:

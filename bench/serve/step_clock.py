@@ -1,4 +1,4 @@
-"""The clocks and the fake step of bench/loop_cost.py and bench/write_behind_cost.py: what an engine thread's
+"""The clocks and the fake step of bench/serve/loop_cost.py and bench/kv/write_behind_cost.py: what an engine thread's
 steps cost outside `core.step()`, and an accelerator-shaped step (Python holding the GIL, then a wait without it)."""
 
 from __future__ import annotations

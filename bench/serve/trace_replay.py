@@ -2,11 +2,11 @@
 
 Against a running stack (its scheduler's DEEPINFER_SCHEDULER_ROUTING_POLICY is the label you give):
 
-    python bench/trace_replay.py --url http://127.0.0.1:8000/v1 --model M --label prefix --trace T.jsonl
+    PYTHONPATH=shared:. python bench/serve/trace_replay.py --url http://127.0.0.1:8000/v1 --model M --label prefix --trace T.jsonl
 
 Or start one `deepinfer up`-style stack per policy (store off unless --kvcache) and compare them in one run:
 
-    python bench/trace_replay.py --start prefix,round_robin,least_loaded --prefill 2 --decode 2 --model M \\
+    PYTHONPATH=shared:. python bench/serve/trace_replay.py --start prefix,round_robin,least_loaded --prefill 2 --decode 2 --model M \\
         --sessions 8 --turns 4
 
 Without --trace a synthetic multi-turn trace is used (deepinfer.testing.traces.multi_turn_trace). Prints a table

@@ -1,12 +1,12 @@
 """Where a request's time to first token goes, from the file exporter's spans (one trace per request).
 
-    python bench/trace_ttft.py LOG_DIR/traces [--out FILE]
+    PYTHONPATH=shared:. python bench/serve/trace_ttft.py LOG_DIR/traces [--out FILE]
 
 For every trace with a `gateway.request` span, the first token's critical path, as offsets from the request's
 start (ms): tokenize, route, prefill (if any), decode admission (gateway side, and the decode worker's span
 inside it), the first token batch published by the decode worker (`decode.token_batch` start = its step's
 outputs reached the worker's event loop; end = published), the first SSE write at the gateway. Prints p50 of
-each offset and segment over the traces, and one JSON line. (bench/serve.py --trace --log-dir DIR writes
+each offset and segment over the traces, and one JSON line. (bench/serve/serve.py --trace --log-dir DIR writes
 DIR/traces.)
 """
 

@@ -7,7 +7,7 @@ Prints tokens/s per user of each mode (best of --repeats, the modes interleaved 
 falls on all alike), whether the outputs equal the plain ones, and the acceptance counters. Figures:
 docs/speculative.md.
 
-    python bench/spec_ngram_cpu.py [--task edit|chat|open] [--modes none,4,auto] [--concurrency 1]
+    PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open] [--modes none,4,auto] [--concurrency 1]
                                    [--max-tokens 160] [--repeats 3] [--threads 1] [--dtype float32]
 """
 

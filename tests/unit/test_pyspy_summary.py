@@ -7,7 +7,7 @@ from deepinfer.bench import pyspy_summary
 RAW = [
     "thread (1): MainThread;run (asyncio/base_events.py:641);select (selectors.py:468) 6",
     "thread (2): engine;step (deepinfer/engine/core.py:249);launch (triton/runtime/jit.py:600) 3",
-    "thread (2): engine;step (deepinfer/engine/core.py:249);step_ms (bench/mixed_step.py:70);"
+    "thread (2): engine;step (deepinfer/engine/core.py:249);step_ms (bench/gpu/mixed_step.py:70);"
     "replay (torch/cuda/graphs.py:90) 1",
     "not a stack line",
 ]

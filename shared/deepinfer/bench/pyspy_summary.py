@@ -1,11 +1,11 @@
 """Fold a py-spy raw profile (`py-spy record --format raw --threads`) into a short text summary per thread.
 
-    python bench/pyspy_summary.py PROFILE.txt [--top 25] [--match FRAME] > SUMMARY.txt
+    python -m deepinfer.bench.pyspy_summary PROFILE.txt [--top 25] [--match FRAME] > SUMMARY.txt
 
 The raw file of a few seconds at 1-2 kHz is tens of MB, more than a device call can bring back; the summary is
 a few KB. Per thread (the stack's first frame, `thread (...)`): its samples, then the top frames by self share
 ("leaf": the stack's last frame) and by inclusive share ("incl": anywhere in the stack, once per stack).
-`--match` keeps only the stacks with a frame containing that text (e.g. `step_ms` for bench/mixed_step.py's
+`--match` keeps only the stacks with a frame containing that text (e.g. `step_ms` for bench/gpu/mixed_step.py's
 timed steps, without the engine's start).
 """
 
