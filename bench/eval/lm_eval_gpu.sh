@@ -10,7 +10,7 @@
 # starts `deepinfer up` on it (one decode worker, no prefill worker, no store), runs the parity script, and leaves
 # $OUT/lm-eval-gpu.{log,json}.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source bench/device_env.sh
 OUT=${OUT:-bench/results}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-lmeval .whl-lmeval/*.whl

@@ -4,7 +4,7 @@
 #
 #     bench/kv/gpu_tier_runs.sh STEP...      # STEP: tests | copy | ttft | multiturn
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source bench/device_env.sh
 step() {  # NAME LIMIT_S COMMAND...
     local name=$1 limit=$2; shift 2
