@@ -12,6 +12,7 @@ host arrays), the sampler's host work on a small vocabulary, and update(). Print
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
 no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
 the runner's SamplingMetadataBuilder.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
+The fake model and the CPU graph runner: deepinfer.testing.cpu_graph_engine (tests/unit/test_cpu_graph_engine.py).
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ import time
 
 import torch
 
-from deepinfer.engine.cuda_graphs import (
-    GraphInputs,
-    capture_sizes,
-)
+from deepinfer.engine.cuda_graphs import GraphInputs, capture_sizes
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.testing.cpu_graph_engine import build, build_async_engine, step
