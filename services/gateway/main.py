@@ -53,7 +53,7 @@ async def build_serving(ctx: ServiceContext[GatewaySettings]) -> GatewayHandler:
     """`build`, then the collector tuned for serving: what the build made (tokenizer, models, the app: ~76k
     objects) moves to the permanent generation, so a full collection no longer walks it (50-60 ms with the loop
     stopped, every few hundred requests, before; ~3 ms after), and young collections run every 10k allocations
-    instead of 700 (bench/gateway_burst.py: the collector was 16-17% of the gateway's CPU under bursts, 2-3% after;
+    instead of 700 (bench/gateway/gateway_burst.py: the collector was 16-17% of the gateway's CPU under bursts, 2-3% after;
     docs/serving-path.md). Only the service does this, not the tests that build gateways in their process."""
     gateway = await build(ctx)
     gc.collect()

@@ -16,7 +16,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 PROC_CPUINFO = Path("/proc/cpuinfo")
 #: CPU flags (Linux /proc/cpuinfo names) of bf16 dot-product instructions: with them torch's bf16 matmuls run
-#: about twice as fast as float32 (bench/cpu.py; docs/cpu.md).
+#: about twice as fast as float32 (bench/cpu/cpu.py; docs/cpu.md).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 #: Gateway processes per usable core when unset (`GatewaySettings.processes`, `deepinfer up`), and their range.
 CORES_PER_GATEWAY = 4

@@ -140,7 +140,7 @@ def test_the_bench_compares_the_three_paths_in_one_run(tmp_path):
     out = tmp_path / "kv-shm.json"
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root / 'shared'}:{root}"}
-    subprocess.run([sys.executable, "bench/kv_shm.py", "--blocks", "4", "--block-mib", "1", "--reps", "2",
+    subprocess.run([sys.executable, "bench/kv/kv_shm.py", "--blocks", "4", "--block-mib", "1", "--reps", "2",
                     "--out", str(out)], cwd=root, env=env, check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     assert set(result["gbps"]) == {"shared memory", "data plane", "memcpy", "xxh3"}

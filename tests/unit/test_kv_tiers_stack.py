@@ -1,20 +1,18 @@
-"""bench/kv_tiers_stack.py: the environment each mode's stack gets (which tiers are on)."""
+"""deepinfer.bench.tier_stack (bench/kv/kv_tiers.py's stacks): the environment each mode's stack gets (which
+tiers are on)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import kv_tiers_stack  # noqa: E402
-from kv_tiers_stack import StackPlan  # noqa: E402
+from deepinfer.bench import tier_stack
+from deepinfer.bench.tier_stack import StackPlan
 
 
 def env_of(mode: str, host_tier: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    monkeypatch.setattr(kv_tiers_stack, "host_tier_available", lambda: host_tier)
+    monkeypatch.setattr(tier_stack, "host_tier_available", lambda: host_tier)
     plan = StackPlan(mode, kv_cache_bytes=1 << 20, max_model_len=1024, host_cache_bytes=4 << 20,
                      store_bytes=8 << 20, load_timeout_s=60.0, extra_env=("DEEPINFER_DECODE_MAX_NUM_SEQS=8",))
     return plan.env(Path("/data"), random_weights=True)

@@ -1,15 +1,11 @@
-"""bench/kv_tiers_workload.py: prompt sizing, pool arithmetic, the multi-turn plan (pure functions)."""
+"""deepinfer.bench.kv_workload (bench/kv/kv_tiers.py's workloads): prompt sizing, pool arithmetic, the multi-turn
+plan (pure functions)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import kv_tiers_workload as workload  # noqa: E402
+from deepinfer.bench import kv_workload as workload
 
 
 def count_words(text: str) -> int:

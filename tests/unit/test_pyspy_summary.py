@@ -1,18 +1,13 @@
-"""bench/pyspy_summary.py: py-spy raw stacks folded per thread into self and inclusive shares."""
+"""deepinfer.bench.pyspy_summary: py-spy raw stacks folded per thread into self and inclusive shares."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import pyspy_summary  # noqa: E402
+from deepinfer.bench import pyspy_summary
 
 RAW = [
     "thread (1): MainThread;run (asyncio/base_events.py:641);select (selectors.py:468) 6",
     "thread (2): engine;step (deepinfer/engine/core.py:249);launch (triton/runtime/jit.py:600) 3",
-    "thread (2): engine;step (deepinfer/engine/core.py:249);step_ms (bench/mixed_step.py:70);"
+    "thread (2): engine;step (deepinfer/engine/core.py:249);step_ms (bench/gpu/mixed_step.py:70);"
     "replay (torch/cuda/graphs.py:90) 1",
     "not a stack line",
 ]

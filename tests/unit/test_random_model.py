@@ -1,14 +1,11 @@
-"""bench/random_model.py: a random-weight checkpoint dir of a named shape, rewritten when an older one is there."""
+"""deepinfer.testing.random_model: a random-weight checkpoint dir of a named shape, rewritten when an older one is there."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from random_model import MAX_POSITION_EMBEDDINGS, SHAPES, write_random_model  # noqa: E402
+from deepinfer.testing.random_model import MAX_POSITION_EMBEDDINGS, SHAPES, write_random_model
 
 
 def tokenizer_dir(tmp_path: Path) -> Path:

@@ -1,6 +1,6 @@
 """Two benchmark results side by side: every figure both have, its change, and which got worse.
 
-A result is any JSON object of nested figures (`bench/gpu.py`'s, `bench/serve.py`'s). A figure is a numeric leaf
+A result is any JSON object of nested figures (`bench/gpu/gpu.py`'s, `bench/serve/serve.py`'s). A figure is a numeric leaf
 whose name says which way is better: throughputs and fractions of a limit (`*tok_s`, `*tflops`, `*gb_s`,
 `*of_roofline`, `*over_offline`) go up, times (`*_ms`, `*_s`, also as `*_ms_p99`...) go down; other numbers (counts, sizes, settings) are not
 figures. Limits and ceilings (`ceilings.*`, `*limit*`, `*roofline_tok_s`) describe the machine, not the code: they are

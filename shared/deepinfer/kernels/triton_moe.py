@@ -196,7 +196,7 @@ class MoeTiles:
 def _tiles(block_m: int, dtype: torch.dtype) -> MoeTiles:
     """64x64 tiles and 4 warps; 128x64 and 8 warps under 128-row blocks (float32: half the reduction tile).
 
-    H200, V2-Lite experts, bf16 (`bench/gpu_moe_tiles.py`, 2026-11-29): 8,192 tokens 3.50 ms at 64x64x64/4 warps,
+    H200, V2-Lite experts, bf16 (`bench/gpu/gpu_moe_tiles.py`, 2026-11-29): 8,192 tokens 3.50 ms at 64x64x64/4 warps,
     2.66 ms at 128 rows x 128x64/8 warps.
     """
     block_k = 32 if dtype == torch.float32 else 64

@@ -71,7 +71,7 @@ class AttentionPlan:
     L times the same query and output buffers and metadata, only the KV cache differs. Through `paged_attention`
     each layer pays the input checks, the grid arithmetic, Triton's binding and cache lookup for two launches,
     an output allocation and a copy into the static buffer: ~150 us a layer, 3 of the 5 ms of a mixed step of
-    64 decode rows and a 32-token prompt on a 1B model (bench/mixed_step.py under py-spy). The plan runs a layer
+    64 decode rows and a 32-token prompt on a 1B model (bench/gpu/mixed_step.py under py-spy). The plan runs a layer
     through `paged_attention` into `out` while a `LaunchRecorder` keeps its launches; a later layer whose cache
     matches (dtype, shape, strides, alignment: what Triton specialises on; and the same scale and window)
     replays them with its K and V pointers (triton_launch). A layer that differs records its own; where nothing

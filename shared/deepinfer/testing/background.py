@@ -1,5 +1,5 @@
 """A second client beside the one under test: what someone else's small requests get meanwhile (issue #40's "no harm
-to anyone else"), used by the hostile-client e2e tests and bench/hostile.py."""
+to anyone else"), used by the hostile-client e2e tests and bench/gateway/hostile.py."""
 
 from __future__ import annotations
 

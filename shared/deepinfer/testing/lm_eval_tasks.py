@@ -1,6 +1,6 @@
 """Small local tasks for EleutherAI's lm-evaluation-harness (`lm_eval`), one per output type, and the comparison of
 two runs' per-sample results: how the harness's `local-completions` model against a deepinfer endpoint is checked
-against its `hf` model on the same weights (bench/lm_eval_parity.py, tests/e2e/test_lm_eval.py).
+against its `hf` model on the same weights (bench/eval/lm_eval_parity.py, tests/e2e/test_lm_eval.py).
 
     task_dir = write_tasks(tmp)                     # YAML + JSONL: no dataset is downloaded
     lm_eval --include_path task_dir --tasks deepinfer_mc,deepinfer_rolling,deepinfer_gen --log_samples ...

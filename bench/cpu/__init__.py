@@ -1,0 +1,1 @@
+"""CPU engine bench: prefill and decode against transformers."""

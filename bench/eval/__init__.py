@@ -1,0 +1,1 @@
+"""Evaluation parity: lm-evaluation-harness against a deepinfer endpoint."""

@@ -1,0 +1,1 @@
+"""Probes of the gateway: bursts, per-request and per-token CPU, admission, hostile clients."""

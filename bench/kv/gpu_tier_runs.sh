@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The KV-tier runs of one device session (issue #12), as run on the GPU machine: the host tier's GPU tests, its
+# copy GB/s against a pinned copy_, and bench/kv/kv_tiers.py on the llama-8b shape. Results under $OUT.
+#
+#     bench/kv/gpu_tier_runs.sh STEP...      # STEP: tests | copy | ttft | multiturn
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source bench/device_env.sh
+step() {  # NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: rc $? in $((SECONDS - started)) s"
+    tail -25 "$OUT/$name.log"
+}
+tiers() {  # NAME LIMIT_S ARGS...
+    local name=$1 limit=$2; shift 2
+    step "$name" "$limit" python3 bench/kv/kv_tiers.py --random-model llama-8b --cache-dir .bench-models --device cuda \
+        --out "$OUT/$name.json" "$@"
+}
+for s in "$@"; do
+    case $s in
+        tests) step gpu-tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_host_tier_gpu.py ;;
+        copy) step host-tier-copy 90 python3 bench/kv/host_tier_copy.py --out "$OUT/host-tier-copy.json" ;;
+        ttft) tiers kv-tiers-ttft 450 --modes recompute,host,store --prompts 2 ;;
+        multiturn) tiers kv-tiers-multiturn 200 --modes tiers-off,tiers-on --mt-pool-tokens 16384 ;;
+        *) echo "unknown step $s" >&2 ;;
+    esac
+done

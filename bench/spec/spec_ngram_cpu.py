@@ -1,0 +1,103 @@
+"""Speculative decoding with n-gram drafts on the CPU: tokens/s per user, greedy, no speculation vs fixed k vs auto.
+
+Tasks: "edit" (fix the spelling of a text and repeat it: the answer mostly repeats the prompt, prompt lookup drafts
+well), "chat" (a multi-turn chat whose last turn asks to restate an earlier answer with one change), "open" (a
+short story: few drafts hit). The default model; --concurrency requests at once (copies of the task's chat).
+Prints tokens/s per user of each mode (best of --repeats, the modes interleaved run by run, so a neighbour's load
+falls on all alike), whether the outputs equal the plain ones, and the acceptance counters. Figures:
+docs/speculative.md.
+
+    PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open] [--modes none,4,auto] [--concurrency 1]
+                                   [--max-tokens 160] [--repeats 3] [--threads 1] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+TEXT = (
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day in the park, and the childern were playing "
+    "on the swings while their parents sat on the benchs and talked about the wether. A man selling ice cream "
+    "walked by, and evryone rushed to buy one before they melted in the heat."
+)
+ANSWER = (
+    "Here are three tips for a good night's sleep: 1. Go to bed at the same time every night. 2. Keep your bedroom "
+    "dark, quiet and cool. 3. Avoid screens and caffeine in the hour before bed."
+)
+TASKS = {
+    "edit": [{"role": "user", "content": f"Fix the spelling mistakes in this text and repeat it in full:\n\n{TEXT}"}],
+    "chat": [{"role": "user", "content": "Give me three tips for a good night's sleep."},
+             {"role": "assistant", "content": ANSWER},
+             {"role": "user", "content": "Thanks! Repeat the three tips, but make the third about exercise."}],
+    "open": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
+}
+
+
+def run_once(llm: LLM, conversations: list, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Tokens/s per user of one batch of conversations (prefill included), and their tokens."""
+    started = time.perf_counter()
+    outs = [o.outputs[0] for o in llm.chat(conversations, params, use_tqdm=False)]
+    elapsed = time.perf_counter() - started
+    return sum(len(o.token_ids) for o in outs) / len(outs) / elapsed, [list(o.token_ids) for o in outs]
+
+
+def spec_config(mode: str, lookup_min: int, lookup_max: int) -> dict | None:
+    """None for "none", else n-gram with k = int(mode) or "auto"."""
+    if mode == "none":
+        return None
+    return {"method": "ngram", "num_speculative_tokens": mode if mode == "auto" else int(mode),
+            "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="edit")
+    parser.add_argument("--modes", default="none,4,auto", help="comma-separated: none, an int k, auto")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-max", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 (the default): in bf16 a verify step's other GEMM shapes part greedy at one-ulp ties")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 shared cores: OpenMP spins)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    modes = args.modes.split(",")
+    llms = {m: LLM(progress=False, enable_prefix_caching=False, dtype=args.dtype,
+                   speculative_config=spec_config(m, args.lookup_min, args.lookup_max)) for m in modes}
+    conversations = [TASKS[args.task]] * args.concurrency
+    tokens = {m: run_once(llm, conversations, params)[1] for m, llm in llms.items()}  # warm-up
+    warm = {m: llm.engine.spec_decode_stats() for m, llm in llms.items() if m != "none"}
+    best = dict.fromkeys(modes, 0.0)
+    for _ in range(args.repeats):  # interleaved run by run
+        for m, llm in llms.items():
+            tps, tokens[m] = run_once(llm, conversations, params)
+            best[m] = max(best[m], tps)
+    base = best.get("none")
+    print(f"task {args.task}, concurrency {args.concurrency}, best of {args.repeats}, "
+          f"{sum(map(len, tokens[modes[0]])) / args.concurrency:.0f} tokens per request")
+    for m in modes:
+        line = f"{m:>5}: {best[m]:6.1f} tok/s per user"
+        if base:
+            line += f"  ({best[m] / base:.2f}x)"
+        if "none" in tokens:
+            line += f"  identical to none: {tokens[m] == tokens['none']}"
+        if m in warm:
+            stats, before = llms[m].engine.spec_decode_stats(), warm[m]
+            drafted = stats.num_draft_tokens - before.num_draft_tokens
+            accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+            drafts = stats.num_drafts - before.num_drafts
+            line += (f"  acceptance {accepted / drafted if drafted else 0:.2f} of {drafted} draft tokens, "
+                     f"{1 + accepted / drafts if drafts else 1:.2f} tokens per verified draft")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
