@@ -1,4 +1,5 @@
-"""`deepinfer bench`: `run` a load against any OpenAI-compatible server (a concurrency sweep; JSON and CSV) and
+"""`deepinfer bench`: `run` a load against any OpenAI-compatible server (a concurrency sweep, a Poisson request-rate
+sweep, a Mooncake trace replay or multi-turn conversations; JSON and CSV) and
 `compare` two result files (exit 1 when a figure got worse by more than the tolerance, so a script or CI step
 can stop on a slower commit)."""
 
@@ -10,30 +11,87 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deepinfer.bench.compare import DEFAULT_TOLERANCE, compare, table
+from deepinfer.bench.prompts import MOONCAKE_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from deepinfer.bench.load import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`run` and `compare` and their arguments."""
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
-    run_parser = sub.add_parser("run", help="a closed-loop concurrency sweep against an OpenAI-compatible server")
+    run_parser = sub.add_parser(
+        "run",
+        help="a load sweep against an OpenAI-compatible server: concurrency (default), --rate, --trace or "
+        "--conversations",
+    )
     run_parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     run_parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    run_parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts, one point each")
-    run_parser.add_argument("--num-prompts", type=int, default=32, help="requests per point")
-    run_parser.add_argument("--input-words", type=int, default=200, help="words per prompt")
-    run_parser.add_argument("--max-tokens", type=int, default=64)
-    run_parser.add_argument("--ignore-eos", action="store_true", help="vLLM's extension: exactly max_tokens each")
-    run_parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    workload = run_parser.add_mutually_exclusive_group()
+    workload.add_argument(
+        "--concurrency",
+        default="1,4,16",
+        help="closed loop: comma-separated client counts, one point each (the default workload)",
+    )
+    workload.add_argument(
+        "--rate", default=None, help="open loop: comma-separated Poisson request rates (req/s)"
+    )
+    workload.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="open loop: replay a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)",
+    )
+    workload.add_argument(
+        "--conversations",
+        default=None,
+        help="multi-turn: comma-separated numbers of concurrent conversations, one point each",
+    )
+    run_parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per point (default 32; a trace: all its lines)",
+    )
+    run_parser.add_argument(
+        "--input-words", type=int, default=200, help="words per prompt (per user message)"
+    )
+    run_parser.add_argument(
+        "--max-tokens", type=int, default=64, help="per request (a trace: its output_length)"
+    )
+    run_parser.add_argument(
+        "--ignore-eos", action="store_true", help="vLLM's extension: exactly max_tokens each"
+    )
+    run_parser.add_argument("--seed", type=int, default=0, help="the prompts' and the arrivals' seed")
+    run_parser.add_argument(
+        "--time-scale",
+        default="1",
+        help="--trace: comma-separated factors on its timestamps, one point each (0.5: 2x as fast)",
+    )
+    run_parser.add_argument(
+        "--block-size",
+        type=int,
+        default=MOONCAKE_BLOCK_SIZE,
+        help=f"--trace: words per hash id (default {MOONCAKE_BLOCK_SIZE}, Mooncake's tokens)",
+    )
+    run_parser.add_argument("--turns", type=int, default=4, help="--conversations: turns per conversation")
     run_parser.add_argument("--out", type=Path, default=Path("bench-run.json"), help="the JSON result")
     run_parser.add_argument("--csv", type=Path, default=None, help="also the points as CSV")
     run_parser.set_defaults(_bench=run_sweep)
-    compare_parser = sub.add_parser("compare", help="two result JSON files side by side; exit 1 if a figure got worse")
+    compare_parser = sub.add_parser(
+        "compare", help="two result JSON files side by side; exit 1 if a figure got worse"
+    )
     compare_parser.add_argument("before", type=Path)
     compare_parser.add_argument("after", type=Path)
-    compare_parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                                help=f"worse means by more than this fraction (default {DEFAULT_TOLERANCE})")
+    compare_parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help=f"worse means by more than this fraction (default {DEFAULT_TOLERANCE})",
+    )
     compare_parser.set_defaults(_bench=run_compare)
 
 
@@ -42,46 +100,147 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    """One point per concurrency, a line of progress each; the JSON (and CSV) written after every point."""
+    """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point."""
     import httpx
 
-    from deepinfer.bench.load import make_prompts, run_point
-    from deepinfer.bench.metrics import summarize
+    from deepinfer.bench.generator import execute
+    from deepinfer.bench.metrics import per_turn, summarize
     from deepinfer.bench.report import SCHEMA, write
 
-    try:
-        levels = [int(c) for c in args.concurrency.split(",")]
-        if min(levels) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"deepinfer: --concurrency takes positive integers, got {args.concurrency!r}", file=sys.stderr)
-        return 2
     base_url = args.base_url.rstrip("/")
     try:
         model = args.model or asyncio.run(_first_model(base_url))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         print(f"deepinfer: cannot list the models of {base_url}: {exc}", file=sys.stderr)
         return 2
-    prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
-    result = {"bench": "deepinfer-bench-run", "schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "base_url": base_url, "model": model,
-              "settings": {"num_prompts": args.num_prompts, "input_words": args.input_words,
-                           "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "seed": args.seed},
-              "points": []}
-    for concurrency in levels:
-        records, wall_s = asyncio.run(run_point(base_url, model, prompts, concurrency, args.max_tokens,
-                                                args.ignore_eos))
-        point = {"concurrency": concurrency, **summarize(records, wall_s)}
+    try:
+        name, points = workload(args, model)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"deepinfer: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "bench": "deepinfer-bench-run",
+        "schema": SCHEMA,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "base_url": base_url,
+        "model": model,
+        "workload": name,
+        "settings": settings(args, name),
+        "points": [],
+    }
+    for label, plan in points:
+        outcome = execute(plan, base_url)
+        point = label | summarize(outcome.records, outcome.wall_s)
+        if name == "multiturn":
+            point["turns"] = per_turn(outcome.records)
         result["points"].append(point)
         write(result, args.out, args.csv)
-        print(f"c={concurrency}: {point['output_tok_s']} out tok/s, {point['output_tok_s_per_user']} per user, "
-              f"TTFT p50 {point['ttft_ms']['p50']} ms, ITL p50 {point['itl_ms']['p50']} ms, "
-              f"{point['num_failed']} failed of {point['num_requests']}", flush=True)
-        errors = [r.error for r in records if r.error]
+        print(summary_line(point), flush=True)
+        errors = [r.error for r in outcome.records if r.error]
         if errors:
             print(f"  first error: {errors[0]}", file=sys.stderr)
     print(f"wrote {args.out}" + (f" and {args.csv}" if args.csv else ""))
     return 1 if any(p["num_failed"] for p in result["points"]) else 0
+
+
+def _floats(text: str, flag: str, positive: bool = True) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if min(values) < 0 or (positive and min(values) == 0):
+        raise ValueError(f"{flag} takes {'positive' if positive else 'non-negative'} numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    values = _floats(text, flag)
+    if any(v != int(v) for v in values):
+        raise ValueError(f"{flag} takes positive integers, got {text!r}")
+    return [int(v) for v in values]
+
+
+def workload(args: argparse.Namespace, model: str) -> tuple[str, list[tuple[dict, Plan]]]:
+    """The workload's name and its points: (the point's key and value, the plan that plays it)."""
+    from deepinfer.bench.arrivals import poisson_offsets, trace_offsets
+    from deepinfer.bench.load import ClosedLoop, Conversations, OpenLoop, completion_body
+    from deepinfer.bench.prompts import make_prompts, trace_prompt, user_message
+    from deepinfer.testing.traces import read_trace
+
+    num_prompts = args.num_prompts or 32
+
+    def bodies(prompts: list[str], max_tokens: list[int] | None = None) -> tuple[dict, ...]:
+        lengths = max_tokens or [args.max_tokens] * len(prompts)
+        return tuple(
+            completion_body(model, p, n, args.ignore_eos) for p, n in zip(prompts, lengths, strict=True)
+        )
+
+    if args.rate is not None:
+        prompts = bodies(make_prompts(num_prompts, args.input_words, args.seed))
+        return "rate", [
+            ({"rate": rate}, OpenLoop(prompts, tuple(poisson_offsets(rate, num_prompts, args.seed))))
+            for rate in _floats(args.rate, "--rate")
+        ]
+    if args.trace is not None:
+        lines = read_trace(args.trace)[: args.num_prompts]
+        if not lines:
+            raise ValueError(f"{args.trace} has no trace lines")
+        prompts = bodies(
+            [
+                trace_prompt(line.hash_ids, line.input_length, args.block_size, i)
+                for i, line in enumerate(lines)
+            ],
+            [line.output_length for line in lines],
+        )
+        return "trace", [
+            (
+                {"time_scale": scale},
+                OpenLoop(prompts, tuple(trace_offsets([line.timestamp for line in lines], scale))),
+            )
+            for scale in _floats(args.time_scale, "--time-scale", positive=False)
+        ]
+    if args.conversations is not None:
+        points = []
+        for count in _ints(args.conversations, "--conversations"):
+            messages = tuple(
+                tuple(user_message(args.seed, c, t, args.input_words) for t in range(args.turns))
+                for c in range(count)
+            )
+            points.append(
+                ({"conversations": count}, Conversations(model, messages, args.max_tokens, args.ignore_eos))
+            )
+        return "multiturn", points
+    prompts = bodies(make_prompts(num_prompts, args.input_words, args.seed))
+    return "concurrency", [
+        ({"concurrency": c}, ClosedLoop(prompts, c)) for c in _ints(args.concurrency, "--concurrency")
+    ]
+
+
+def settings(args: argparse.Namespace, name: str) -> dict:
+    """What the workload was made of (the JSON's `settings`)."""
+    common = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "seed": args.seed}
+    if name == "trace":
+        return {
+            "trace": str(args.trace),
+            "num_lines": args.num_prompts,
+            "block_size": args.block_size,
+            "ignore_eos": args.ignore_eos,
+            "seed": args.seed,
+        }
+    if name == "multiturn":
+        return {"turns": args.turns, "input_words": args.input_words, **common}
+    return {"num_prompts": args.num_prompts or 32, "input_words": args.input_words, **common}
+
+
+def summary_line(point: dict) -> str:
+    """One line per point: its name, throughput, latencies and failures."""
+    from deepinfer.bench.compare import point_name
+
+    return (
+        f"{point_name(point)}: {point['output_tok_s']} out tok/s, {point['output_tok_s_per_user']} per user, "
+        f"TTFT p50 {point['ttft_ms']['p50']} ms, ITL p50 {point['itl_ms']['p50']} ms, "
+        f"{point['num_failed']} failed of {point['num_requests']}"
+    )
 
 
 async def _first_model(base_url: str) -> str:

@@ -52,22 +52,37 @@ class Delta:
         return change * self.better < -tolerance
 
 
+#: A sweep point's own key (its first) and the short name its figures are filed under (`points.c=64.ttft_ms`).
+POINT_KEYS = {"concurrency": "c", "rate": "rate", "time_scale": "x", "conversations": "conv", "turn": "turn"}
+
+
+def point_name(point: dict) -> str:
+    """`c=64`, `rate=4`, `x=0.5`, `conv=8`, `turn=2`: the point's key and value."""
+    key = next(k for k in point if k in POINT_KEYS)
+    value = point[key]
+    return f"{POINT_KEYS[key]}={value:g}" if isinstance(value, float) else f"{POINT_KEYS[key]}={value}"
+
+
 def figures(result: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
     """(dotted name, value) of every numeric leaf under dicts, and under lists of sweep points (dicts named by
-    their `concurrency`: `points.c=64.output_tok_s`); other lists and strings are not figures."""
+    their key, POINT_KEYS: `points.c=64.output_tok_s`); other lists and strings are not figures."""
     if isinstance(result, dict):
         for key, value in result.items():
             nested = isinstance(value, dict) or _is_sweep(value)
             yield from figures(value, f"{prefix}{key}." if nested else f"{prefix}{key}")
     elif _is_sweep(result):
         for point in result:
-            yield from figures(point, f"{prefix}c={point['concurrency']}.")
+            yield from figures(point, f"{prefix}{point_name(point)}.")
     elif isinstance(result, int | float) and not isinstance(result, bool) and prefix:
         yield prefix, float(result)
 
 
 def _is_sweep(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "concurrency" in p for p in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(p, dict) and any(k in p for k in POINT_KEYS) for p in value)
+    )
 
 
 def direction(name: str) -> int:
