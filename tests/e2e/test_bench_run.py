@@ -77,6 +77,8 @@ def test_a_poisson_rate_sweep_sends_every_request_on_its_schedule(stack: Stack, 
         stack.base_url.removesuffix("/v1"),
         "--rate",
         "2,8",
+        "--processes",
+        "2",
         "--num-prompts",
         "4",
         "--input-words",
@@ -92,7 +94,11 @@ def test_a_poisson_rate_sweep_sends_every_request_on_its_schedule(stack: Stack, 
     assert result["workload"] == "rate" and [p["rate"] for p in result["points"]] == [2.0, 8.0]
     for point in result["points"]:
         assert (point["num_requests"], point["num_failed"], point["output_tokens"]) == (4, 0, 16)
-    assert "rate=8:" in run.stdout
+    assert "rate=8:" in run.stdout and "[rate=8] 4/4 requests, 0 failed" in run.stderr  # the progress line
+    for point in result["points"]:  # two generator processes, their send lag measured against the schedule
+        generator = point["generator"]
+        assert generator["processes"] == 2 and 0 <= generator["cpu_share"] < 1
+        assert generator["send_lag_ms"]["p50"] >= 0 and isinstance(generator["bottleneck"], bool)
 
 
 def test_a_trace_replay_sends_its_lines_with_shared_prefixes(stack: Stack, tmp_path):

@@ -1,6 +1,8 @@
 """deepinfer.bench's workloads without I/O: Poisson and trace arrival schedules, trace prompts whose shared hash
-ids give shared prefixes, conversation turns that resend the history, and plans dealt to several processes."""
+ids give shared prefixes, conversation turns that resend the history, plans dealt to several processes, and the
+generator's report of its own lags."""
 
+import io
 import math
 import statistics
 
@@ -8,6 +10,7 @@ import pytest
 
 from deepinfer.bench.arrivals import poisson_offsets, trace_offsets
 from deepinfer.bench.compare import figures, point_name
+from deepinfer.bench.generator import Outcome, Progress, Share, generator_report
 from deepinfer.bench.load import ClosedLoop, Conversations, OpenLoop
 from deepinfer.bench.metrics import RequestRecord, per_turn
 from deepinfer.bench.prompts import first_turn, next_turn, trace_prompt, user_message
@@ -103,3 +106,36 @@ def test_compare_names_every_workload_s_points():
         "points.rate=4.turns.turn=1.turn": 1.0,
         "points.rate=4.turns.turn=1.ttft_ms.p50": 3.0,
     }
+
+
+def test_the_generator_says_when_it_was_the_bottleneck():
+    on_time = [RequestRecord(sent_s=1.0 + i, scheduled_s=1.0 + i, end_s=2.0 + i) for i in range(10)]
+    calm = generator_report(
+        Outcome(on_time, 10.0, [Share(on_time, cpu_s=1.0, wall_s=10.0, loop_lag_s=[0.001] * 9)])
+    )
+    assert (
+        calm["processes"] == 1 and calm["cpu_share"] == 0.1 and not calm["bottleneck"] and not calm["reasons"]
+    )
+    assert calm["send_lag_ms"]["p99"] == 0.0 and calm["loop_lag_ms"]["p50"] == pytest.approx(1.0)
+    late = [RequestRecord(sent_s=1.0 + i + 0.05 * i, scheduled_s=1.0 + i, end_s=3.0 + i) for i in range(10)]
+    busy = Share(late[:5], cpu_s=9.5, wall_s=10.0)
+    worst = generator_report(Outcome(late, 12.0, [busy, Share(late[5:], cpu_s=1.0, wall_s=10.0)]))
+    assert worst["processes"] == 2 and worst["cpu_share"] == 0.95 and worst["bottleneck"]
+    assert worst["send_lag_ms"]["max"] == pytest.approx(450.0)
+    assert [r.split(" ")[0] for r in worst["reasons"]] == ["a", "send"]  # CPU share, then send lag
+    closed = generator_report(
+        Outcome([RequestRecord(sent_s=0.0, end_s=1.0)], 1.0, [Share([], cpu_s=0.1, wall_s=1.0)])
+    )
+    assert "send_lag_ms" not in closed  # no schedule in a closed loop
+
+
+def test_progress_is_one_line_per_update_off_a_terminal():
+    stream = io.StringIO()
+    progress = Progress("rate=4", total=3, stream=stream)
+    progress.count(RequestRecord(0.0))
+    progress.count(RequestRecord(0.0, error="HTTP 500"))
+    progress.finish()
+    assert (
+        stream.getvalue().startswith("[rate=4] 2/3 requests, 1 failed, ")
+        and stream.getvalue().count("\n") == 1
+    )

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deepinfer.bench.compare import DEFAULT_TOLERANCE, compare, table
+from deepinfer.bench.compare import DEFAULT_TOLERANCE, compare, point_name, table
 from deepinfer.bench.prompts import MOONCAKE_BLOCK_SIZE
 
 if TYPE_CHECKING:
@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"--trace: words per hash id (default {MOONCAKE_BLOCK_SIZE}, Mooncake's tokens)",
     )
     run_parser.add_argument("--turns", type=int, default=4, help="--conversations: turns per conversation")
+    run_parser.add_argument(
+        "--processes", type=int, default=1, help="deal each point's load over this many generator processes"
+    )
     run_parser.add_argument("--out", type=Path, default=Path("bench-run.json"), help="the JSON result")
     run_parser.add_argument("--csv", type=Path, default=None, help="also the points as CSV")
     run_parser.set_defaults(_bench=run_sweep)
@@ -103,7 +106,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point."""
     import httpx
 
-    from deepinfer.bench.generator import execute
+    from deepinfer.bench.generator import Progress, execute, generator_report
     from deepinfer.bench.metrics import per_turn, summarize
     from deepinfer.bench.report import SCHEMA, write
 
@@ -129,13 +132,17 @@ def run_sweep(args: argparse.Namespace) -> int:
         "points": [],
     }
     for label, plan in points:
-        outcome = execute(plan, base_url)
+        progress = Progress(point_name(label), plan.num_requests)
+        outcome = execute(plan, base_url, args.processes, progress)
         point = label | summarize(outcome.records, outcome.wall_s)
+        point["generator"] = generator_report(outcome)
         if name == "multiturn":
             point["turns"] = per_turn(outcome.records)
         result["points"].append(point)
         write(result, args.out, args.csv)
         print(summary_line(point), flush=True)
+        for reason in point["generator"]["reasons"]:
+            print(f"  the load generator may have been the bottleneck: {reason}", file=sys.stderr)
         errors = [r.error for r in outcome.records if r.error]
         if errors:
             print(f"  first error: {errors[0]}", file=sys.stderr)
@@ -218,7 +225,12 @@ def workload(args: argparse.Namespace, model: str) -> tuple[str, list[tuple[dict
 
 def settings(args: argparse.Namespace, name: str) -> dict:
     """What the workload was made of (the JSON's `settings`)."""
-    common = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "seed": args.seed}
+    common = {
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "seed": args.seed,
+        "processes": args.processes,
+    }
     if name == "trace":
         return {
             "trace": str(args.trace),
@@ -226,6 +238,7 @@ def settings(args: argparse.Namespace, name: str) -> dict:
             "block_size": args.block_size,
             "ignore_eos": args.ignore_eos,
             "seed": args.seed,
+            "processes": args.processes,
         }
     if name == "multiturn":
         return {"turns": args.turns, "input_words": args.input_words, **common}
@@ -234,12 +247,11 @@ def settings(args: argparse.Namespace, name: str) -> dict:
 
 def summary_line(point: dict) -> str:
     """One line per point: its name, throughput, latencies and failures."""
-    from deepinfer.bench.compare import point_name
-
+    generator = "generator BOTTLENECK" if point["generator"]["bottleneck"] else "generator ok"
     return (
         f"{point_name(point)}: {point['output_tok_s']} out tok/s, {point['output_tok_s_per_user']} per user, "
         f"TTFT p50 {point['ttft_ms']['p50']} ms, ITL p50 {point['itl_ms']['p50']} ms, "
-        f"{point['num_failed']} failed of {point['num_requests']}"
+        f"{point['num_failed']} failed of {point['num_requests']}, {generator}"
     )
 
 

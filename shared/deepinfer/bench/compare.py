@@ -20,7 +20,8 @@ DEFAULT_TOLERANCE = 0.03
 
 _HIGHER = ("tok_s", "tflops", "gb_s", "of_roofline", "over_offline")
 _LOWER = ("_ms", "_s")
-_MACHINE = ("ceilings.", "limit", "roofline_tok_s")
+#: `generator.*`: the load generator's own lags (deepinfer.bench.generator), a property of the client machine.
+_MACHINE = ("ceilings.", "limit", "roofline_tok_s", "generator.")
 #: A statistic's suffix (`ttft_ms_p99`, `step_ms_mean`): the direction is that of the name before it.
 _STATISTIC = re.compile(r"_(p\d+|mean|median|max|min)$")
 

@@ -6,6 +6,8 @@
                   trace's file and block_size; a conversation's turns>},
      "points": [{<the point's key: "concurrency": c | "rate": req/s | "time_scale": f | "conversations": n>,
                  <deepinfer.bench.metrics.summarize's keys>,
+                 "generator": <deepinfer.bench.generator.generator_report: processes, cpu_share, loop_lag_ms,
+                               send_lag_ms (open loop), bottleneck, reasons>,
                  "turns": [<multiturn only: deepinfer.bench.metrics.per_turn's rows>]}, ...]}
 
 The CSV has one row per point: its key, then every figure with nested names joined by "_" (`ttft_ms_p99`); lists
