@@ -1,5 +1,7 @@
-"""`deepinfer bench run` against the stack (a short sweep): the JSON follows its schema, the CSV has one row per
-point, every request completed with the tokens the server reported, and `bench compare` reads two runs."""
+"""`deepinfer bench run` against the stack, one short run per workload (a concurrency sweep, a Poisson rate sweep
+over two generator processes, a Mooncake trace, conversations): the JSON follows its schema, the CSV has one row
+per point, every request completed with the tokens the server reported, the cost table is printed, and
+`bench compare` reads two runs."""
 
 from __future__ import annotations
 
@@ -16,40 +18,30 @@ pytestmark = pytest.mark.e2e
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "deepinfer.cli", "bench", *args], capture_output=True, text=True, timeout=300
+    command = [sys.executable, "-m", "deepinfer.cli", "bench", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def bench_run(stack: Stack, flags: str, out, *more: str) -> dict:
+    """`bench run` against the stack with `flags` (split on spaces); the JSON it wrote."""
+    run = bench(
+        "run", "--base-url", stack.base_url.removesuffix("/v1"), *flags.split(), "--out", str(out), *more
     )
+    assert run.returncode == 0, run.stderr
+    return {"result": json.loads(out.read_text()), "stdout": run.stdout, "stderr": run.stderr}
 
 
 def test_a_short_sweep_writes_json_and_csv_that_compare_reads(stack: Stack, tmp_path):
-    server = stack.base_url.removesuffix("/v1")
     out, table = tmp_path / "run.json", tmp_path / "run.csv"
-    run = bench(
-        "run",
-        "--base-url",
-        server,
-        "--concurrency",
-        "1,2",
-        "--num-prompts",
-        "4",
-        "--input-words",
-        "40",
-        "--max-tokens",
-        "8",
-        "--ignore-eos",
-        "--out",
-        str(out),
-        "--csv",
-        str(table),
+    flags = "--concurrency 1,2 --num-prompts 4 --input-words 40 --max-tokens 8 --ignore-eos --gpus 2 --gpu-hour-usd 2.5"
+    run = bench_run(stack, flags, out, "--csv", str(table))
+    result = run["result"]
+    assert (result["bench"], result["schema"], result["model"]) == (
+        "deepinfer-bench-run",
+        2,
+        stack.model_name,
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
-    assert (
-        result["bench"] == "deepinfer-bench-run"
-        and result["schema"] == 2
-        and result["model"] == stack.model_name
-    )
-    assert [p["concurrency"] for p in result["points"]] == [1, 2]
+    assert result["workload"] == "concurrency" and [p["concurrency"] for p in result["points"]] == [1, 2]
     for point in result["points"]:
         assert (point["num_requests"], point["num_failed"], point["output_tokens"]) == (
             4,
@@ -58,8 +50,14 @@ def test_a_short_sweep_writes_json_and_csv_that_compare_reads(stack: Stack, tmp_
         )  # ignore_eos
         assert point["prompt_tokens"] > 4 * 40 // 2 and point["output_tok_s"] > 0
         assert 0 < point["ttft_ms"]["p50"] <= point["e2e_ms"]["p50"] and point["itl_ms"]["p50"] > 0
+        assert point["output_tok_s_per_gpu"] == pytest.approx(point["output_tok_s"] / 2, abs=1e-3)
+        assert point["cost"]["cost_usd"] == pytest.approx(2 * 2.5 * point["wall_s"] / 3600, rel=1e-3)
+        assert 0 < point["cost"]["usd_per_m_input_uncached"] < point["cost"]["usd_per_m_output"]
+        assert point["generator"]["processes"] == 1 and "send_lag_ms" not in point["generator"]  # closed loop
+    assert "$ per million tokens" in run["stdout"] and "c=2" in run["stdout"]
     rows = list(csv.DictReader(table.open()))
     assert [row["concurrency"] for row in rows] == ["1", "2"] and "ttft_ms_p99" in rows[0]
+    assert "cost_usd_per_m_output" in rows[0]
     same = bench("compare", "--tolerance", "100", str(out), str(out))
     assert same.returncode == 0 and "points.c=2.output_tok_s" in same.stdout
 
@@ -69,89 +67,41 @@ def test_an_unreachable_server_is_a_clear_error(tmp_path):
     assert run.returncode == 2 and "cannot list the models of http://127.0.0.1:9" in run.stderr
 
 
-def test_a_poisson_rate_sweep_sends_every_request_on_its_schedule(stack: Stack, tmp_path):
-    out = tmp_path / "rate.json"
-    run = bench(
-        "run",
-        "--base-url",
-        stack.base_url.removesuffix("/v1"),
-        "--rate",
-        "2,8",
-        "--processes",
-        "2",
-        "--num-prompts",
-        "4",
-        "--input-words",
-        "20",
-        "--max-tokens",
-        "4",
-        "--ignore-eos",
-        "--out",
-        str(out),
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+def test_a_poisson_rate_sweep_over_two_processes_reports_its_send_lag(stack: Stack, tmp_path):
+    flags = "--rate 2,8 --processes 2 --num-prompts 4 --input-words 20 --max-tokens 4 --ignore-eos"
+    run = bench_run(stack, flags, tmp_path / "rate.json")
+    result = run["result"]
     assert result["workload"] == "rate" and [p["rate"] for p in result["points"]] == [2.0, 8.0]
     for point in result["points"]:
         assert (point["num_requests"], point["num_failed"], point["output_tokens"]) == (4, 0, 16)
-    assert "rate=8:" in run.stdout and "[rate=8] 4/4 requests, 0 failed" in run.stderr  # the progress line
-    for point in result["points"]:  # two generator processes, their send lag measured against the schedule
-        generator = point["generator"]
+        generator = point["generator"]  # two processes, their send lag measured against the schedule
         assert generator["processes"] == 2 and 0 <= generator["cpu_share"] < 1
         assert generator["send_lag_ms"]["p50"] >= 0 and isinstance(generator["bottleneck"], bool)
+    assert (
+        "rate=8:" in run["stdout"] and "[rate=8] 4/4 requests, 0 failed" in run["stderr"]
+    )  # the progress line
 
 
 def test_a_trace_replay_sends_its_lines_with_shared_prefixes(stack: Stack, tmp_path):
     trace = tmp_path / "trace.jsonl"
     lines = [(0, 32, [0, 1]), (300, 40, [0, 1, 2]), (600, 24, [0, 3]), (900, 10, [4])]
-    trace.write_text(
-        "".join(
-            json.dumps({"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": ids}) + "\n"
-            for t, n, ids in lines
-        )
-    )
-    out = tmp_path / "trace.json"
-    run = bench(
-        "run",
-        "--base-url",
-        stack.base_url.removesuffix("/v1"),
-        "--trace",
-        str(trace),
-        "--block-size",
-        "16",
-        "--time-scale",
-        "0.5",
-        "--ignore-eos",
-        "--out",
-        str(out),
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    with trace.open("w") as f:
+        for t, n, ids in lines:
+            f.write(
+                json.dumps({"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": ids}) + "\n"
+            )
+    flags = f"--trace {trace} --block-size 16 --time-scale 0.5 --ignore-eos"
+    result = bench_run(stack, flags, tmp_path / "trace.json")["result"]
     (point,) = result["points"]
     assert result["workload"] == "trace" and point["time_scale"] == 0.5
     assert (point["num_requests"], point["num_failed"], point["output_tokens"]) == (4, 0, 12)
     assert point["prompt_tokens"] >= 32 + 40 + 24 + 10 - 4  # about a token a word
+    assert point["generator"]["send_lag_ms"]["p50"] >= 0
 
 
 def test_conversations_resend_their_history_and_the_cache_serves_it(stack: Stack, tmp_path):
-    out = tmp_path / "talk.json"
-    run = bench(
-        "run",
-        "--base-url",
-        stack.base_url.removesuffix("/v1"),
-        "--conversations",
-        "2",
-        "--turns",
-        "3",
-        "--input-words",
-        "40",
-        "--max-tokens",
-        "4",
-        "--out",
-        str(out),
-    )
-    assert run.returncode == 0, run.stderr
-    (point,) = json.loads(out.read_text())["points"]
+    flags = "--conversations 2 --turns 3 --input-words 40 --max-tokens 4"
+    (point,) = bench_run(stack, flags, tmp_path / "talk.json")["result"]["points"]
     assert point["conversations"] == 2 and (point["num_requests"], point["num_failed"]) == (6, 0)
     turns = point["turns"]
     assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["num_requests"] == 2 for t in turns)

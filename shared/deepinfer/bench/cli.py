@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument(
         "--processes", type=int, default=1, help="deal each point's load over this many generator processes"
     )
+    run_parser.add_argument(
+        "--gpus", type=int, default=1, help="GPUs behind the server (per-GPU throughput, cost)"
+    )
+    run_parser.add_argument(
+        "--gpu-hour-usd",
+        type=float,
+        default=None,
+        help="$ per GPU-hour: adds $ per million tokens to every point",
+    )
     run_parser.add_argument("--out", type=Path, default=Path("bench-run.json"), help="the JSON result")
     run_parser.add_argument("--csv", type=Path, default=None, help="also the points as CSV")
     run_parser.set_defaults(_bench=run_sweep)
@@ -106,6 +115,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point."""
     import httpx
 
+    from deepinfer.bench.cost import cost, cost_table, per_gpu
     from deepinfer.bench.generator import Progress, execute, generator_report
     from deepinfer.bench.metrics import per_turn, summarize
     from deepinfer.bench.report import SCHEMA, write
@@ -135,6 +145,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         progress = Progress(point_name(label), plan.num_requests)
         outcome = execute(plan, base_url, args.processes, progress)
         point = label | summarize(outcome.records, outcome.wall_s)
+        point |= per_gpu(point, args.gpus)
+        if args.gpu_hour_usd is not None:
+            point["cost"] = cost(point, args.gpu_hour_usd, args.gpus)
         point["generator"] = generator_report(outcome)
         if name == "multiturn":
             point["turns"] = per_turn(outcome.records)
@@ -146,6 +159,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         errors = [r.error for r in outcome.records if r.error]
         if errors:
             print(f"  first error: {errors[0]}", file=sys.stderr)
+    if args.gpu_hour_usd is not None:
+        print(
+            f"\nat ${args.gpu_hour_usd:g} per GPU-hour, {args.gpus} GPU(s):\n{cost_table(result['points'])}"
+        )
     print(f"wrote {args.out}" + (f" and {args.csv}" if args.csv else ""))
     return 1 if any(p["num_failed"] for p in result["points"]) else 0
 
@@ -224,25 +241,29 @@ def workload(args: argparse.Namespace, model: str) -> tuple[str, list[tuple[dict
 
 
 def settings(args: argparse.Namespace, name: str) -> dict:
-    """What the workload was made of (the JSON's `settings`)."""
-    common = {
-        "max_tokens": args.max_tokens,
-        "ignore_eos": args.ignore_eos,
-        "seed": args.seed,
-        "processes": args.processes,
-    }
+    """What the workload was made of, and the machine it is priced on (the JSON's `settings`)."""
+    from deepinfer.bench.cost import Weights
+
+    machine = {"processes": args.processes, "gpus": args.gpus, "gpu_hour_usd": args.gpu_hour_usd}
+    if args.gpu_hour_usd is not None:
+        weights = Weights()
+        machine["price_weights"] = {"cached_input": weights.cached_input, "output": weights.output}
+    common = {"ignore_eos": args.ignore_eos, "seed": args.seed, **machine}
     if name == "trace":
         return {
             "trace": str(args.trace),
             "num_lines": args.num_prompts,
             "block_size": args.block_size,
-            "ignore_eos": args.ignore_eos,
-            "seed": args.seed,
-            "processes": args.processes,
+            **common,
         }
     if name == "multiturn":
-        return {"turns": args.turns, "input_words": args.input_words, **common}
-    return {"num_prompts": args.num_prompts or 32, "input_words": args.input_words, **common}
+        return {"turns": args.turns, "input_words": args.input_words, "max_tokens": args.max_tokens, **common}
+    return {
+        "num_prompts": args.num_prompts or 32,
+        "input_words": args.input_words,
+        "max_tokens": args.max_tokens,
+        **common,
+    }
 
 
 def summary_line(point: dict) -> str:

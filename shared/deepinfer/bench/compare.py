@@ -2,7 +2,7 @@
 
 A result is any JSON object of nested figures (`bench/gpu.py`'s, `bench/serve.py`'s). A figure is a numeric leaf
 whose name says which way is better: throughputs and fractions of a limit (`*tok_s`, `*tflops`, `*gb_s`,
-`*of_roofline`, `*over_offline`) go up, times (`*_ms`, `*_s`, also as `*_ms_p99`...) go down; other numbers (counts, sizes, settings) are not
+`*of_roofline`, `*over_offline`) go up, times (`*_ms`, `*_s`, also as `*_ms_p99`...) and prices (`usd_per*`) go down; other numbers (counts, sizes, settings) are not
 figures. Limits and ceilings (`ceilings.*`, `*limit*`, `*roofline_tok_s`) describe the machine, not the code: they are
 shown, so a slower lending of the same GPU is seen, and never counted as a regression.
 """
@@ -89,6 +89,8 @@ def _is_sweep(value: Any) -> bool:
 def direction(name: str) -> int:
     """+1 if a higher value is better, -1 if lower is, 0 if the number is not a figure."""
     leaf = _STATISTIC.sub("", name.rsplit(".", 1)[-1])
+    if leaf.startswith("usd_per"):  # a price (deepinfer.bench.cost)
+        return -1
     if leaf.endswith(_HIGHER):
         return 1
     if leaf.endswith(_LOWER):

@@ -3,9 +3,11 @@
     {"bench": "deepinfer-bench-run", "schema": 2, "date": "...", "base_url": "...", "model": "...",
      "workload": "concurrency" | "rate" | "trace" | "multiturn",
      "settings": {<what the workload was made of: num_prompts, input_words, max_tokens, ignore_eos, seed; a
-                  trace's file and block_size; a conversation's turns>},
+                  trace's file and block_size; a conversation's turns; processes, gpus, gpu_hour_usd,
+                  price_weights>},
      "points": [{<the point's key: "concurrency": c | "rate": req/s | "time_scale": f | "conversations": n>,
                  <deepinfer.bench.metrics.summarize's keys>,
+                 "output_tok_s_per_gpu": tok/s, "cost": <with --gpu-hour-usd: deepinfer.bench.cost.cost>,
                  "generator": <deepinfer.bench.generator.generator_report: processes, cpu_share, loop_lag_ms,
                                send_lag_ms (open loop), bottleneck, reasons>,
                  "turns": [<multiturn only: deepinfer.bench.metrics.per_turn's rows>]}, ...]}
