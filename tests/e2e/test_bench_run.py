@@ -1,11 +1,12 @@
 """`deepinfer bench run` against the stack, one short run per workload (a concurrency sweep, a Poisson rate sweep
 over two generator processes, a Mooncake trace, conversations): the JSON follows its schema, the CSV has one row
-per point, every request completed with the tokens the server reported, the cost table is printed, and
-`bench compare` reads two runs."""
+per point, every request completed with the tokens the server reported, the cost table is printed, the PNGs are
+valid (where matplotlib is installed), and `bench compare` reads two runs and draws them on one plot."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import subprocess
 import sys
@@ -58,8 +59,16 @@ def test_a_short_sweep_writes_json_and_csv_that_compare_reads(stack: Stack, tmp_
     rows = list(csv.DictReader(table.open()))
     assert [row["concurrency"] for row in rows] == ["1", "2"] and "ttft_ms_p99" in rows[0]
     assert "cost_usd_per_m_output" in rows[0]
-    same = bench("compare", "--tolerance", "100", str(out), str(out))
+    plots = [tmp_path / f"{name}.png" for name in ("run-pareto", "run-cdf", "run-throughput")]
+    assert len(result["points"][1]["cdf_ms"]["ttft"]) == 101 and result["points"][1]["cdf_ms"]["itl"]
+    same = bench("compare", "--tolerance", "100", str(out), str(out), "--plots", str(tmp_path / "both"))
     assert same.returncode == 0 and "points.c=2.output_tok_s" in same.stdout
+    if importlib.util.find_spec("matplotlib") is None:  # the PNGs are the optional `deepinfer[bench]` extra
+        assert "no plots: matplotlib is not installed" in run["stderr"] and not any(p.exists() for p in plots)
+        return
+    plots += [tmp_path / f"{name}.png" for name in ("both-pareto", "both-cdf", "both-throughput")]
+    for path in plots:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
 
 
 def test_an_unreachable_server_is_a_clear_error(tmp_path):

@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="$ per GPU-hour: adds $ per million tokens to every point",
     )
+    run_parser.add_argument(
+        "--plots", type=Path, default=None, help="the PNGs' path prefix (default: --out without .json)"
+    )
+    run_parser.add_argument("--no-plots", action="store_true", help="write no PNG")
     run_parser.add_argument("--out", type=Path, default=Path("bench-run.json"), help="the JSON result")
     run_parser.add_argument("--csv", type=Path, default=None, help="also the points as CSV")
     run_parser.set_defaults(_bench=run_sweep)
@@ -104,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOLERANCE,
         help=f"worse means by more than this fraction (default {DEFAULT_TOLERANCE})",
     )
+    compare_parser.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="also draw both runs on one set of PNGs with this path prefix",
+    )
     compare_parser.set_defaults(_bench=run_compare)
 
 
@@ -117,7 +127,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     from deepinfer.bench.cost import cost, cost_table, per_gpu
     from deepinfer.bench.generator import Progress, execute, generator_report
-    from deepinfer.bench.metrics import per_turn, summarize
+    from deepinfer.bench.metrics import per_turn, quantiles_ms, summarize
     from deepinfer.bench.report import SCHEMA, write
 
     base_url = args.base_url.rstrip("/")
@@ -145,10 +155,15 @@ def run_sweep(args: argparse.Namespace) -> int:
         progress = Progress(point_name(label), plan.num_requests)
         outcome = execute(plan, base_url, args.processes, progress)
         point = label | summarize(outcome.records, outcome.wall_s)
+        done = [r for r in outcome.records if r.error is None]
         point |= per_gpu(point, args.gpus)
         if args.gpu_hour_usd is not None:
             point["cost"] = cost(point, args.gpu_hour_usd, args.gpus)
         point["generator"] = generator_report(outcome)
+        point["cdf_ms"] = {
+            "ttft": quantiles_ms([r.ttft_s for r in done]),
+            "itl": quantiles_ms([gap for r in done for gap in r.itl_s()]),
+        }
         if name == "multiturn":
             point["turns"] = per_turn(outcome.records)
         result["points"].append(point)
@@ -164,6 +179,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"\nat ${args.gpu_hour_usd:g} per GPU-hour, {args.gpus} GPU(s):\n{cost_table(result['points'])}"
         )
     print(f"wrote {args.out}" + (f" and {args.csv}" if args.csv else ""))
+    if not args.no_plots:
+        plot([(model, result)], args.plots or args.out.with_suffix(""))
     return 1 if any(p["num_failed"] for p in result["points"]) else 0
 
 
@@ -297,7 +314,25 @@ def run_compare(args: argparse.Namespace) -> int:
         print("deepinfer: the two results have no figure in common", file=sys.stderr)
         return 2
     print(table(deltas, args.tolerance))
+    if args.plots:
+        names = (args.before.stem, args.after.stem)
+        if names[0] == names[1]:
+            names = (str(args.before), str(args.after))
+        plot([(names[0], before), (names[1], after)], args.plots)
     worse = [d.name for d in deltas if d.worse(args.tolerance)]
     if worse:
         print(f"\n{len(worse)} figure(s) worse by more than {args.tolerance:.0%}: {', '.join(worse)}")
     return 1 if worse else 0
+
+
+def plot(results: list[tuple[str, dict]], prefix: Path) -> None:
+    """The PNGs (deepinfer.bench.plots), or a line saying why there are none."""
+    from deepinfer.bench.plots import available, draw
+
+    if not available():
+        print("no plots: matplotlib is not installed (pip install 'deepinfer[bench]')", file=sys.stderr)
+        return
+    if not all(result.get("points") for _, result in results):
+        print("no plots: a result has no sweep points", file=sys.stderr)
+        return
+    print("plots: " + ", ".join(str(path) for path in draw(results, prefix)))

@@ -119,3 +119,12 @@ def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
             }
         )
     return out
+
+
+def quantiles_ms(values: Sequence[float], num: int = 101) -> list[float]:
+    """`num` evenly spaced percentiles from 0 to 100 of seconds, in ms: the curve a CDF plot draws (the JSON
+    keeps these, not every sample); empty for no values."""
+    clean = [v for v in values if not math.isnan(v)]
+    if not clean:
+        return []
+    return [round(1e3 * percentile(clean, 100 * i / (num - 1)), 3) for i in range(num)]

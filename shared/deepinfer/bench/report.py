@@ -8,13 +8,14 @@
      "points": [{<the point's key: "concurrency": c | "rate": req/s | "time_scale": f | "conversations": n>,
                  <deepinfer.bench.metrics.summarize's keys>,
                  "output_tok_s_per_gpu": tok/s, "cost": <with --gpu-hour-usd: deepinfer.bench.cost.cost>,
+                 "cdf_ms": {"ttft": [101 quantiles, p0..p100, ms], "itl": [...]} (the CDF plots),
                  "generator": <deepinfer.bench.generator.generator_report: processes, cpu_share, loop_lag_ms,
                                send_lag_ms (open loop), bottleneck, reasons>,
                  "turns": [<multiturn only: deepinfer.bench.metrics.per_turn's rows>]}, ...]}
 
 The CSV has one row per point: its key, then every figure with nested names joined by "_" (`ttft_ms_p99`); lists
 (a conversation's turns) stay in the JSON. `deepinfer bench compare` reads two such files (a point's figures are
-compared by its key, deepinfer.bench.compare.POINT_KEYS).
+compared by its key, deepinfer.bench.compare.POINT_KEYS). deepinfer.bench.plots draws the PNGs from the JSON.
 """
 
 from __future__ import annotations
