@@ -62,7 +62,11 @@ def test_a_short_sweep_writes_json_and_csv_that_compare_reads(stack: Stack, tmp_
     plots = [tmp_path / f"{name}.png" for name in ("run-pareto", "run-cdf", "run-throughput")]
     assert len(result["points"][1]["cdf_ms"]["ttft"]) == 101 and result["points"][1]["cdf_ms"]["itl"]
     same = bench("compare", "--tolerance", "100", str(out), str(out), "--plots", str(tmp_path / "both"))
-    assert same.returncode == 0 and "points.c=2.output_tok_s" in same.stdout
+    assert (
+        same.returncode == 0
+        and "points.c=2.output_tok_s" in same.stdout
+        and "points.c=2.ttft_ms.p99" in same.stdout
+    )
     if importlib.util.find_spec("matplotlib") is None:  # the PNGs are the optional `deepinfer[bench]` extra
         assert "no plots: matplotlib is not installed" in run["stderr"] and not any(p.exists() for p in plots)
         return

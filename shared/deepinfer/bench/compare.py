@@ -22,7 +22,8 @@ _HIGHER = ("tok_s", "tflops", "gb_s", "of_roofline", "over_offline")
 _LOWER = ("_ms", "_s")
 #: `generator.*`: the load generator's own lags (deepinfer.bench.generator), a property of the client machine.
 _MACHINE = ("ceilings.", "limit", "roofline_tok_s", "generator.")
-#: A statistic's suffix (`ttft_ms_p99`, `step_ms_mean`): the direction is that of the name before it.
+#: A statistic's suffix (`ttft_ms_p99`, `step_ms_mean`) or key (`ttft_ms.p99`): the direction is that of the name
+#: before it.
 _STATISTIC = re.compile(r"_(p\d+|mean|median|max|min)$")
 
 
@@ -88,7 +89,11 @@ def _is_sweep(value: Any) -> bool:
 
 def direction(name: str) -> int:
     """+1 if a higher value is better, -1 if lower is, 0 if the number is not a figure."""
-    leaf = _STATISTIC.sub("", name.rsplit(".", 1)[-1])
+    parts = name.split(".")
+    leaf = parts[-1]
+    if _STATISTIC.fullmatch(f"_{leaf}") and len(parts) > 1:  # `ttft_ms.p99`: the statistic of `ttft_ms`
+        leaf = parts[-2]
+    leaf = _STATISTIC.sub("", leaf)
     if leaf.startswith("usd_per"):  # a price (deepinfer.bench.cost)
         return -1
     if leaf.endswith(_HIGHER):
