@@ -40,6 +40,15 @@ def pareto_front(xy: Sequence[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: xy[i][0])
 
 
+#: The throughput plot's x label for each sweep key.
+_LOAD_LABELS = {
+    "concurrency": "concurrency (clients)",
+    "rate": "request rate (req/s)",
+    "time_scale": "trace time scale",
+    "conversations": "concurrent conversations",
+}
+
+
 def load_key(result: dict) -> str:
     """The sweep's key (concurrency, rate, ...) as its points carry it."""
     points = result.get("points") or [{}]
@@ -132,8 +141,9 @@ def _throughput(plt, results, colours):
             color=colour,
             label=label,
         )
-    tok_s.set(xlabel=key, ylabel="output tok/s", title=f"Throughput against {key}")
-    ttft.set(xlabel=key, ylabel="TTFT p50 (ms)", title=f"TTFT against {key}")
+    label = _LOAD_LABELS.get(key, key)
+    tok_s.set(xlabel=label, ylabel="output tok/s", title=f"Throughput against {label}")
+    ttft.set(xlabel=label, ylabel="TTFT p50 (ms)", title=f"TTFT against {label}")
     for axes in (tok_s, ttft):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
