@@ -2,6 +2,7 @@
 ids give shared prefixes, conversation turns that resend the history, plans dealt to several processes, and the
 generator's report of its own lags."""
 
+import argparse
 import io
 import math
 import statistics
@@ -9,11 +10,13 @@ import statistics
 import pytest
 
 from deepinfer.bench.arrivals import poisson_offsets, trace_offsets
+from deepinfer.bench.cli import add_arguments
 from deepinfer.bench.compare import figures, point_name
 from deepinfer.bench.generator import Outcome, Progress, Share, generator_report
 from deepinfer.bench.load import ClosedLoop, Conversations, OpenLoop
 from deepinfer.bench.metrics import RequestRecord, per_turn
 from deepinfer.bench.prompts import first_turn, next_turn, trace_prompt, user_message
+from deepinfer.bench.workloads import sweep
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_have_the_rate_asked():
@@ -139,3 +142,40 @@ def test_progress_is_one_line_per_update_off_a_terminal():
         stream.getvalue().startswith("[rate=4] 2/3 requests, 1 failed, ")
         and stream.getvalue().count("\n") == 1
     )
+
+
+def _sweep(flags: str):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["run", *flags.split()])
+    return sweep(args, "m")
+
+
+def test_every_point_draws_its_own_prompts_the_same_on_every_run():
+    name, points = _sweep("--concurrency 1,4 --num-prompts 3 --input-words 5")
+    assert name == "concurrency" and [(label, plan.concurrency) for label, plan in points] == [
+        ({"concurrency": 1}, 1),
+        ({"concurrency": 4}, 4),
+    ]
+    first, second = ([body["prompt"] for body in plan.bodies] for _, plan in points)
+    assert len(first) == 3 and not set(first) & set(second)  # c=4 does not find c=1's prompts cached
+    again = _sweep("--concurrency 1,4 --num-prompts 3 --input-words 5")[1][0][1]
+    assert first == [body["prompt"] for body in again.bodies]
+    # a salt gives a trace other text for the same hash ids, shared as before within it
+    assert trace_prompt([1, 2], 8, 4, salt="0:1") != trace_prompt([1, 2], 8, 4, salt="0:0")
+    assert trace_prompt([1, 2], 8, 4, salt="0:1")[:10] == trace_prompt([1, 3], 8, 4, salt="0:1")[:10]
+
+
+def test_a_rate_sweep_and_conversations_from_their_flags():
+    name, points = _sweep("--rate 2,8 --num-prompts 4 --max-tokens 3 --ignore-eos --seed 5")
+    assert name == "rate" and [label for label, _ in points] == [{"rate": 2.0}, {"rate": 8.0}]
+    plan = points[1][1]
+    assert plan.offsets_s == tuple(poisson_offsets(8.0, 4, seed=5))
+    assert plan.bodies[0]["max_tokens"] == 3 and plan.bodies[0]["ignore_eos"] is True
+    name, points = _sweep("--conversations 2 --turns 3 --input-words 4")
+    ((label, talk),) = points
+    assert name == "multiturn" and label == {"conversations": 2} and talk.num_requests == 6
+    with pytest.raises(ValueError, match="--rate takes positive numbers"):
+        _sweep("--rate 0,4")
+    with pytest.raises(ValueError, match="--processes takes a positive integer"):
+        _sweep("--processes 0")

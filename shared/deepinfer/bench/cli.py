@@ -17,7 +17,7 @@ from deepinfer.bench.compare import DEFAULT_TOLERANCE, compare, point_name, tabl
 from deepinfer.bench.prompts import MOONCAKE_BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from deepinfer.bench.load import Plan
+    from deepinfer.bench.generator import Outcome
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,10 +125,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point."""
     import httpx
 
-    from deepinfer.bench.cost import cost, cost_table, per_gpu
-    from deepinfer.bench.generator import Progress, execute, generator_report
-    from deepinfer.bench.metrics import per_turn, quantiles_ms, summarize
+    from deepinfer.bench.cost import cost_table
+    from deepinfer.bench.generator import Progress, execute
     from deepinfer.bench.report import SCHEMA, write
+    from deepinfer.bench.workloads import settings, sweep
 
     base_url = args.base_url.rstrip("/")
     try:
@@ -137,7 +137,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"deepinfer: cannot list the models of {base_url}: {exc}", file=sys.stderr)
         return 2
     try:
-        name, points = workload(args, model)
+        name, points = sweep(args, model)
     except (OSError, ValueError, KeyError) as exc:
         print(f"deepinfer: {exc}", file=sys.stderr)
         return 2
@@ -152,20 +152,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         "points": [],
     }
     for label, plan in points:
-        progress = Progress(point_name(label), plan.num_requests)
-        outcome = execute(plan, base_url, args.processes, progress)
-        point = label | summarize(outcome.records, outcome.wall_s)
-        done = [r for r in outcome.records if r.error is None]
-        point |= per_gpu(point, args.gpus)
-        if args.gpu_hour_usd is not None:
-            point["cost"] = cost(point, args.gpu_hour_usd, args.gpus)
-        point["generator"] = generator_report(outcome)
-        point["cdf_ms"] = {
-            "ttft": quantiles_ms([r.ttft_s for r in done]),
-            "itl": quantiles_ms([gap for r in done for gap in r.itl_s()]),
-        }
-        if name == "multiturn":
-            point["turns"] = per_turn(outcome.records)
+        outcome = execute(plan, base_url, args.processes, Progress(point_name(label), plan.num_requests))
+        point = measure(label, outcome, args)
         result["points"].append(point)
         write(result, args.out, args.csv)
         print(summary_line(point), flush=True)
@@ -184,103 +172,26 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 1 if any(p["num_failed"] for p in result["points"]) else 0
 
 
-def _floats(text: str, flag: str, positive: bool = True) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-    if min(values) < 0 or (positive and min(values) == 0):
-        raise ValueError(f"{flag} takes {'positive' if positive else 'non-negative'} numbers, got {text!r}")
-    return values
+def measure(label: dict, outcome: Outcome, args: argparse.Namespace) -> dict:
+    """A point's JSON: its key, the figures of its records, per GPU and cost, the generator's own check, the CDFs'
+    quantiles, and a conversation load's turns."""
+    from deepinfer.bench.cost import cost, per_gpu
+    from deepinfer.bench.generator import generator_report
+    from deepinfer.bench.metrics import per_turn, quantiles_ms, summarize
 
-
-def _ints(text: str, flag: str) -> list[int]:
-    values = _floats(text, flag)
-    if any(v != int(v) for v in values):
-        raise ValueError(f"{flag} takes positive integers, got {text!r}")
-    return [int(v) for v in values]
-
-
-def workload(args: argparse.Namespace, model: str) -> tuple[str, list[tuple[dict, Plan]]]:
-    """The workload's name and its points: (the point's key and value, the plan that plays it)."""
-    from deepinfer.bench.arrivals import poisson_offsets, trace_offsets
-    from deepinfer.bench.load import ClosedLoop, Conversations, OpenLoop, completion_body
-    from deepinfer.bench.prompts import make_prompts, trace_prompt, user_message
-    from deepinfer.testing.traces import read_trace
-
-    num_prompts = args.num_prompts or 32
-
-    def bodies(prompts: list[str], max_tokens: list[int] | None = None) -> tuple[dict, ...]:
-        lengths = max_tokens or [args.max_tokens] * len(prompts)
-        return tuple(
-            completion_body(model, p, n, args.ignore_eos) for p, n in zip(prompts, lengths, strict=True)
-        )
-
-    if args.rate is not None:
-        prompts = bodies(make_prompts(num_prompts, args.input_words, args.seed))
-        return "rate", [
-            ({"rate": rate}, OpenLoop(prompts, tuple(poisson_offsets(rate, num_prompts, args.seed))))
-            for rate in _floats(args.rate, "--rate")
-        ]
-    if args.trace is not None:
-        lines = read_trace(args.trace)[: args.num_prompts]
-        if not lines:
-            raise ValueError(f"{args.trace} has no trace lines")
-        prompts = bodies(
-            [
-                trace_prompt(line.hash_ids, line.input_length, args.block_size, i)
-                for i, line in enumerate(lines)
-            ],
-            [line.output_length for line in lines],
-        )
-        return "trace", [
-            (
-                {"time_scale": scale},
-                OpenLoop(prompts, tuple(trace_offsets([line.timestamp for line in lines], scale))),
-            )
-            for scale in _floats(args.time_scale, "--time-scale", positive=False)
-        ]
-    if args.conversations is not None:
-        points = []
-        for count in _ints(args.conversations, "--conversations"):
-            messages = tuple(
-                tuple(user_message(args.seed, c, t, args.input_words) for t in range(args.turns))
-                for c in range(count)
-            )
-            points.append(
-                ({"conversations": count}, Conversations(model, messages, args.max_tokens, args.ignore_eos))
-            )
-        return "multiturn", points
-    prompts = bodies(make_prompts(num_prompts, args.input_words, args.seed))
-    return "concurrency", [
-        ({"concurrency": c}, ClosedLoop(prompts, c)) for c in _ints(args.concurrency, "--concurrency")
-    ]
-
-
-def settings(args: argparse.Namespace, name: str) -> dict:
-    """What the workload was made of, and the machine it is priced on (the JSON's `settings`)."""
-    from deepinfer.bench.cost import Weights
-
-    machine = {"processes": args.processes, "gpus": args.gpus, "gpu_hour_usd": args.gpu_hour_usd}
+    point = label | summarize(outcome.records, outcome.wall_s)
+    point |= per_gpu(point, args.gpus)
     if args.gpu_hour_usd is not None:
-        weights = Weights()
-        machine["price_weights"] = {"cached_input": weights.cached_input, "output": weights.output}
-    common = {"ignore_eos": args.ignore_eos, "seed": args.seed, **machine}
-    if name == "trace":
-        return {
-            "trace": str(args.trace),
-            "num_lines": args.num_prompts,
-            "block_size": args.block_size,
-            **common,
-        }
-    if name == "multiturn":
-        return {"turns": args.turns, "input_words": args.input_words, "max_tokens": args.max_tokens, **common}
-    return {
-        "num_prompts": args.num_prompts or 32,
-        "input_words": args.input_words,
-        "max_tokens": args.max_tokens,
-        **common,
+        point["cost"] = cost(point, args.gpu_hour_usd, args.gpus)
+    point["generator"] = generator_report(outcome)
+    done = [r for r in outcome.records if r.error is None]
+    point["cdf_ms"] = {
+        "ttft": quantiles_ms([r.ttft_s for r in done]),
+        "itl": quantiles_ms([gap for r in done for gap in r.itl_s()]),
     }
+    if any(r.turn is not None for r in outcome.records):
+        point["turns"] = per_turn(outcome.records)
+    return point
 
 
 def summary_line(point: dict) -> str:

@@ -35,28 +35,33 @@ def words(seed: str | int, num_words: int) -> list[str]:
     return [rng.choice(WORDS) for _ in range(num_words)]
 
 
-def make_prompts(num_prompts: int, num_words: int, seed: int = 0) -> list[str]:
+def make_prompts(num_prompts: int, num_words: int, seed: int | str = 0) -> list[str]:
     """`num_prompts` texts of `num_words` common words each, the same for the same seed."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(num_words)) for _ in range(num_prompts)]
 
 
 def trace_prompt(
-    hash_ids: Sequence[int], input_length: int, block_size: int = MOONCAKE_BLOCK_SIZE, line: int = 0
+    hash_ids: Sequence[int],
+    input_length: int,
+    block_size: int = MOONCAKE_BLOCK_SIZE,
+    line: int = 0,
+    salt: str = "",
 ) -> str:
-    """A trace line's prompt of `input_length` words: block i is hash id i's text (module docstring). A line with
-    fewer hash ids than its length needs ends in words of its own (seeded by `line`), shared with no other."""
+    """A trace line's prompt of `input_length` words: block i is hash id i's text (module docstring), under `salt`
+    (another salt, other text for the same ids). A line with fewer hash ids than its length needs ends in words of
+    its own (seeded by `line`), shared with no other."""
     out: list[str] = []
     for hash_id in hash_ids:
         if len(out) >= input_length:
             break
-        out += words(f"block:{hash_id}", block_size)[: input_length - len(out)]
+        out += words(f"block:{salt}:{hash_id}", block_size)[: input_length - len(out)]
     if len(out) < input_length:
-        out += words(f"line:{line}", input_length - len(out))
+        out += words(f"line:{salt}:{line}", input_length - len(out))
     return " ".join(out)
 
 
-def user_message(seed: int, conversation: int, turn: int, num_words: int) -> str:
+def user_message(seed: int | str, conversation: int, turn: int, num_words: int) -> str:
     """The user's message of one turn of one conversation."""
     return " ".join(words(f"conversation:{seed}:{conversation}:{turn}", num_words))
 
