@@ -154,7 +154,7 @@ class OpenLoop:
     async def run(
         self, client: httpx.AsyncClient, base_url: str, start_s: float, on_done: OnDone
     ) -> list[RequestRecord]:
-        """The records, in body order; each one's `scheduled_s` is when it was meant to go."""
+        """The records, in send order; each one's `scheduled_s` is when it was meant to go."""
 
         async def one(body: dict, scheduled_s: float) -> RequestRecord:
             record = await send(client, base_url, body)
