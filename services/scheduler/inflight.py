@@ -1,7 +1,7 @@
 """Decisions not yet reflected in the chosen workers' heartbeats, counted per worker.
 
 Every replica counts its own decisions and those its peers publish on `decisions(model)`, so replicas do not
-herd onto the same worker between two heartbeats (ARCHITECTURE §6). A count ends when it is `ttl_s` old, or
+herd onto the same worker between two heartbeats (docs/architecture.md §6). A count ends when it is `ttl_s` old, or
 when a heartbeat shows the request arrived: a heartbeat whose `num_received` (requests the worker admitted
 since it started, protocol 2.2) grew by n ends the n oldest counts of that worker (a smaller value is a
 restart: all end); from a worker without it, a heartbeat ends the counts at least `settle_s` old (by then the

@@ -1,7 +1,7 @@
 """Routing policy: which (prefill, decode) pair serves a request, or "overloaded".
 
 A small strategy object behind the `RoutingPolicy` protocol, so that the prefix-aware policy (cost = prompt
-tokens left after cached-prefix credit + decode load, ARCHITECTURE §6) replaces `LeastLoadedPolicy` without
+tokens left after cached-prefix credit + decode load, docs/architecture.md §6) replaces `LeastLoadedPolicy` without
 touching the handler.
 
 Rules of `LeastLoadedPolicy` (docs/services.md has the same list):

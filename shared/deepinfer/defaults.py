@@ -80,7 +80,7 @@ DEFAULT_WORKER_LEASE_S = 3.0
 DEFAULT_STORE_RAM_BYTES = 4 << 30
 #: Disk tier capacity of a store shard (live record bytes).
 DEFAULT_STORE_DISK_BYTES = 64 << 30
-#: A stored block expires this long after its last use (ARCHITECTURE §5).
+#: A stored block expires this long after its last use (docs/architecture.md §5).
 DEFAULT_STORE_TTL_S = 72 * 3600.0
 #: When appended records are forced to stable storage: "none", "batch" or "always" (docs/kvstore.md).
 DEFAULT_STORE_FSYNC = "none"

@@ -1,4 +1,4 @@
-"""KV block identity (ARCHITECTURE §4): chained block hashes, the model fingerprint and the layout id.
+"""KV block identity (docs/architecture.md §4): chained block hashes, the model fingerprint and the layout id.
 
 The same functions run in gateway, scheduler, workers and store, so all agree on which block is which:
 

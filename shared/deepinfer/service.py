@@ -1,4 +1,4 @@
-"""The lifecycle every service's `main.py` uses, so that a main only wires (ARCHITECTURE §9, STYLE.md).
+"""The lifecycle every service's `main.py` uses, so that a main only wires (docs/architecture.md §9, STYLE.md).
 
     def main() -> int:
         return service_main(SchedulerSettings, build)      # build(ctx) -> a Handler

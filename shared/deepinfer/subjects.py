@@ -1,4 +1,4 @@
-"""NATS subjects (ARCHITECTURE §3): the only place their strings are spelled.
+"""NATS subjects (docs/architecture.md §3): the only place their strings are spelled.
 
 `model` arguments take the served model name and make it subject-safe with `model_token`; ids used as
 subject tokens (worker_id, gateway_id, shard) must already be safe, else ValueError names the bad id.

@@ -18,6 +18,10 @@ def test_direction_from_the_figures_name():
     assert direction("offline_ttft_ms_p99") == -1
     assert direction("decode.64.graph_bucket") == 0
     assert direction("layers") == 0
+    # a bench run's nested distributions and prices
+    assert direction("points.c=4.ttft_ms.p99") == -1 and direction("points.rate=2.itl_ms.mean") == -1
+    assert direction("points.c=4.cost.usd_per_m_output") == -1
+    assert direction("p99") == 0 and direction("points.c=4.turns.turn=1.cached_fraction") == 0
 
 
 def test_figures_are_numeric_leaves_under_dicts():
@@ -35,8 +39,16 @@ def test_worse_by_direction_and_tolerance():
 
 
 def test_compare_keeps_common_figures_and_marks_the_machines():
-    before = {"ceilings": {"copy_gb_s": 4000}, "prefill": {"ours_tok_s": 100, "limit_tok_s": 150}, "old": {"x_ms": 1}}
-    after = {"ceilings": {"copy_gb_s": 3900}, "prefill": {"ours_tok_s": 90, "limit_tok_s": 140}, "new": {"y_ms": 2}}
+    before = {
+        "ceilings": {"copy_gb_s": 4000},
+        "prefill": {"ours_tok_s": 100, "limit_tok_s": 150},
+        "old": {"x_ms": 1},
+    }
+    after = {
+        "ceilings": {"copy_gb_s": 3900},
+        "prefill": {"ours_tok_s": 90, "limit_tok_s": 140},
+        "new": {"y_ms": 2},
+    }
     deltas = {d.name: d for d in compare(before, after)}
     assert set(deltas) == {"ceilings.copy_gb_s", "prefill.ours_tok_s", "prefill.limit_tok_s"}
     assert deltas["ceilings.copy_gb_s"].machine and deltas["prefill.limit_tok_s"].machine

@@ -1,4 +1,4 @@
-"""Subjects: spelled as in ARCHITECTURE §3, model names made subject-safe, unsafe ids refused."""
+"""Subjects: spelled as in docs/architecture.md §3, model names made subject-safe, unsafe ids refused."""
 
 from __future__ import annotations
 

@@ -1,35 +1,31 @@
-"""A closed-loop load generator for any OpenAI-compatible server: `concurrency` clients, each sending its next
-prompt as soon as its last answer ended, every answer streamed from /v1/completions (with the usage chunk) and
-timed chunk by chunk into a `RequestRecord`.
+"""Load generators for any OpenAI-compatible server: every answer streamed from /v1/completions (with the usage
+chunk) and timed chunk by chunk into a `RequestRecord`. A sweep point is one of three plans:
 
-Prompts are made of common words drawn with a fixed seed, so two runs (or two servers) see the same text.
+- `ClosedLoop`: `concurrency` clients, each sending its next prompt as soon as its last answer ended.
+- `OpenLoop`: each prompt sent at its own offset from the start (Poisson arrivals, a trace's timestamps),
+  whatever the server's pace; a record keeps when it was meant to go, so a late generator shows.
+- `Conversations`: clients that each hold one conversation, every turn resending the history, the model's answer
+  and a new user message (deepinfer.bench.prompts), so a server with a prefix cache serves the history from it.
+
+A plan is plain data: `split(n)` deals it to n processes (deepinfer.bench.generator) and `run` plays one share
+against a start time on the monotonic clock, which every process of a machine shares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import httpx
 
 from deepinfer.bench.metrics import RequestRecord
+from deepinfer.bench.prompts import first_turn, next_turn
 
-#: Common English words, one string (split once): prompts of plain text any tokenizer handles.
-_WORDS = ("the of and to in is it that for on with as was by at be this from have or are an not but they his her"
-          " one all were we when there can which their said if do will each about how up out them then she many"
-          " some so these would other into has more two like him see time could no make than first been its who now"
-          " people my made over did down only way find use may water long little very after words called just where"
-          " most know")
-WORDS = tuple(_WORDS.split(" "))
-
-
-def make_prompts(num_prompts: int, num_words: int, seed: int = 0) -> list[str]:
-    """`num_prompts` texts of `num_words` common words each, the same for the same seed."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(num_words)) for _ in range(num_prompts)]
+#: Called with every finished record (progress).
+OnDone = Callable[[RequestRecord], None]
 
 
 async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
@@ -39,8 +35,9 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def send(client: httpx.AsyncClient, base_url: str, body: dict,
-               clock: Callable[[], float] = time.monotonic) -> RequestRecord:
+async def send(
+    client: httpx.AsyncClient, base_url: str, body: dict, clock: Callable[[], float] = time.monotonic
+) -> RequestRecord:
     """One streamed completion, timed; an error status or a broken stream is recorded, never raised."""
     record = RequestRecord(sent_s=clock())
     try:
@@ -62,8 +59,10 @@ async def send(client: httpx.AsyncClient, base_url: str, body: dict,
 
 def _take_chunk(record: RequestRecord, chunk: dict, now_s: float) -> None:
     """An SSE chunk: output text stamps the record; the usage chunk gives the token counts."""
-    if any(choice.get("text") for choice in chunk.get("choices") or ()):
+    text = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+    if text:
         record.chunk_s.append(now_s)
+        record.text += text
     usage = chunk.get("usage")
     if usage:
         record.output_tokens = usage.get("completion_tokens") or 0
@@ -73,28 +72,150 @@ def _take_chunk(record: RequestRecord, chunk: dict, now_s: float) -> None:
 
 def completion_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
     """The request: greedy, streamed with the usage chunk; `ignore_eos` (vLLM's extension) for fixed lengths."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return body | ({"ignore_eos": True} if ignore_eos else {})
 
 
-async def run_point(base_url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
-                    ignore_eos: bool = False, timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
-    """Every prompt once through `concurrency` closed-loop clients; the records in prompt order and the wall time."""
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(prompts)):
-        queue.put_nowait(index)
-    records: list[RequestRecord | None] = [None] * len(prompts)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+def _deal(items: Sequence, n: int) -> list[list]:
+    """Round-robin `items` into `n` hands (item i to hand i % n)."""
+    return [list(items[i::n]) for i in range(n)]
+
+
+async def _sleep_until(deadline_s: float) -> None:
+    await asyncio.sleep(max(0.0, deadline_s - time.monotonic()))
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """Every body once through `concurrency` clients, each sending its next as its last answer ends."""
+
+    bodies: tuple[dict, ...]
+    concurrency: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.bodies)
+
+    def split(self, n: int) -> list[ClosedLoop]:
+        """Bodies dealt round-robin, clients shared out (no share without a client or a body)."""
+        clients = [self.concurrency // n + (1 if i < self.concurrency % n else 0) for i in range(n)]
+        return [
+            ClosedLoop(tuple(hand), c)
+            for hand, c in zip(_deal(self.bodies, n), clients, strict=True)
+            if hand and c
+        ]
+
+    async def run(
+        self, client: httpx.AsyncClient, base_url: str, start_s: float, on_done: OnDone
+    ) -> list[RequestRecord]:
+        """The records, in body order."""
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for index in range(len(self.bodies)):
+            queue.put_nowait(index)
+        records: list[RequestRecord | None] = [None] * len(self.bodies)
 
         async def user() -> None:
             while not queue.empty():
                 index = queue.get_nowait()
-                records[index] = await send(client, base_url, completion_body(model, prompts[index], max_tokens,
-                                                                              ignore_eos))
+                records[index] = await send(client, base_url, self.bodies[index])
+                on_done(records[index])
 
-        started = time.monotonic()
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        wall_s = time.monotonic() - started
-    return [r for r in records if r is not None], wall_s
+        await _sleep_until(start_s)
+        await asyncio.gather(*(user() for _ in range(self.concurrency)))
+        return [r for r in records if r is not None]
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    """Body i sent at `offsets_s[i]` after the start, whether or not earlier answers have ended."""
+
+    bodies: tuple[dict, ...]
+    offsets_s: tuple[float, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.bodies)
+
+    def split(self, n: int) -> list[OpenLoop]:
+        """Requests dealt round-robin, each keeping its offset."""
+        return [
+            OpenLoop(tuple(b), tuple(o))
+            for b, o in zip(_deal(self.bodies, n), _deal(self.offsets_s, n), strict=True)
+            if b
+        ]
+
+    async def run(
+        self, client: httpx.AsyncClient, base_url: str, start_s: float, on_done: OnDone
+    ) -> list[RequestRecord]:
+        """The records, in send order; each one's `scheduled_s` is when it was meant to go."""
+
+        async def one(body: dict, scheduled_s: float) -> RequestRecord:
+            record = await send(client, base_url, body)
+            record.scheduled_s = scheduled_s
+            on_done(record)
+            return record
+
+        tasks = []
+        for body, offset_s in sorted(zip(self.bodies, self.offsets_s, strict=True), key=lambda pair: pair[1]):
+            await _sleep_until(start_s + offset_s)
+            tasks.append(asyncio.create_task(one(body, start_s + offset_s)))
+        return list(await asyncio.gather(*tasks))
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """One client per conversation, its turns in order: turn t+1 is sent when turn t's answer has ended."""
+
+    model: str
+    #: [conversation][turn]: the user's message.
+    messages: tuple[tuple[str, ...], ...]
+    max_tokens: int
+    ignore_eos: bool = False
+
+    def split(self, n: int) -> list[Conversations]:
+        """Conversations dealt round-robin."""
+        return [
+            Conversations(self.model, tuple(hand), self.max_tokens, self.ignore_eos)
+            for hand in _deal(self.messages, n)
+            if hand
+        ]
+
+    async def run(
+        self, client: httpx.AsyncClient, base_url: str, start_s: float, on_done: OnDone
+    ) -> list[RequestRecord]:
+        """The records, conversation by conversation, turn by turn; a failed turn ends its conversation."""
+
+        async def converse(messages: Sequence[str]) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+            prompt = first_turn(messages[0])
+            for turn, message in enumerate(messages):
+                if turn:
+                    prompt = next_turn(prompt, records[-1].text, message)
+                record = await send(
+                    client, base_url, completion_body(self.model, prompt, self.max_tokens, self.ignore_eos)
+                )
+                record.turn = turn
+                records.append(record)
+                on_done(record)
+                if record.error:
+                    break
+            return records
+
+        await _sleep_until(start_s)
+        per_conversation = await asyncio.gather(*(converse(m) for m in self.messages))
+        return [record for records in per_conversation for record in records]
+
+    @property
+    def num_requests(self) -> int:
+        """Every turn of every conversation (a failure cuts its conversation short)."""
+        return sum(len(m) for m in self.messages)
+
+
+Plan = ClosedLoop | OpenLoop | Conversations

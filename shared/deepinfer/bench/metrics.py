@@ -26,6 +26,8 @@ class RequestRecord:
     """One request's timestamps (seconds, one monotonic clock) and counts."""
 
     sent_s: float
+    #: When an open-loop load meant to send it (same clock); nan in a closed loop.
+    scheduled_s: float = math.nan
     #: Arrival time of every streamed chunk that carried output text, in order.
     chunk_s: list[float] = field(default_factory=list)
     end_s: float = math.nan
@@ -34,6 +36,10 @@ class RequestRecord:
     cached_tokens: int = 0
     #: Why it failed (status and message); None when it completed.
     error: str | None = None
+    #: The streamed output text (a conversation's next turn resends it).
+    text: str = ""
+    #: A conversation's turn (0 first); None outside conversations.
+    turn: int | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -92,3 +98,33 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict:
         "tpot_ms": distribution_ms([r.tpot_s for r in done]),
         "e2e_ms": distribution_ms([r.e2e_s for r in done]),
     }
+
+
+def per_turn(records: Sequence[RequestRecord]) -> list[dict]:
+    """A conversation load's figures turn by turn: how much of each turn's prompt the server said it had cached
+    (a prefix cache serves the resent history), and its TTFT."""
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    out = []
+    for turn in turns:
+        done = [r for r in records if r.turn == turn and r.error is None]
+        prompt_tokens, cached_tokens = sum(r.prompt_tokens for r in done), sum(r.cached_tokens for r in done)
+        out.append(
+            {
+                "turn": turn,
+                "num_requests": len(done),
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens,
+                "cached_fraction": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else math.nan,
+                "ttft_ms": distribution_ms([r.ttft_s for r in done]),
+            }
+        )
+    return out
+
+
+def quantiles_ms(values: Sequence[float], num: int = 101) -> list[float]:
+    """`num` evenly spaced percentiles from 0 to 100 of seconds, in ms: the curve a CDF plot draws (the JSON
+    keeps these, not every sample); empty for no values."""
+    clean = [v for v in values if not math.isnan(v)]
+    if not clean:
+        return []
+    return [round(1e3 * percentile(clean, 100 * i / (num - 1)), 3) for i in range(num)]

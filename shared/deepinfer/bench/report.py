@@ -1,11 +1,21 @@
 """A `deepinfer bench run` result: one JSON object (schema below) and the same points as CSV rows.
 
-    {"bench": "deepinfer-bench-run", "schema": 1, "date": "...", "base_url": "...", "model": "...",
-     "settings": {"num_prompts": N, "input_words": W, "max_tokens": M, "ignore_eos": bool, "seed": S},
-     "points": [{"concurrency": c, <deepinfer.bench.metrics.summarize's keys>}, ...]}
+    {"bench": "deepinfer-bench-run", "schema": 2, "date": "...", "base_url": "...", "model": "...",
+     "workload": "concurrency" | "rate" | "trace" | "multiturn",
+     "settings": {<what the workload was made of: num_prompts, input_words, max_tokens, ignore_eos, seed; a
+                  trace's file and block_size; a conversation's turns; processes, gpus, gpu_hour_usd,
+                  price_weights>},
+     "points": [{<the point's key: "concurrency": c | "rate": req/s | "time_scale": f | "conversations": n>,
+                 <deepinfer.bench.metrics.summarize's keys>,
+                 "output_tok_s_per_gpu": tok/s, "cost": <with --gpu-hour-usd: deepinfer.bench.cost.cost>,
+                 "cdf_ms": {"ttft": [101 quantiles, p0..p100, ms], "itl": [...]} (the CDF plots),
+                 "generator": <deepinfer.bench.generator.generator_report: processes, cpu_share, loop_lag_ms,
+                               send_lag_ms (open loop), bottleneck, reasons>,
+                 "turns": [<multiturn only: deepinfer.bench.metrics.per_turn's rows>]}, ...]}
 
-The CSV has one row per point: `concurrency`, then every figure with nested names joined by "_" (`ttft_ms_p99`).
-`deepinfer bench compare` reads two such files (a point's figures are compared by concurrency).
+The CSV has one row per point: its key, then every figure with nested names joined by "_" (`ttft_ms_p99`); lists
+(a conversation's turns) stay in the JSON. `deepinfer bench compare` reads two such files (a point's figures are
+compared by its key, deepinfer.bench.compare.POINT_KEYS). deepinfer.bench.plots draws the PNGs from the JSON.
 """
 
 from __future__ import annotations
@@ -15,13 +25,15 @@ import json
 import math
 from pathlib import Path
 
-SCHEMA = 1
+SCHEMA = 2
 
 
 def flat(point: dict, prefix: str = "") -> dict[str, object]:
-    """A point's figures with nested names joined by "_"."""
+    """A point's figures with nested names joined by "_" (lists left out)."""
     out: dict[str, object] = {}
     for key, value in point.items():
+        if isinstance(value, list):
+            continue
         if isinstance(value, dict):
             out |= flat(value, f"{prefix}{key}_")
         else:

@@ -1,4 +1,4 @@
-"""Settings, built once at the edge from the environment and passed down (ARCHITECTURE §9)."""
+"""Settings, built once at the edge from the environment and passed down (docs/architecture.md §9)."""
 
 from deepinfer.config.common import DEFAULT_MODEL, CommonSettings, derive_served_model_name
 from deepinfer.config.describe import SettingRow, describe_settings, to_camel

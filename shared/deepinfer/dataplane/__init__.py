@@ -1,6 +1,6 @@
 """The KV data plane: authenticated TCP frames that move KV block bytes between workers and the store.
 
-NATS carries KvHandles; the bytes move here (ARCHITECTURE §4). Torch-free: the engine's `kv_transfer`
+NATS carries KvHandles; the bytes move here (docs/architecture.md §4). Torch-free: the engine's `kv_transfer`
 turns paged KV tensors into the per-block payloads this package moves. See docs/dataplane.md.
 """
 

@@ -1,4 +1,4 @@
-"""The receiver's guard before a pull: a handle's KV layout must be exactly its own (ARCHITECTURE §4)."""
+"""The receiver's guard before a pull: a handle's KV layout must be exactly its own (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Typed messages of every internal boundary (ARCHITECTURE §3), msgpack on the wire."""
+"""Typed messages of every internal boundary (docs/architecture.md §3), msgpack on the wire."""
 
 from deepinfer.protocol.base import PROTOCOL_MAJOR, PROTOCOL_MINOR, Message, ProtocolError
 from deepinfer.protocol.errors import ErrorCode, ErrorDetail

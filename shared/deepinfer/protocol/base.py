@@ -1,6 +1,6 @@
 """Wire format: pydantic models encoded as msgpack, each carrying a schema version `v`.
 
-Rules (ARCHITECTURE §3): receivers ignore unknown fields, so a newer writer can add fields during a rolling
+Rules (docs/architecture.md §3): receivers ignore unknown fields, so a newer writer can add fields during a rolling
 upgrade; a message whose major version is newer than ours is refused with a clear error; a wrong type is a
 `ProtocolError`, never a crash. Never pickle.
 """

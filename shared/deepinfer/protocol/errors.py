@@ -1,4 +1,4 @@
-"""Why a request failed or was refused, as a code every hop understands (ARCHITECTURE §9).
+"""Why a request failed or was refused, as a code every hop understands (docs/architecture.md §9).
 
 Errors cross process boundaries as an `ErrorCode` plus a message for humans; nobody parses the message. The
 gateway maps each code to one HTTP status in one table (`services/gateway/errors.py`).

@@ -1,4 +1,4 @@
-"""KV layout and the handle that names a request's KV blocks on their owner (ARCHITECTURE §4)."""
+"""KV layout and the handle that names a request's KV blocks on their owner (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-#: Size of a block hash: SHA-256 truncated to 16 bytes (ARCHITECTURE §4).
+#: Size of a block hash: SHA-256 truncated to 16 bytes (docs/architecture.md §4).
 BLOCK_HASH_BYTES = 16
 
 #: A content hash of one full KV block, raw bytes on the wire (msgpack bin), never hex.

@@ -1,4 +1,4 @@
-"""Logs, metrics, traces and the internal /health /ready /metrics app (ARCHITECTURE §9)."""
+"""Logs, metrics, traces and the internal /health /ready /metrics app (docs/architecture.md §9)."""
 
 from deepinfer.telemetry.health import InternalServer, internal_app, serve_internal
 from deepinfer.telemetry.logging import (

@@ -1,4 +1,4 @@
-"""Test doubles for unit tests (ARCHITECTURE: small interfaces with a fake beside them).
+"""Test doubles for unit tests (STYLE.md: small interfaces with a fake beside them).
 
 The fakes load on first use, so `deepinfer.testing.checkpoints*` import on a bare GPU image (torch,
 transformers, tokenizers) without the bus's dependencies (nats-py, opentelemetry).
