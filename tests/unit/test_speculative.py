@@ -44,7 +44,7 @@ def run(llm, params, prompts=PROMPTS):
 def scripted(llm, reference, prompts=PROMPTS, wrong_every=0):
     """Make `llm` draft the reference outputs (token ids) of `prompts`."""
     continuations = {tuple(p["prompt_token_ids"]): out.token_ids for p, out in zip(prompts, reference, strict=True)}
-    llm.engine.core.drafter = drafter = ScriptedDrafter(continuations, wrong_every)
+    llm.engine.install_drafter(drafter := ScriptedDrafter(continuations, wrong_every))
     return drafter
 
 
@@ -91,6 +91,27 @@ def test_auto_draft_lengths_give_the_plain_tokens(tiny_dir, plain, wrong_every):
     # The controller verified some of the scripted drafts (never longer than proposed), and kept the good ones.
     assert drafter.num_proposed > 0 and stats.num_accepted_tokens > before.num_accepted_tokens
     assert auto.engine.core.draft_controller.costs.seconds  # decode steps were measured
+
+
+def test_install_drafter_changes_the_draft_length_or_stops_drafting(tiny_dir, plain):
+    reference = run(plain, greedy())
+    auto = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config={**NGRAM, "num_speculative_tokens": "auto"})
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    for k in (2, "auto", None):
+        auto.engine.install_drafter(None if k is None else ScriptedDrafter(continuations), k)
+        before = auto.engine.spec_decode_stats()
+        assert [o.token_ids for o in run(auto, greedy())] == [o.token_ids for o in reference]
+        stats = auto.engine.spec_decode_stats()
+        drafts, drafted = stats.num_drafts - before.num_drafts, stats.num_draft_tokens - before.num_draft_tokens
+        if k is None:
+            assert drafts == 0 and auto.engine.core.draft_controller is None
+        else:
+            assert drafts > 0 and stats.num_accepted_tokens - before.num_accepted_tokens == drafted
+            assert drafted <= 2 * drafts if k == 2 else auto.engine.core.draft_controller.costs.seconds
+    with pytest.raises(ValueError, match="drafts more than the 8 tokens"):
+        auto.engine.install_drafter(None, 9)
+    with pytest.raises(ValueError, match="built without a speculative_config"):
+        plain.engine.install_drafter(None)
 
 
 def test_acceptance_counters_of_a_fully_accepted_run(tiny_dir, plain):
