@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.drafter import Draft
 from deepinfer.testing.drafters import ScriptedDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -280,19 +281,80 @@ def test_the_default_model_accepts_ngram_drafts_when_asked_to_repeat_text(prepar
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5, stats
 
 
-def test_a_request_with_a_grammar_gets_no_drafts_beside_one_that_does(plain, spec):
-    from deepinfer.structured import json_object_grammar
+#: A JSON schema a random model completes in a few tokens (then stops), and any JSON object (runs to max_tokens).
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+          "required": ["ok", "n"], "additionalProperties": False}
 
-    prompts = PROMPTS[:2]
-    params = [SamplingParams(temperature=0, max_tokens=16, grammar=json_object_grammar()), greedy(max_tokens=16)]
-    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
-    drafter = scripted(spec, reference, prompts)
+
+def grammar_params(max_tokens=24):
+    """Greedy under a JSON schema, under any JSON object, and free (a ragged batch of all three)."""
+    from deepinfer.structured import json_object_grammar, json_schema_grammar
+
+    return [SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_schema_grammar(SCHEMA)),
+            SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_object_grammar()),
+            SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_schema_grammar(SCHEMA)),
+            greedy(max_tokens=max_tokens)]
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_requests_with_a_grammar_verify_drafts_and_give_the_plain_tokens(plain, spec, wrong_every):
+    params = grammar_params()
+    reference = [o.outputs[0] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert reference[0].text.startswith('{"ok"') and reference[1].text.startswith("{")
+    drafter = scripted(spec, reference, wrong_every=wrong_every)
     asked, propose = [], drafter.propose
     drafter.propose = lambda request, k: asked.append(request.prompt_token_ids) or propose(request, k)
-    before = spec.engine.spec_decode_stats().num_drafts
-    outputs = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    before = spec.engine.spec_decode_stats()
+    outputs = [o.outputs[0] for o in spec.generate(PROMPTS, params, use_tqdm=False)]
     assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
-    assert reference[0].text.startswith("{")
-    # The free request drafted (its verify steps sat beside the grammar's masked row); the grammar's never did.
-    assert asked and all(p == prompts[1]["prompt_token_ids"] for p in asked)
-    assert spec.engine.spec_decode_stats().num_drafts > before
+    stats = spec.engine.spec_decode_stats()
+    # The grammar requests drafted too (the schema's stop inside an accepted run ends them as plain).
+    assert {tuple(p) for p in asked} == {tuple(p["prompt_token_ids"]) for p in PROMPTS}
+    accepted, drafted = (stats.num_accepted_tokens - before.num_accepted_tokens,
+                         stats.num_draft_tokens - before.num_draft_tokens)
+    assert accepted > 0 and (accepted == drafted) == (wrong_every == 0)
+
+
+class ForbiddingDrafter(ScriptedDrafter):
+    """Drafts the known next token, then one the request's grammar forbids after it, then the known tokens
+    again: the engine must cut each draft to its first token before verifying it."""
+
+    def propose(self, request, num_tokens):
+        draft = super().propose(request, num_tokens).token_ids
+        grammar = request.grammar
+        if len(draft) < 2 or grammar is None or grammar.num_allowed(draft[:1]) == 0:
+            return Draft(draft)
+        allowed = int.from_bytes(grammar.bitmasks_along(draft[:1])[1], "little")
+        forbidden = next(t for t in range(grammar.vocab_size) if not allowed >> t & 1)
+        return Draft([draft[0], forbidden, *draft[2:]])
+
+
+def test_a_draft_token_the_grammar_forbids_is_never_verified(tiny_dir, plain):
+    params = grammar_params()[:2]
+    prompts = PROMPTS[:2]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(prompts, reference, strict=True)}
+    llm.engine.install_drafter(drafter := ForbiddingDrafter(continuations))
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    stats = llm.engine.spec_decode_stats()
+    # Every verified draft was its first (right) token alone: the forbidden second never reached the model.
+    assert drafter.num_proposed > 0 and stats.num_drafts > 0
+    assert stats.num_draft_tokens == stats.num_accepted_tokens == stats.num_drafts
+
+
+def test_bitmasks_along_a_draft_leave_the_matcher_where_it_was(plain):
+    from deepinfer.structured import json_schema_grammar
+
+    grammars = plain.engine.core.grammars
+    tokens = plain.get_tokenizer().encode('{"ok": true, "n": 7}', add_special_tokens=False)
+    matcher, walker = grammars.matcher(json_schema_grammar(SCHEMA)), grammars.matcher(json_schema_grammar(SCHEMA))
+    assert matcher.num_allowed(tokens) == len(tokens) and matcher.num_allowed([*tokens[:2], tokens[0]]) == 2
+    masks = matcher.bitmasks_along(tokens[:3])
+    assert matcher.bitmask() == masks[0]
+    for i, token_id in enumerate(tokens[:3]):
+        assert walker.bitmask() == masks[i]
+        walker.accept(token_id)
+    assert walker.bitmask() == masks[3]
+    assert matcher.accept_all(tokens) and matcher.is_stopped  # unmoved: the whole object still fits

@@ -366,16 +366,18 @@ class EngineCore:
             request.draft_token_ids = ()
 
     def _propose_drafts(self) -> None:
-        """Ask the drafter for the next step's drafts of every running request that decodes next (not those with
-        a grammar: a draft token the grammar forbids would have to be rejected before verification, not yet);
-        with "auto", keep only the leading tokens the draft controller finds worth verifying."""
+        """Ask the drafter for the next step's drafts of every running request that decodes next (with a grammar,
+        each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
+        the draft controller finds worth verifying."""
         drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
         proposed: dict[str, list[int]] = {}
         for request in self.scheduler.running:
             request.draft_token_ids = ()
             if request.num_tokens - request.num_computed_tokens == 1:
-                proposed[request.request_id] = (drafter.propose(request, k).token_ids
-                                                if request.grammar is None else [])
+                draft = drafter.propose(request, k).token_ids
+                if draft and request.grammar is not None:  # cut at the first token the grammar forbids
+                    draft = draft[: request.grammar.num_allowed(draft)]
+                proposed[request.request_id] = draft
         if self.draft_controller is None:
             for request in self.scheduler.running:
                 request.draft_token_ids = proposed.get(request.request_id, ())
