@@ -315,6 +315,19 @@ def test_requests_with_a_grammar_verify_drafts_and_give_the_plain_tokens(plain, 
     assert accepted > 0 and (accepted == drafted) == (wrong_every == 0)
 
 
+def test_seeded_sampling_under_a_grammar_gives_the_plain_tokens(plain, spec):
+    from deepinfer.structured import json_object_grammar
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=7, grammar=json_object_grammar())
+    reference = run(plain, params)
+    scripted(spec, reference, wrong_every=3)
+    before = spec.engine.spec_decode_stats()
+    assert [(o.token_ids, o.finish_reason) for o in run(spec, params)] == [
+        (o.token_ids, o.finish_reason) for o in reference
+    ]
+    assert spec.engine.spec_decode_stats().num_accepted_tokens > before.num_accepted_tokens
+
+
 class ForbiddingDrafter(ScriptedDrafter):
     """Drafts the known next token, then one the request's grammar forbids after it, then the known tokens
     again: the engine must cut each draft to its first token before verifying it."""
