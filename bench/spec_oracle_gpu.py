@@ -269,9 +269,12 @@ def main() -> None:
     modes = [args.k, "auto"]
     out = args.out or (Path(os.environ["OUT"]) / "spec-oracle-gpu.json" if os.environ.get("OUT") else None)
     started = time.perf_counter()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    try:  # the device machine's copy of the tree may have no git
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
     res: dict = {
         "bench": "spec_oracle_gpu",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -319,6 +322,7 @@ def main() -> None:
     max_model_len = args.prompt_len + args.max_tokens + 64
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_config_dir(args, Path(tmp))
+        log(f"building the plain engine ({model_dir})")
         t0 = time.perf_counter()
         engine = make_engine(model_dir, device, dtype, False, max_model_len)
         res["build_s"]["plain"] = round(time.perf_counter() - t0, 1)
@@ -346,6 +350,7 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+        log("building the speculating engine")
         t0 = time.perf_counter()
         engine = make_engine(model_dir, device, dtype, True, max_model_len)
         res["build_s"]["speculative"] = round(time.perf_counter() - t0, 1)
