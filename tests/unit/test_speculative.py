@@ -328,6 +328,26 @@ def test_seeded_sampling_under_a_grammar_gives_the_plain_tokens(plain, spec):
     assert spec.engine.spec_decode_stats().num_accepted_tokens > before.num_accepted_tokens
 
 
+def test_a_draft_running_past_the_grammar_s_end_stops_where_the_plain_run_does(tiny_dir, plain):
+    # The drafts carry the plain output, then EOS twice: the rows past the token that completes the grammar are
+    # verified under the stopped grammar's mask and dropped.
+    params = grammar_params()[:3]
+    prompts = PROMPTS[:3]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.finish_reason for o in reference] == ["stop"] * 3
+    eos = min(plain.engine.core.eos_token_ids)
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    drafter = ScriptedDrafter(
+        {tuple(p["prompt_token_ids"]): [*o.token_ids, eos, eos] for p, o in zip(prompts, reference, strict=True)})
+    llm.engine.install_drafter(drafter)
+    past_the_end, propose = [], drafter.propose
+    drafter.propose = lambda request, k: (draft := propose(request, k)) and (
+        past_the_end.append(eos in draft.token_ids) or draft)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert any(past_the_end) and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
 class ForbiddingDrafter(ScriptedDrafter):
     """Drafts the known next token, then one the request's grammar forbids after it, then the known tokens
     again: the engine must cut each draft to its first token before verifying it."""
@@ -370,4 +390,8 @@ def test_bitmasks_along_a_draft_leave_the_matcher_where_it_was(plain):
         assert walker.bitmask() == masks[i]
         walker.accept(token_id)
     assert walker.bitmask() == masks[3]
+    # Through the end of the object, an EOS (off llguidance's rollback stack once the grammar is stopped) and past.
+    eos = min(plain.engine.core.eos_token_ids)
+    masks = matcher.bitmasks_along([*tokens, eos, eos])
+    assert len(masks) == len(tokens) + 3 and masks[-1] == masks[-2] == masks[-3] and matcher.bitmask() == masks[0]
     assert matcher.accept_all(tokens) and matcher.is_stopped  # unmoved: the whole object still fits

@@ -168,12 +168,19 @@ class GrammarMatcher:
         """The bitmask before each of `token_ids` and after the last (len + 1 masks: the rows of a step verifying
         them as a draft), the matcher back where it was. Every token must be allowed (`num_allowed`)."""
         masks = [self.bitmask()]
+        num_consumed = 0
         for token_id in token_ids:
+            if self._matcher.is_stopped():
+                # Only EOS may follow, and llguidance keeps an EOS taken here off its rollback stack. The request
+                # ends at the token that stopped the grammar, so these rows are never kept: its mask will do.
+                masks.append(masks[-1])
+                continue
             if not self._matcher.consume_token(token_id):
                 raise ValueError(f"bitmasks_along: token {token_id} is not allowed ({self.error})")
+            num_consumed += 1
             masks.append(self.bitmask())
-        if token_ids and not self._matcher.rollback(len(token_ids)):
-            raise RuntimeError(f"bitmasks_along: rollback of {len(token_ids)} tokens failed ({self.error})")
+        if num_consumed and not self._matcher.rollback(num_consumed):
+            raise RuntimeError(f"bitmasks_along: rollback of {num_consumed} tokens failed ({self.error})")
         return masks
 
     @property
