@@ -66,7 +66,9 @@ BUILT_FOR = {"method": "ngram", "num_speculative_tokens": "auto"}
 class OracleDrafter:
     """Drafts `continuations[prompt]` from the request's next output position, each token kept with probability
     `alpha` and otherwise replaced by another token (never the right one): the target accepts position i of a
-    draft with probability alpha^(i+1) while its output follows the continuation. Benchmark-only."""
+    draft with probability alpha^(i+1). A request whose output parts from its continuation (a bf16 near-tie
+    decided otherwise by a verify step) gets no drafts from then on: the oracle no longer knows its future, and
+    every verified draft keeps the known alpha. Benchmark-only."""
 
     has_probs = False
 
@@ -75,7 +77,10 @@ class OracleDrafter:
     ) -> None:
         self.continuations, self.alpha, self.vocab_size = continuations, alpha, vocab_size
         self.rng = random.Random(seed)
-        self._by_request: dict[str, list[int]] = {}  # request_id -> its continuation (a prompt hashed once)
+        #: request_id -> its continuation (a prompt hashed once); [] once its output parted from it.
+        self._by_request: dict[str, list[int]] = {}
+        #: Requests whose output parted from the continuation (no drafts since).
+        self.num_parted = 0
 
     def propose(self, request, num_tokens: int) -> Draft:
         """The next num_tokens of the continuation, each wrong with probability 1 - alpha."""
@@ -84,7 +89,12 @@ class OracleDrafter:
             continuation = self._by_request[request.request_id] = self.continuations.get(
                 tuple(request.prompt_token_ids), []
             )
-        start = len(request.output_token_ids)
+        output = request.output_token_ids
+        start = len(output)
+        # Only a step's last token can part: the ones before it were accepted drafts, i.e. continuation tokens.
+        if 0 < start <= len(continuation) and output[-1] != continuation[start - 1]:
+            continuation = self._by_request[request.request_id] = []
+            self.num_parted += 1
         rand, alpha, vocab = self.rng.random, self.alpha, self.vocab_size
         return Draft(
             [
@@ -184,6 +194,11 @@ def measure(
         ]
         row["diverged"] = sum(p is not None for p in parted)
         row["first_divergence"] = min((p for p in parted if p is not None), default=None)
+        # The share of output tokens before their sequence parted: the part of the run drafted at the known alpha.
+        lengths = [len(t) for r in runs for t in r["tokens"]]
+        row["on_reference"] = round(
+            sum(n if p is None else p for p, n in zip(parted, lengths, strict=True)) / max(1, sum(lengths)), 3
+        )
     row["tokens"] = runs[0]["tokens"]
     return row
 
@@ -251,6 +266,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, help="default 128 (--quick: 16)")
     parser.add_argument("--max-tokens", type=int, help="default 128 (--quick: 24)")
     parser.add_argument("--quick", action="store_true", help="a tiny random model on the CPU, float32")
+    parser.add_argument(
+        "--dtype", help="default bfloat16 (--quick: float32; bfloat16 there shows sequences parting)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     for name, full, quick in (
@@ -262,6 +280,7 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     device, dtype = ("cpu", "float32") if args.quick else ("cuda", "bfloat16")
+    dtype = args.dtype or dtype
     if args.quick:
         torch.set_num_threads(1)  # shared cores: OpenMP spinning on two threads only adds noise
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -311,7 +330,7 @@ def main() -> None:
         log(
             f"{row['mode']:>9} alpha={row['alpha']} c={row['concurrency']:<3} {row['per_user_tok_s']:8.1f} tok/s "
             f"per user {row['total_tok_s']:9.1f} total  acceptance={row.get('acceptance_rate', '-')} "
-            f"diverged={row.get('diverged', '-')}"
+            f"diverged={row.get('diverged', '-')} on_reference={row.get('on_reference', '-')}"
         )
         save()
 
@@ -415,7 +434,7 @@ def print_table(res: dict) -> None:
         f"{res.get('elapsed_s')} s in all"
     )
     header = f"{'alpha':>5} {'c':>4} | {'none':>15} | {'none-sync':>15} |" + "".join(
-        f" {m:>29} |" for m in spec_modes
+        f" {m:>36} |" for m in spec_modes
     )
     print(header)
     print("-" * len(header))
@@ -428,16 +447,17 @@ def print_table(res: dict) -> None:
                     None,
                 )
                 if r is None:
-                    line += f" {'-':>29} |"
+                    line += f" {'-':>36} |"
                     continue
                 cell = (
                     f"{_rate(r)} x{r['per_user_tok_s'] / none[c]['per_user_tok_s']:.2f} "
-                    f"a{r.get('acceptance_rate', 0):.2f} d{r.get('diverged', 0)}"
+                    f"a{r.get('acceptance_rate', 0):.2f} d{r.get('diverged', 0)} r{r.get('on_reference', 1):.2f}"
                 )
-                line += f" {cell:>29} |"
+                line += f" {cell:>36} |"
             print(line)
     print(
-        "a = accepted / draft tokens of the timed runs; d = sequences whose tokens parted from none's (bf16 ties)"
+        "a = accepted / draft tokens of the timed runs; d = sequences whose tokens parted from none's (bf16 ties; "
+        "the oracle stops drafting for them); r = share of output tokens before they parted"
     )
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
 
