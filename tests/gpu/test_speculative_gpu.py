@@ -56,7 +56,7 @@ def test_drafts_give_the_plain_tokens_in_every_mode(model_dir, mode, sampling):
     spec = build(model_dir, mode, speculative=True)
     assert [o.token_ids for o in outputs(spec, params)] == [o.token_ids for o in reference]  # n-gram drafts
     continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
-    spec.engine.core.drafter = ScriptedDrafter(continuations, 3)
+    spec.engine.install_drafter(ScriptedDrafter(continuations, 3))
     before = spec.engine.spec_decode_stats()
     got = outputs(spec, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in reference]
@@ -77,6 +77,23 @@ def test_auto_draft_lengths_give_the_plain_tokens_beside_decode_graphs(model_dir
     reference = outputs(build(model_dir, "decode", speculative=False), params)
     spec = build(model_dir, "decode", speculative=True, num_speculative_tokens="auto")
     continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
-    spec.engine.core.drafter = ScriptedDrafter(continuations, 3)
+    spec.engine.install_drafter(ScriptedDrafter(continuations, 3))
     assert [o.token_ids for o in outputs(spec, params)] == [o.token_ids for o in reference]
     assert spec.engine.spec_decode_stats().num_draft_tokens > 0
+
+
+def test_grammar_requests_verify_drafts_under_their_masks_beside_full_graphs(model_dir):
+    """A JSON-object grammar: drafts cut where the grammar forbids, each verified row masked on the device by the
+    grammar after the drafts before it; the tokens are the plain run's."""
+    from deepinfer import SamplingParams
+    from deepinfer.structured import json_object_grammar
+    from deepinfer.testing.drafters import ScriptedDrafter
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, grammar=json_object_grammar())
+    reference = outputs(build(model_dir, "full", speculative=False), params)
+    spec = build(model_dir, "full", speculative=True)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    spec.engine.install_drafter(ScriptedDrafter(continuations, 3))
+    got = outputs(spec, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert spec.engine.spec_decode_stats().num_accepted_tokens > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.drafter import Draft
 from deepinfer.testing.drafters import ScriptedDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -44,7 +45,7 @@ def run(llm, params, prompts=PROMPTS):
 def scripted(llm, reference, prompts=PROMPTS, wrong_every=0):
     """Make `llm` draft the reference outputs (token ids) of `prompts`."""
     continuations = {tuple(p["prompt_token_ids"]): out.token_ids for p, out in zip(prompts, reference, strict=True)}
-    llm.engine.core.drafter = drafter = ScriptedDrafter(continuations, wrong_every)
+    llm.engine.install_drafter(drafter := ScriptedDrafter(continuations, wrong_every))
     return drafter
 
 
@@ -91,6 +92,27 @@ def test_auto_draft_lengths_give_the_plain_tokens(tiny_dir, plain, wrong_every):
     # The controller verified some of the scripted drafts (never longer than proposed), and kept the good ones.
     assert drafter.num_proposed > 0 and stats.num_accepted_tokens > before.num_accepted_tokens
     assert auto.engine.core.draft_controller.costs.seconds  # decode steps were measured
+
+
+def test_install_drafter_changes_the_draft_length_or_stops_drafting(tiny_dir, plain):
+    reference = run(plain, greedy())
+    auto = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config={**NGRAM, "num_speculative_tokens": "auto"})
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    for k in (2, "auto", None):
+        auto.engine.install_drafter(None if k is None else ScriptedDrafter(continuations), k)
+        before = auto.engine.spec_decode_stats()
+        assert [o.token_ids for o in run(auto, greedy())] == [o.token_ids for o in reference]
+        stats = auto.engine.spec_decode_stats()
+        drafts, drafted = stats.num_drafts - before.num_drafts, stats.num_draft_tokens - before.num_draft_tokens
+        if k is None:
+            assert drafts == 0 and auto.engine.core.draft_controller is None
+        else:
+            assert drafts > 0 and stats.num_accepted_tokens - before.num_accepted_tokens == drafted
+            assert drafted <= 2 * drafts if k == 2 else auto.engine.core.draft_controller.costs.seconds
+    with pytest.raises(ValueError, match="drafts more than the 8 tokens"):
+        auto.engine.install_drafter(None, 9)
+    with pytest.raises(ValueError, match="built without a speculative_config"):
+        plain.engine.install_drafter(None)
 
 
 def test_acceptance_counters_of_a_fully_accepted_run(tiny_dir, plain):
@@ -259,19 +281,117 @@ def test_the_default_model_accepts_ngram_drafts_when_asked_to_repeat_text(prepar
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5, stats
 
 
-def test_a_request_with_a_grammar_gets_no_drafts_beside_one_that_does(plain, spec):
-    from deepinfer.structured import json_object_grammar
+#: A JSON schema a random model completes in a few tokens (then stops), and any JSON object (runs to max_tokens).
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+          "required": ["ok", "n"], "additionalProperties": False}
 
-    prompts = PROMPTS[:2]
-    params = [SamplingParams(temperature=0, max_tokens=16, grammar=json_object_grammar()), greedy(max_tokens=16)]
-    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
-    drafter = scripted(spec, reference, prompts)
+
+def grammar_params(max_tokens=24):
+    """Greedy under a JSON schema, under any JSON object, and free (a ragged batch of all three)."""
+    from deepinfer.structured import json_object_grammar, json_schema_grammar
+
+    return [SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_schema_grammar(SCHEMA)),
+            SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_object_grammar()),
+            SamplingParams(temperature=0, max_tokens=max_tokens, grammar=json_schema_grammar(SCHEMA)),
+            greedy(max_tokens=max_tokens)]
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_requests_with_a_grammar_verify_drafts_and_give_the_plain_tokens(plain, spec, wrong_every):
+    params = grammar_params()
+    reference = [o.outputs[0] for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert reference[0].text.startswith('{"ok"') and reference[1].text.startswith("{")
+    drafter = scripted(spec, reference, wrong_every=wrong_every)
     asked, propose = [], drafter.propose
     drafter.propose = lambda request, k: asked.append(request.prompt_token_ids) or propose(request, k)
-    before = spec.engine.spec_decode_stats().num_drafts
-    outputs = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    before = spec.engine.spec_decode_stats()
+    outputs = [o.outputs[0] for o in spec.generate(PROMPTS, params, use_tqdm=False)]
     assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
-    assert reference[0].text.startswith("{")
-    # The free request drafted (its verify steps sat beside the grammar's masked row); the grammar's never did.
-    assert asked and all(p == prompts[1]["prompt_token_ids"] for p in asked)
-    assert spec.engine.spec_decode_stats().num_drafts > before
+    stats = spec.engine.spec_decode_stats()
+    # The grammar requests drafted too (the schema's stop inside an accepted run ends them as plain).
+    assert {tuple(p) for p in asked} == {tuple(p["prompt_token_ids"]) for p in PROMPTS}
+    accepted, drafted = (stats.num_accepted_tokens - before.num_accepted_tokens,
+                         stats.num_draft_tokens - before.num_draft_tokens)
+    assert accepted > 0 and (accepted == drafted) == (wrong_every == 0)
+
+
+def test_seeded_sampling_under_a_grammar_gives_the_plain_tokens(plain, spec):
+    from deepinfer.structured import json_object_grammar
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=7, grammar=json_object_grammar())
+    reference = run(plain, params)
+    scripted(spec, reference, wrong_every=3)
+    before = spec.engine.spec_decode_stats()
+    assert [(o.token_ids, o.finish_reason) for o in run(spec, params)] == [
+        (o.token_ids, o.finish_reason) for o in reference
+    ]
+    assert spec.engine.spec_decode_stats().num_accepted_tokens > before.num_accepted_tokens
+
+
+def test_a_draft_running_past_the_grammar_s_end_stops_where_the_plain_run_does(tiny_dir, plain):
+    # The drafts carry the plain output, then EOS twice: the rows past the token that completes the grammar are
+    # verified under the stopped grammar's mask and dropped.
+    params = grammar_params()[:3]
+    prompts = PROMPTS[:3]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.finish_reason for o in reference] == ["stop"] * 3
+    eos = min(plain.engine.core.eos_token_ids)
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    drafter = ScriptedDrafter(
+        {tuple(p["prompt_token_ids"]): [*o.token_ids, eos, eos] for p, o in zip(prompts, reference, strict=True)})
+    llm.engine.install_drafter(drafter)
+    past_the_end, propose = [], drafter.propose
+    drafter.propose = lambda request, k: (draft := propose(request, k)) and (
+        past_the_end.append(eos in draft.token_ids) or draft)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert any(past_the_end) and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+class ForbiddingDrafter(ScriptedDrafter):
+    """Drafts the known next token, then one the request's grammar forbids after it, then the known tokens
+    again: the engine must cut each draft to its first token before verifying it."""
+
+    def propose(self, request, num_tokens):
+        draft = super().propose(request, num_tokens).token_ids
+        grammar = request.grammar
+        if len(draft) < 2 or grammar is None or grammar.num_allowed(draft[:1]) == 0:
+            return Draft(draft)
+        allowed = int.from_bytes(grammar.bitmasks_along(draft[:1])[1], "little")
+        forbidden = next(t for t in range(grammar.vocab_size) if not allowed >> t & 1)
+        return Draft([draft[0], forbidden, *draft[2:]])
+
+
+def test_a_draft_token_the_grammar_forbids_is_never_verified(tiny_dir, plain):
+    params = grammar_params()[:2]
+    prompts = PROMPTS[:2]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(prompts, reference, strict=True)}
+    llm.engine.install_drafter(drafter := ForbiddingDrafter(continuations))
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    stats = llm.engine.spec_decode_stats()
+    # Every verified draft was its first (right) token alone: the forbidden second never reached the model.
+    assert drafter.num_proposed > 0 and stats.num_drafts > 0
+    assert stats.num_draft_tokens == stats.num_accepted_tokens == stats.num_drafts
+
+
+def test_bitmasks_along_a_draft_leave_the_matcher_where_it_was(plain):
+    from deepinfer.structured import json_schema_grammar
+
+    grammars = plain.engine.core.grammars
+    tokens = plain.get_tokenizer().encode('{"ok": true, "n": 7}', add_special_tokens=False)
+    matcher, walker = grammars.matcher(json_schema_grammar(SCHEMA)), grammars.matcher(json_schema_grammar(SCHEMA))
+    assert matcher.num_allowed(tokens) == len(tokens) and matcher.num_allowed([*tokens[:2], tokens[0]]) == 2
+    masks = matcher.bitmasks_along(tokens[:3])
+    assert matcher.bitmask() == masks[0]
+    for i, token_id in enumerate(tokens[:3]):
+        assert walker.bitmask() == masks[i]
+        walker.accept(token_id)
+    assert walker.bitmask() == masks[3]
+    # Through the end of the object, an EOS (off llguidance's rollback stack once the grammar is stopped) and past.
+    eos = min(plain.engine.core.eos_token_ids)
+    masks = matcher.bitmasks_along([*tokens, eos, eos])
+    assert len(masks) == len(tokens) + 3 and masks[-1] == masks[-2] == masks[-3] and matcher.bitmask() == masks[0]
+    assert matcher.accept_all(tokens) and matcher.is_stopped  # unmoved: the whole object still fits

@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +35,7 @@ from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
 from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.spec_config import SpeculativeConfig
 from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
 from deepinfer.hashing import model_fingerprint
@@ -124,12 +126,14 @@ class EngineCore:
                 admission_window_s=args.admission_window_s,
             )
         )
-        #: Speculative decoding (EngineArgs.speculative_config): the drafter (None = off) and its counters.
-        spec = args.speculative_config
+        #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
+        #: its draft length), the drafter (None = off) and its counters.
+        self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
         self.drafter: Drafter | None = None if spec is None else make_drafter(spec)
         self.spec_decode_stats = SpecDecodeStats()
         #: num_speculative_tokens="auto": chooses each step's draft lengths; with an int every draft is verified.
         self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
+        self._auto_controller = self.draft_controller  # kept while install_drafter switches to a fixed k and back
         #: (auto) request_id -> first token of a draft the controller did not verify: scored against the step's token.
         self._unverified_drafts: dict[str, int] = {}
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
@@ -339,17 +343,41 @@ class EngineCore:
                 u.new_logprobs = tokens[: len(u.new_token_ids)]
         return updates
 
+    def install_drafter(self, drafter: Drafter | None, num_speculative_tokens: int | str | None = None) -> None:
+        """Replace the drafter `speculative_config.method` made with one no method names (the GPU bench's oracle,
+        deepinfer.testing's ScriptedDrafter), optionally with another draft length (an int k, or "auto"); None
+        stops drafting (plain steps) until another is installed. Only on an engine built with a speculative_config
+        (its logits budget and synchronous scheduling are that config's), never with more draft tokens than it
+        sized for; from the next step's drafts on. The draft controller's measured step costs outlive a change."""
+        built = self.args.speculative_config
+        if built is None:
+            raise ValueError("install_drafter: this engine was built without a speculative_config")
+        spec = built if num_speculative_tokens is None else replace(built, num_speculative_tokens=num_speculative_tokens)
+        if spec.max_num_draft_tokens > built.max_num_draft_tokens:
+            raise ValueError(f"install_drafter: num_speculative_tokens={num_speculative_tokens!r} drafts more than "
+                             f"the {built.max_num_draft_tokens} tokens this engine was built for")
+        self.spec_config, self.drafter = spec, drafter
+        auto = drafter is not None and spec.adaptive
+        if auto and self._auto_controller is None:
+            self._auto_controller = DraftController()
+        self.draft_controller = self._auto_controller if auto else None
+        self._unverified_drafts = {}
+        for request in self.scheduler.running:
+            request.draft_token_ids = ()
+
     def _propose_drafts(self) -> None:
-        """Ask the drafter for the next step's drafts of every running request that decodes next (not those with
-        a grammar: a draft token the grammar forbids would have to be rejected before verification, not yet);
-        with "auto", keep only the leading tokens the draft controller finds worth verifying."""
-        drafter, k = self.drafter, self.args.speculative_config.max_num_draft_tokens
+        """Ask the drafter for the next step's drafts of every running request that decodes next (with a grammar,
+        each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
+        the draft controller finds worth verifying."""
+        drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
         proposed: dict[str, list[int]] = {}
         for request in self.scheduler.running:
             request.draft_token_ids = ()
             if request.num_tokens - request.num_computed_tokens == 1:
-                proposed[request.request_id] = (drafter.propose(request, k).token_ids
-                                                if request.grammar is None else [])
+                draft = drafter.propose(request, k).token_ids
+                if draft and request.grammar is not None:  # cut at the first token the grammar forbids
+                    draft = draft[: request.grammar.num_allowed(draft)]
+                proposed[request.request_id] = draft
         if self.draft_controller is None:
             for request in self.scheduler.running:
                 request.draft_token_ids = proposed.get(request.request_id, ())

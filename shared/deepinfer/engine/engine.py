@@ -25,6 +25,7 @@ import torch
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.drafter import Drafter
 from deepinfer.engine.execution import ExecutionMode
 from deepinfer.engine.handoff import admit_filled, admit_prefilled, engine_stats, export_held
 from deepinfer.engine.host_tier import HostTierReport
@@ -179,6 +180,12 @@ class Engine:
         a hint (the engine thread only ever increases them)."""
         stats = self.core.spec_decode_stats
         return dataclasses.replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos))
+
+    def install_drafter(self, drafter: Drafter | None, num_speculative_tokens: int | str | None = None) -> None:
+        """Draft with `drafter` (one no speculative_config method names: a benchmark's oracle, a test's script)
+        and optionally another draft length; None stops drafting. Engine thread, between steps; only on an engine
+        built with a speculative_config (EngineCore.install_drafter)."""
+        self.core.install_drafter(drafter, num_speculative_tokens)
 
     def take_kv_events(self) -> list[KvCacheEvent]:
         """Prefix-cache events of the device pool, then of the host tier, since the last call."""

@@ -296,8 +296,7 @@ class ModelRunner:
             output_token_ids=_DraftTokenLists(rows),
             vocab_size=logits.shape[-1],
             eos_token_ids=self.eos_token_ids,
-            # A request with drafts has no grammar (EngineCore drafts none for one), so row 0 is its only row.
-            grammar_bitmasks=[None if r.grammar is None else r.grammar.bitmask() for r in chosen],
+            grammar_bitmasks=_draft_bitmasks(sampled, requests),
         )
         return _Sampled(self.sampler(logits, meta), chosen, sampled, False, None)
 
@@ -506,6 +505,19 @@ class _TokenLists(Sequence[list[int]]):
         if len(s.token_ids) < s.num_new_tokens and request.sampling_params.min_tokens:
             return [*request.output_token_ids, 0]
         return request.output_token_ids
+
+
+def _draft_bitmasks(sampled: list[ScheduledRequest], requests: Mapping[str, Request]) -> list[bytes | None]:
+    """Each verified row's grammar mask, in the rows' order: a request with a grammar and k drafts (all allowed:
+    EngineCore cut them) has the masks after its output and after each draft prefix; one without, None."""
+    masks: list[bytes | None] = []
+    for s in sampled:
+        grammar = requests[s.request_id].grammar
+        if grammar is None:
+            masks.extend([None] * (s.num_draft_tokens + 1))
+        else:
+            masks.extend(grammar.bitmasks_along(s.token_ids[len(s.token_ids) - s.num_draft_tokens :]))
+    return masks
 
 
 class _DraftTokenLists(Sequence[list[int]]):

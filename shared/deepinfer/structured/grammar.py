@@ -5,6 +5,8 @@
     matcher = grammars.matcher(grammar)         # one per request
     matcher.fill_bitmask(words)                 # the allowed next tokens, one bit each (int32 words)
     matcher.accept(token_id)                    # after each sampled token; is_stopped: nothing may follow
+    matcher.num_allowed(draft_token_ids)        # speculative decoding: the draft's prefix the grammar allows
+    matcher.bitmasks_along(draft_token_ids)     # the masks of a verify step's rows, the matcher left unmoved
 
 A grammar is llguidance's JSON grammar text (what `LLMatcher.grammar_from_*` return); it travels as a string in
 the request's sampling params, so prefill and decode build the same matcher and the decode worker continues it
@@ -156,6 +158,30 @@ class GrammarMatcher:
     def bitmask(self) -> bytes:
         """The allowed next tokens: bit i of little-endian int32 word i // 32 set when token i is allowed."""
         return self._matcher.compute_bitmask()
+
+    def num_allowed(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar allows in order (where a draft is cut before it is
+        verified); the matcher does not move."""
+        return self._matcher.validate_tokens(list(token_ids)) if token_ids else 0
+
+    def bitmasks_along(self, token_ids: list[int]) -> list[bytes]:
+        """The bitmask before each of `token_ids` and after the last (len + 1 masks: the rows of a step verifying
+        them as a draft), the matcher back where it was. Every token must be allowed (`num_allowed`)."""
+        masks = [self.bitmask()]
+        num_consumed = 0
+        for token_id in token_ids:
+            if self._matcher.is_stopped():
+                # Only EOS may follow, and llguidance keeps an EOS taken here off its rollback stack. The request
+                # ends at the token that stopped the grammar, so these rows are never kept: its mask will do.
+                masks.append(masks[-1])
+                continue
+            if not self._matcher.consume_token(token_id):
+                raise ValueError(f"bitmasks_along: token {token_id} is not allowed ({self.error})")
+            num_consumed += 1
+            masks.append(self.bitmask())
+        if num_consumed and not self._matcher.rollback(num_consumed):
+            raise RuntimeError(f"bitmasks_along: rollback of {num_consumed} tokens failed ({self.error})")
+        return masks
 
     @property
     def is_stopped(self) -> bool:
