@@ -16,10 +16,10 @@ total: all output tokens / the batch's wall time (prefill included). A speculati
 the plain run's at the same c: bf16 near-ties can part them (a verify step's other GEMM shapes and attention
 kernel), so the number of sequences that differ is reported, not asserted.
 
-    python bench/random_model.py llama-8b --cache-dir .bench-models   # optional: else the shape's config is written
-    python bench/spec_oracle_gpu.py [--model-dir .bench-models/llama-8b] [--concurrency 1,16,64,256]
+    python -m deepinfer.testing.random_model llama-8b --cache-dir .bench-models   # optional: else the shape's config is written
+    PYTHONPATH=shared:. python bench/spec/spec_oracle_gpu.py [--model-dir .bench-models/llama-8b] [--concurrency 1,16,64,256]
                                     [--alphas 0.6,0.8,0.9] [--k 3] [--prompt-len 128] [--max-tokens 128] [--out F]
-    python bench/spec_oracle_gpu.py --quick   # a tiny random model on the CPU, float32: the code paths in seconds
+    PYTHONPATH=shared:. python bench/spec/spec_oracle_gpu.py --quick   # a tiny random model on the CPU, float32: the code paths in seconds
 
 Prints progress, then a table; writes JSON to --out (default $OUT/spec-oracle-gpu.json when OUT is set).
 """
@@ -39,14 +39,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from random_model import MAX_POSITION_EMBEDDINGS, SHAPES
 
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.drafter import Draft
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.testing.random_model import MAX_POSITION_EMBEDDINGS, SHAPES
 
-#: The default model's vocabulary, as bench/random_model.py's shapes.
+#: The default model's vocabulary, as deepinfer.testing.random_model's shapes.
 VOCAB_SIZE = 49152
 #: --quick: a two-layer toy on the CPU.
 TINY = {
