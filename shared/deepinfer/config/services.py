@@ -369,6 +369,16 @@ class WorkerSettings(ServiceSettings):
     kv_store_shard_lease_s: float = Field(
         3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."
     )
+    kv_store_shm_dma: bool = Field(
+        True, description="On CUDA, copy a same-host shard's shared-memory slots straight to the device (its region "
+        "registered with cudaHostRegister, read-only); off, or where registration fails: copied on the CPU into "
+        "pinned staging first (docs/kvstore.md, 'Same host: the shared-memory RAM tier').",
+    )
+    kv_store_shm_verify_checksums: bool = Field(
+        False, description="Also verify each block's xxh3-64 on the shared-memory DMA path (a CPU read of every "
+        "byte the copy moves: about as long as the copy). Off: the lease and the seqlock still catch a rewritten "
+        "or evicted block; the checksum guards a RAM tier corrupted in place. The CPU path always verifies.",
+    )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
     _block_size = field_validator("block_size")(_power_of_two)
