@@ -288,6 +288,11 @@ class WorkerSettings(ServiceSettings):
         "are copied there as they are computed and loaded back instead of recomputed. Unset = 8 GiB on one CUDA "
         "device (at most a quarter of the host memory), off on the CPU and with tensor parallelism; 0 = off.",
     )
+    kv_load_choice: Literal["measured", "load"] = Field(
+        "measured", description="A prompt's prefix held in the host tier or the store: measured = loaded only as far "
+        "as loading beats recomputing it at this worker's measured rates (docs/kvstore.md, 'Load or recompute'); "
+        "load = always loaded (to measure a load path, e.g. bench/kv_tiers.py's forced modes).",
+    )
     enable_prefix_caching: bool = Field(DEFAULT_ENABLE_PREFIX_CACHING, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "

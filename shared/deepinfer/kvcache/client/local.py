@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +106,7 @@ class SharedMemoryReads:
         self.host_id = host_id
         self._regions: dict[str, _Region] = {}  # shard's data-plane address -> its region, mapped
         self.registrar: RegionRegistrar | None = None
+        self._registrations: ThreadPoolExecutor | None = None
         #: The xxh3-64 pass on the device path (the CPU path always verifies): see the module docstring.
         self.verify_checksums = False
         #: Blocks read through shared memory (of them, copied straight to the device), and gets that fell back
@@ -114,8 +116,12 @@ class SharedMemoryReads:
         self.num_fallbacks = 0
 
     def use_device(self, registrar: RegionRegistrar, verify_checksums: bool = False) -> None:
-        """Copy slots straight to the device for gets given a SlotDestination (a worker on CUDA, once)."""
+        """Copy slots straight to the device for gets given a SlotDestination (a worker on CUDA, once).
+        Registrations and unregistrations run on one thread of their own (slow for a large region; a refused one
+        leaves its error in that thread's CUDA state, not in the engine thread's)."""
         self.registrar, self.verify_checksums = registrar, verify_checksums
+        if self._registrations is None:
+            self._registrations = ThreadPoolExecutor(1, thread_name_prefix="kv-shm-register")
 
     async def get(self, client: DataPlaneClient, layout_id: str, block_hashes: Sequence[bytes],
                   into: Sequence[memoryview] | None, device: SlotDestination | None = None,
@@ -170,6 +176,8 @@ class SharedMemoryReads:
         regions, self._regions = list(self._regions.values()), {}
         for region in regions:
             self._retire(region)
+        if self._registrations is not None and not any(r.num_copies for r in regions):
+            self._registrations.shutdown(wait=True)  # the unregistrations and unmaps just queued are done
 
     async def _copy_to_device(self, region: _Region, registered: RegisteredRegion, lease: FrameHeader,
                               into: Sequence[memoryview], device: SlotDestination,
@@ -208,7 +216,8 @@ class SharedMemoryReads:
         if self.registrar is None:
             return None
         if region.registered is None:
-            region.registered = asyncio.ensure_future(asyncio.to_thread(self._register, region.reader))
+            loop = asyncio.get_running_loop()
+            region.registered = loop.run_in_executor(self._registrations, self._register, region.reader)
         return await asyncio.shield(region.registered)
 
     def _register(self, reader: SlotReader) -> RegisteredRegion | None:
@@ -251,15 +260,27 @@ class SharedMemoryReads:
         if registration is not None and not registration.done():
             registration.add_done_callback(lambda _: self._close(region))
             return
+        registered = None
         if registration is not None and not registration.cancelled() and registration.exception() is None:
             registered = registration.result()
-            if registered is not None:
-                try:
-                    registered.unregister()
-                except Exception:  # still registered: keep it mapped (pages pinned) rather than unmap under DMA
-                    log.exception("unregistering kv region %s failed: kept mapped", region.reader.path)
-                    return
-        _close(region.reader)
+        if registered is None or self._registrations is None:
+            _close(region.reader)
+            return
+        try:
+            self._registrations.submit(_unregister_and_close, registered, region.reader)
+        except RuntimeError:  # closed meanwhile (a registration that ended after close()): here, then
+            _unregister_and_close(registered, region.reader)
+
+
+def _unregister_and_close(registered: RegisteredRegion, reader: SlotReader) -> None:
+    """On the registration thread: unregister, then unmap (a region CUDA will not unregister stays mapped: its
+    pages stay pinned rather than be unmapped under the device's registration)."""
+    try:
+        registered.unregister()
+    except Exception:
+        log.exception("unregistering kv region %s failed: kept mapped", reader.path)
+        return
+    _close(reader)
 
 
 def _close(reader: SlotReader) -> None:
