@@ -120,7 +120,10 @@ class StoreTier:
                                     "Blocks read from a same-host shard's shared memory (not the socket).")
         self.m_shm_fallbacks = counter(registry, "worker_store_shm_fallbacks",
                                        "Same-host gets that fell back from shared memory to the data plane.")
-        self._shm_counted = (0, 0)
+        self.m_shm_device_blocks = counter(registry, "worker_store_shm_device_blocks",
+                                           "Of those, blocks copied straight to the device (DMA from the "
+                                           "registered region, never through the CPU).")
+        self._shm_counted = (0, 0, 0)
         self.m_load_s = histogram(registry, "worker_store_load_seconds", "A load: get and import of its blocks.")
         self.m_written_blocks = counter(registry, "worker_store_written_blocks", "Blocks written behind.")
         self.m_written_bytes = counter(registry, "worker_store_written_bytes", "Bytes written behind.")
@@ -246,10 +249,11 @@ class StoreTier:
     def _count_shared_memory(self) -> None:
         """Bring the shared-memory counters up to the client's totals (loads may overlap: deltas, not values)."""
         reads = self.client.shared_memory
-        blocks, fallbacks = self._shm_counted
+        blocks, fallbacks, device_blocks = self._shm_counted
         self.m_shm_blocks.inc(reads.num_blocks - blocks)
         self.m_shm_fallbacks.inc(reads.num_fallbacks - fallbacks)
-        self._shm_counted = (reads.num_blocks, reads.num_fallbacks)
+        self.m_shm_device_blocks.inc(reads.num_device_blocks - device_blocks)
+        self._shm_counted = (reads.num_blocks, reads.num_fallbacks, reads.num_device_blocks)
 
     def _staging_pool(self) -> StagingPool:
         """The loads' staging (allocated by start(); here for a tier never started)."""
