@@ -16,11 +16,14 @@ each way, the paths taking turns request by request:
 GB/s = bytes of one request / its wall time, median of --reps. Prints a table and one JSON line.
 
 With --device cuda (a GPU; the same shard), the store's GPU paths beside a pinned copy_ of the same bytes, each
-request read chunk by chunk (--chunk-blocks, the staging pool's 16 blocks of 2 MiB: a lease per chunk, as a load):
+request read as a load reads it (store_tier.load_staged through the worker's staging pool: chunks of
+--chunk-blocks, 16 blocks of 2 MiB, a lease per chunk; the engine thread's hop and the scatter left out):
 
-    shm → device (DMA)   the worker's path on CUDA: lease, seq checked, the slots DMA'd from the registered region
-                         into a chunk's device rows on a copy stream (slot_dma.copy_slots), the event waited for,
-                         seq checked again, release (no xxh3: kv_store_shm_verify_checksums off)
+    shm → device (DMA)   the worker's path on CUDA: per chunk lease, seq checked, the slots DMA'd from the
+                         registered region into the chunk's device rows on a copy stream (ChunkSlotCopies,
+                         slot_dma.copy_slots), the event waited for, seq checked again, release (no xxh3:
+                         kv_store_shm_verify_checksums off), then the import's read of the device rows; the
+                         chunks' gets overlap (4 chunks in the pool)
     shm → pinned → device  the CPU path on a GPU: the shared-memory get into pinned rows (copy + xxh3), then one
                          non_blocking copy_ of the chunk to the device
     registered copy_     the registered region's slots → device rows, no lease or check: the DMA alone
@@ -120,29 +123,33 @@ async def _run(args, address: str, shard_host_id: str) -> dict[str, list[float]]
 GPU_PATHS = ("shm -> device (DMA)", "shm -> pinned -> device", "registered copy_", "pinned copy_")
 
 
-class _DirectCopies:
-    """A SlotDestination without an engine thread: this thread issues slot_dma.copy_slots and waits its event."""
+class _EngineThread:
+    """The engine thread as a load uses it, applying commands at once on this thread (CopySlots → copy_slots on
+    the pool's copy stream): the worker's path without the hop to its engine thread."""
 
-    def __init__(self, pool, chunk, device, positions) -> None:
-        self.pool, self.chunk, self.device, self.positions = pool, chunk, device, list(positions)
-        self.on_device: list[int] = []
+    def __init__(self, device) -> None:
+        self.device = device
 
-    async def copy(self, region, refs, indexes) -> None:
+    async def call(self, command):
+        return command.apply(self)
+
+    def copy_slots(self, pool, chunk, src, slots, nbytes, positions):
         from deepinfer.engine.slot_dma import copy_slots
 
-        event = copy_slots(self.pool, self.chunk, region.tensor, [r.slot for r in refs], refs[0].size,
-                           [self.positions[i] for i in indexes], self.device)
-        event.synchronize()
+        return copy_slots(pool, chunk, src, slots, nbytes, positions, self.device)
 
 
 async def _run_gpu(args, address: str, shard_host_id: str) -> tuple[dict[str, list[float]], float]:
     import torch
 
     from deepinfer.dataplane import DataPlaneClient
+    from deepinfer.engine.kv_load import LOAD_CHUNKS
     from deepinfer.engine.kv_transfer import StagingPool
     from deepinfer.engine.slot_dma import CudaRegistrar
     from deepinfer.kvcache.client import KvStoreClient
     from deepinfer.protocol import KvStoreHeartbeat
+    from deepinfer.worker.slot_copies import ChunkSlotCopies
+    from deepinfer.worker.store_tier import load_staged
 
     device = torch.device("cuda")
     block_bytes, chunk = args.block_mib << 20, args.chunk_blocks
@@ -160,25 +167,36 @@ async def _run_gpu(args, address: str, shard_host_id: str) -> tuple[dict[str, li
     register_s = time.perf_counter() - started
     if not registered:
         raise SystemExit("cudaHostRegister of the region failed (see the log): no DMA path on this machine")
-    pool = StagingPool(block_bytes, chunk, 1, pin=True)
-    staging = await pool.acquire()
+    pool = StagingPool(block_bytes, chunk, LOAD_CHUNKS, pin=True)  # the worker's pool: 4 chunks
+    engine = _EngineThread(device)
     rows = torch.empty((args.blocks, block_bytes), dtype=torch.uint8, device=device)
     region = next(iter(client.shared_memory._regions.values())).registered.result()  # the bench's one region
 
-    async def dma() -> None:
-        for first in range(0, args.blocks, chunk):
-            n = min(chunk, args.blocks - first)
-            dest = _DirectCopies(pool, staging, device, range(n))
-            await client.get(LAYOUT, hashes[first : first + n], into=staging.views[:n], device=dest)
-            assert len(dest.on_device) == n, "fell back to the data plane"
-            rows[first : first + n].copy_(staging.device_rows[:n])  # the import's read of the rows (d2d)
+    def to_device(staging, positions):
+        return ChunkSlotCopies(engine, pool, staging, positions)
 
-    async def cpu_then_h2d() -> None:
-        for first in range(0, args.blocks, chunk):
-            n = min(chunk, args.blocks - first)
-            await client.get(LAYOUT, hashes[first : first + n], into=staging.views[:n])
-            rows[first : first + n].copy_(staging.rows[:n], non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+    def done() -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    async def read_device_rows(first: int, host_rows, device_rows=None):
+        """The import's read of a chunk's device rows (d2d; no scatter): every block must have come by DMA."""
+        n = host_rows.shape[0]
+        assert device_rows is not None and len(device_rows.positions) == n, "fell back to the data plane"
+        rows[first : first + n].copy_(device_rows.rows)
+        return True, done()
+
+    async def upload_host_rows(first: int, host_rows):
+        """The import's h2d of a chunk's pinned host rows (no scatter)."""
+        rows[first : first + host_rows.shape[0]].copy_(host_rows, non_blocking=True)
+        return True, done()
+
+    async def dma() -> None:  # load_staged as a CUDA worker runs it: chunks' gets overlapping, slots DMA'd
+        assert await load_staged(client, LAYOUT, hashes, [None] * args.blocks, pool, read_device_rows, to_device)
+
+    async def cpu_then_h2d() -> None:  # the same without a destination: the CPU copies, then one h2d a chunk
+        assert await load_staged(client, LAYOUT, hashes, [None] * args.blocks, pool, upload_host_rows)
 
     async with DataPlaneClient(address, SECRET) as plane:  # where each block's slot is, for the raw copy
         lease = await plane.lease_blocks(LAYOUT, hashes, shard_host_id)
@@ -208,7 +226,6 @@ async def _run_gpu(args, address: str, shard_host_id: str) -> tuple[dict[str, li
             await fn()
             torch.cuda.synchronize()
             seconds[path].append(time.perf_counter() - start)
-    pool.release(staging)
     await client.close()
     return seconds, register_s
 

@@ -358,7 +358,8 @@ async def load_staged(
     `import_chunk(first, rows)` (the engine thread: (imported, done event)) runs while the next chunk arrives.
     With `to_device` (CUDA, a registrar on the client: `to_device(chunk, rows)` the chunk's SlotDestination),
     blocks of same-host shared-memory shards go straight to the chunk's device rows instead, and the import is
-    `import_chunk(first, rows, device_rows)`.
+    `import_chunk(first, rows, device_rows)`; the chunks' gets then overlap too (as many as the pool lends: one
+    chunk's lease and checks while another's DMA runs; the copies queue on one stream).
     False when a chunk was not imported (the request left the loading state): stop, nothing more is written.
     Raises what client.get raises; every import already issued is waited for first (its chunk goes back to the
     pool only once its rows are read), so nothing writes the blocks after this returns."""
@@ -375,13 +376,28 @@ async def load_staged(
         finally:
             pool.release(chunk, done)
 
+    async def receive_and_import(chunk, first: int, num_rows: int) -> bool:
+        try:
+            device = await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
+                                          local[first : first + num_rows], chunk, num_rows, to_device)
+        except BaseException:
+            pool.release(chunk)
+            raise  # a get's error: raised once every chunk in flight is done
+        try:
+            return await run_import(chunk, first, num_rows, device)
+        except Exception:
+            return False  # an import that failed, as below: the load is not complete
+
     try:
         for first in range(0, len(hashes), pool.chunk_blocks):
             num_rows = min(pool.chunk_blocks, len(hashes) - first)
             chunk = await pool.acquire()
             if any(t.done() and (t.exception() is not None or not t.result()) for t in imports):
-                pool.release(chunk)  # an import refused (the request left) or failed: no more gets
+                pool.release(chunk)  # an import refused (the request left) or failed, or a get failed: stop
                 break
+            if to_device is not None:
+                imports.append(asyncio.create_task(receive_and_import(chunk, first, num_rows)))
+                continue
             try:
                 device = await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
                                               local[first : first + num_rows], chunk, num_rows, to_device)
@@ -391,6 +407,9 @@ async def load_staged(
             imports.append(asyncio.create_task(run_import(chunk, first, num_rows, device)))
     finally:
         results = await asyncio.gather(*imports, return_exceptions=True)
+    for result in results if to_device is not None else ():
+        if isinstance(result, BaseException):  # a get's (receive_and_import turns an import's into False)
+            raise result
     return len(imports) * pool.chunk_blocks >= len(hashes) and all(r is True for r in results)
 
 
