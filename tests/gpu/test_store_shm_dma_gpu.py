@@ -43,7 +43,8 @@ DEVICE = torch.device("cuda")
 
 
 def _caches(seed: int | None) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS + 1, 16, 4, 64)  # 64 KiB a block in bf16 over 4 layers: a page multiple, one slot each
+    # 64 KiB a block in bf16 over 4 layers: a page multiple, one slot each
+    shape = (2, NUM_BLOCKS + 1, 16, 4, 64)
     if seed is None:
         return [torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
     gen = torch.Generator().manual_seed(seed)
@@ -69,13 +70,24 @@ class _EngineThread:
 async def shard(tmp_path):
     nbytes = block_nbytes(_caches(None))
     secret = generate_secret()
-    store = KvStore(StoreSettings(ram_bytes=64 * nbytes, disk_dir=tmp_path / "kv", shm_dir=Path("/dev/shm"),
-                                  shm_slot_bytes=nbytes))
+    store = KvStore(
+        StoreSettings(
+            ram_bytes=64 * nbytes, disk_dir=tmp_path / "kv", shm_dir=Path("/dev/shm"), shm_slot_bytes=nbytes
+        )
+    )
     server = DataPlaneServer(store, secret=secret)
     await server.start()
     client = KvStoreClient(secret, timeout_s=30, shard_lease_s=3600, host_id=store.host_id)
-    client.shards.observe(KvStoreHeartbeat(shard="s0", data_plane_address=server.address, internal_address="-",
-                                           ts=time.time(), host_id=store.host_id, shm=True))
+    client.shards.observe(
+        KvStoreHeartbeat(
+            shard="s0",
+            data_plane_address=server.address,
+            internal_address="-",
+            ts=time.time(),
+            host_id=store.host_id,
+            shm=True,
+        )
+    )
     try:
         yield store, server, secret, client
     finally:

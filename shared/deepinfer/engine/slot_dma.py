@@ -112,8 +112,12 @@ def copy_slots(
     stream = pool.copy_stream(device)
     whole = nbytes == src.shape[1]  # adjacent slots are one contiguous run of the region
     with torch.cuda.stream(stream):
-        for position, slot, count in _runs(positions, slots, whole):
-            rows[position : position + count].copy_(src[slot : slot + count, :nbytes], non_blocking=True)
+        try:
+            for position, slot, count in _runs(positions, slots, whole):
+                rows[position : position + count].copy_(src[slot : slot + count, :nbytes], non_blocking=True)
+        except BaseException:
+            stream.synchronize()  # no copy of this call may land in the rows after the caller gave up on them
+            raise
         event = torch.cuda.Event()
         event.record(stream)
     return event
