@@ -5,8 +5,9 @@
 #     bench/kv/gpu_tier_runs.sh STEP...   # STEP: tests | copy | ttft | multiturn | shm-tests | shm-copy | shm-ttft
 #                                                    | shm-ttft-plane
 # The shm-* steps are issue 31's node-local path: the DMA path's GPU tests, its copy GB/s against a pinned copy_,
-# and TTFT from the store through shared memory (DMA) beside recompute and the host tier (shm-ttft), and over the
-# data plane (shm-ttft-plane), each load path forced (":load") and the chooser's pick (":measured").
+# TTFT from the store through shared memory (DMA) beside recompute (shm-ttft), and the host tier and the store over
+# the data plane (shm-ttft-plane; two stacks' runs do not fit one 10-minute call), each load path forced (":load")
+# and the chooser's pick (":measured").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device_env.sh
@@ -33,8 +34,8 @@ for s in "$@"; do
         shm-copy) df -h /dev/shm; step kv-shm-copy 150 python3 bench/kv/kv_shm.py --device cuda --blocks 256 --reps 10 \
             --out "$OUT/kv-shm-cuda.json" ;;
         shm-ttft) df -h /dev/shm; tiers kv-tiers-shm 570 --prompts 2 \
-            --modes recompute,host:load,store-shm:load,store-shm:measured ;;
-        shm-ttft-plane) tiers kv-tiers-plane 570 --prompts 2 --modes store:load,store:measured ;;
+            --modes recompute,store-shm:load,store-shm:measured ;;
+        shm-ttft-plane) tiers kv-tiers-plane 570 --prompts 2 --modes host:load,store:load,store:measured ;;
         *) echo "unknown step $s" >&2 ;;
     esac
 done
