@@ -8,6 +8,7 @@ tests/gpu/test_store_shm_dma_gpu.py runs it on a GPU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -275,5 +276,30 @@ async def test_a_region_the_device_refuses_is_read_on_the_cpu(shard):
         await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
         assert device.on_device == [] and [row.tobytes() for row in rows] == PAYLOADS
         assert client.shared_memory.num_blocks == len(HASHES) and client.shared_memory.num_fallbacks == 0
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+async def test_the_device_paths_checksum_pass_catches_a_slot_corrupted_in_place(shard, verify: bool):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    client.shared_memory.use_device(_Registrar(), verify_checksums=verify)
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        region = store._ram.region
+        async with DataPlaneClient(server.address, secret) as plane:
+            lease = await plane.lease_blocks(LAYOUT, HASHES[:1], store.host_id)
+            await plane.release_lease(lease.lease_id)
+        region._mapped.slots[lease.slots[0].slot, 7] ^= 0xFF  # a bit flip in the RAM tier, no seq change
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)
+        device = _DeviceRows(len(HASHES))
+        with contextlib.suppress(DataPlaneError):  # the data plane then refuses the corrupt block, or serves it
+            await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
+        if verify:  # caught before anything was marked as on the device: the get fell back
+            assert device.on_device == [] and client.shared_memory.num_fallbacks == 1
+        else:  # off (the default): the lease and the seqlock do not see a corruption in place
+            assert sorted(device.on_device) == list(range(len(HASHES)))
+            assert device.rows[0].tobytes() != PAYLOADS[0]
     finally:
         await client.close()

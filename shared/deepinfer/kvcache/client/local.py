@@ -192,19 +192,19 @@ class SharedMemoryReads:
             if memoryview(buffer).nbytes != ref.size:
                 raise DataPlaneError(f"a {memoryview(buffer).nbytes}-byte row for a {ref.size}-byte block")
             reader.check(ref)
-        region.num_copies += 1
+        region.num_copies += 1  # neither unregistered nor unmapped until the checks below are done
         try:
             await device.copy(registered, refs, indexes)
+            for ref in refs:
+                reader.check(ref, "was rewritten before its copy to the device completed")
+            if self.verify_checksums:
+                await asyncio.to_thread(lambda: [reader.verify(ref) for ref in refs])
+                for ref in refs:  # still the leased bytes after the hash read them
+                    reader.check(ref, "was rewritten while its checksum was taken")
         finally:
             region.num_copies -= 1
             if region.retired and not region.num_copies:
                 self._close(region)
-        for ref in refs:
-            reader.check(ref, "was rewritten before its copy to the device completed")
-        if self.verify_checksums:
-            await asyncio.to_thread(lambda: [reader.verify(ref) for ref in refs])
-            for ref in refs:  # still the leased bytes after the hash read them
-                reader.check(ref, "was rewritten while its checksum was taken")
         device.on_device.extend(indexes)
         self.num_blocks += len(refs)
         self.num_device_blocks += len(refs)
