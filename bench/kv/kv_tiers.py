@@ -45,12 +45,17 @@ from deepinfer.bench.tier_stack import (
     WriteBehind,
     host_tier_available,
     load_model,
+    metric_sums,
     pool_blocks,
     start_stack,
+    worker_ports,
 )
 
 TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store", "store-shm"), ("tiers-off", "tiers-on")
 EXPECTED_TIER = {"recompute": "recompute", "host": "host", "store": "store", "store-shm": "store"}
+#: What the workers read through shared memory: blocks, of them DMA'd to the device, and fallbacks to the socket.
+SHM_METRICS = ("deepinfer_worker_store_shm_blocks_total", "deepinfer_worker_store_shm_device_blocks_total",
+               "deepinfer_worker_store_shm_fallbacks_total")
 #: A part-1 mode may end in ":load" or ":measured": its workers' kv_load_choice (else --load-choice).
 LOAD_CHOICES = ("measured", "load")
 #: Defaults for the H200 run, and --quick's for a CPU run of a few minutes (the default model).
@@ -92,8 +97,12 @@ def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list
         rows = [row for size, (prompts, fillers) in groups.items()
                 for row in tier_rows(args, client, stack.model_name, mode, size, prompts, fillers, pool, writes,
                                      model.block_size)]
+        shm = {name.removeprefix("deepinfer_worker_store_"): int(value)
+               for name, value in metric_sums(worker_ports(stack), SHM_METRICS).items()} if plan.store else {}
+    if shm:
+        print(f"[{mode}] shared memory: {shm}", flush=True)
     return {"mode": mode, "status": "ok", "pool_blocks": blocks, "pool_tokens": pool, "rows": rows,
-            "settings": vars_of(plan)}
+            "settings": vars_of(plan), **({"shared_memory": shm} if shm else {})}
 
 
 def tier_rows(args, client, served: str, mode: str, size: int, prompts: list, fillers: list, pool: int,
