@@ -42,7 +42,7 @@ def test_without_the_host_tier_its_setting_is_not_passed(monkeypatch: pytest.Mon
 
 
 def test_store_shm_keeps_the_shards_ram_tier_in_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_tiers_stack, "host_tier_available", lambda: True)
+    monkeypatch.setattr(tier_stack, "host_tier_available", lambda: True)
     plan = StackPlan("store-shm", kv_cache_bytes=1 << 20, max_model_len=1024, host_cache_bytes=4 << 20,
                      store_bytes=8 << 20, load_timeout_s=60.0, load_choice="load", shm_slot_bytes=64 << 10)
     env = plan.env(Path("/data"), random_weights=True)

@@ -291,7 +291,7 @@ class WorkerSettings(ServiceSettings):
     kv_load_choice: Literal["measured", "load"] = Field(
         "measured", description="A prompt's prefix held in the host tier or the store: measured = loaded only as far "
         "as loading beats recomputing it at this worker's measured rates (docs/kvstore.md, 'Load or recompute'); "
-        "load = always loaded (to measure a load path, e.g. bench/kv_tiers.py's forced modes).",
+        "load = always loaded (to measure a load path, e.g. bench/kv/kv_tiers.py's forced modes).",
     )
     enable_prefix_caching: bool = Field(DEFAULT_ENABLE_PREFIX_CACHING, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
