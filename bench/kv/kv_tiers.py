@@ -6,7 +6,11 @@ through the whole stack (issue 12's benchmarks).
 
 Part 1, per mode (one stack each; shared/deepinfer/bench/tier_stack.py says which tiers each has):
     recompute   host tier off, store off          host    host tier on, store off
-    store       host tier off, one kvcache shard, store on
+    store       host tier off, one kvcache shard, store on (over the data plane)
+    store-shm   as store, the shard's RAM tier in shared memory (on CUDA: slots DMA'd to the device)
+a mode may end in ":load" (the workers always load what a tier holds: the load path itself, whatever the
+load-or-recompute chooser would say) or ":measured" (the chooser decides at the measured rates; the default,
+--load-choice), e.g. --modes recompute,host:load,store:load,store-shm:load,store:measured,store-shm:measured
 each prompt is sent once (recomputed; in `store` its blocks written behind, waited for), then filler prompts
 evict it from the device pool (made small on purpose: `--pool-prompts` x the longest prompt), then each prompt
 again: TTFT from that tier, the tier that served it (usage.prompt_tokens_details.cached_tokens_by_tier) and
@@ -41,12 +45,19 @@ from deepinfer.bench.tier_stack import (
     WriteBehind,
     host_tier_available,
     load_model,
+    metric_sums,
     pool_blocks,
     start_stack,
+    worker_ports,
 )
 
-TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store"), ("tiers-off", "tiers-on")
-EXPECTED_TIER = {"recompute": "recompute", "host": "host", "store": "store"}
+TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store", "store-shm"), ("tiers-off", "tiers-on")
+EXPECTED_TIER = {"recompute": "recompute", "host": "host", "store": "store", "store-shm": "store"}
+#: What the workers read through shared memory: blocks, of them DMA'd to the device, and fallbacks to the socket.
+SHM_METRICS = ("deepinfer_worker_store_shm_blocks_total", "deepinfer_worker_store_shm_device_blocks_total",
+               "deepinfer_worker_store_shm_fallbacks_total")
+#: A part-1 mode may end in ":load" or ":measured": its workers' kv_load_choice (else --load-choice).
+LOAD_CHOICES = ("measured", "load")
 #: Defaults for the H200 run, and --quick's for a CPU run of a few minutes (the default model).
 DEFAULTS = {"prompt_tokens": "8192,32768", "prompts": 3, "max_tokens": 16, "mt_context_tokens": 2048,
             "mt_turns": 4, "mt_max_tokens": 64, "mt_clients": 4, "mt_pool_tokens": 0}
@@ -67,8 +78,16 @@ def serving(args, plan: StackPlan):
         data_dir.cleanup()
 
 
+def split_mode(mode: str, default_choice: str) -> tuple[str, str]:
+    """"store-shm:load" → ("store-shm", "load"); a mode without a choice takes default_choice."""
+    base, _, choice = mode.partition(":")
+    return base, choice or default_choice
+
+
 def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list]], plan: StackPlan) -> dict:
     """One mode of part 1: per prompt size, first send, fillers, second send."""
+    base, choice = split_mode(mode, args.load_choice)
+    plan = replace(plan, mode=base, load_choice=choice)
     with serving(args, plan) as (stack, client, blocks):
         pool = blocks * model.block_size
         print(f"[{mode}] device pool: {blocks} blocks = {pool} tokens ({plan.kv_cache_bytes / 2**20:.0f} MiB)"
@@ -78,8 +97,12 @@ def tier_point(args, model: Model, mode: str, groups: dict[int, tuple[list, list
         rows = [row for size, (prompts, fillers) in groups.items()
                 for row in tier_rows(args, client, stack.model_name, mode, size, prompts, fillers, pool, writes,
                                      model.block_size)]
+        shm = {name.removeprefix("deepinfer_worker_store_"): int(value)
+               for name, value in metric_sums(worker_ports(stack), SHM_METRICS).items()} if plan.store else {}
+    if shm:
+        print(f"[{mode}] shared memory: {shm}", flush=True)
     return {"mode": mode, "status": "ok", "pool_blocks": blocks, "pool_tokens": pool, "rows": rows,
-            "settings": vars_of(plan)}
+            "settings": vars_of(plan), **({"shared_memory": shm} if shm else {})}
 
 
 def tier_rows(args, client, served: str, mode: str, size: int, prompts: list, fillers: list, pool: int,
@@ -100,9 +123,10 @@ def tier_rows(args, client, served: str, mode: str, size: int, prompts: list, fi
     for index, (messages, (t_first, u_first, text_first)) in enumerate(zip(prompts, first, strict=True)):
         t_again, u_again, text_again = ttft(client, served, messages, args.max_tokens)
         tier = workload.served_tier(u_again["by_tier"], u_again["prompt_tokens"])
+        expected = EXPECTED_TIER[split_mode(mode, "")[0]]
         rows.append({"size": size, "prompt_tokens": u_again["prompt_tokens"], "ttft_first_s": round(t_first, 4),
                      "ttft_again_s": round(t_again, 4), "by_tier_first": u_first["by_tier"],
-                     "by_tier_again": u_again["by_tier"], "served_by": tier, "tier_ok": tier == EXPECTED_TIER[mode],
+                     "by_tier_again": u_again["by_tier"], "served_by": tier, "tier_ok": tier == expected,
                      "same_text": text_first == text_again, "num_fillers": num_fillers,
                      **({"store_write": write_waits[index]} if write_waits else {})})
     return rows
@@ -135,14 +159,14 @@ def vars_of(plan: StackPlan) -> dict:
     return {"kv_cache_bytes": plan.kv_cache_bytes, "max_model_len": plan.max_model_len,
             "host_cache_bytes": plan.host_cache_bytes if plan.host else 0,
             "store_bytes": plan.store_bytes if plan.store else 0, "store_load_timeout_s": plan.load_timeout_s,
-            "env": list(plan.extra_env)}
+            "load_choice": plan.load_choice, "shm": plan.mode == "store-shm", "env": list(plan.extra_env)}
 
 
 def run_part(modes: list[str], point) -> tuple[list[dict], bool]:
     """Each mode's point; a mode whose stack fails is recorded (and makes the run fail), the others still run."""
     points, failed = [], False
     for mode in modes:
-        if mode in ("host",) and not host_tier_available():
+        if mode.partition(":")[0] in ("host",) and not host_tier_available():
             points.append({"mode": mode, "status": "unavailable",
                            "reason": "the workers have no kv_host_cache_bytes setting (host tier not in this tree)"})
             print(f"[{mode}] unavailable: no host tier in this tree", flush=True)
@@ -198,7 +222,8 @@ def build_plans(args, model: Model) -> dict:
         int((args.prompts + args.pool_prompts + 1) * longest), bpt, bs)
     # The shard holds one size's prompts and fillers at once (older ones may go): RAM, and the disk beneath it.
     common = {"host_cache_bytes": host_bytes, "store_bytes": int(1.1 * store_tokens * bpt) + (64 << 20),
-              "load_timeout_s": args.store_load_timeout_s, "extra_env": tuple(args.env)}
+              "load_timeout_s": args.store_load_timeout_s, "extra_env": tuple(args.env),
+              "shm_slot_bytes": -(-bpt * bs // 4096) * 4096}
     part1_len = workload.max_model_len(longest, args.max_tokens, bs)
     for length in (part1_len, mt_len):
         if length > model.max_position_embeddings:
@@ -242,8 +267,8 @@ def main() -> None:
     describe(plans)
     if args.plan_only:
         return
-    tiers, failed_1 = run_part([m for m in modes if m in TIER_MODES], lambda mode: tier_point(
-        args, model, mode, plans["groups"], replace(plans["tiers"], mode=mode)))
+    tiers, failed_1 = run_part([m for m in modes if split_mode(m, "")[0] in TIER_MODES], lambda mode: tier_point(
+        args, model, mode, plans["groups"], plans["tiers"]))
     turns, failed_2 = run_part([m for m in modes if m in MULTI_TURN_MODES], lambda mode: multi_turn_point(
         args, model, mode, replace(plans["multi_turn"], mode=mode), plans["turns"]))
     report(args, device, model, tiers, turns, plans["turns"])
@@ -264,7 +289,7 @@ def tier_summary(points: list[dict]) -> list[dict]:
                     "tier_ok": all(r["tier_ok"] for r in rows), "same_text": all(r["same_text"] for r in rows),
                     "store_writes_complete": all(r["store_write"]["complete"] for r in rows)
                     if "store_write" in rows[0] else None}
-            if point["mode"] == "recompute":
+            if split_mode(point["mode"], "")[0] == "recompute":
                 recompute[size] = line["ttft_again_s"]
             summary.append(line)
     for line in summary:  # against recomputing in the same run (else this mode's own first sends)
@@ -276,10 +301,10 @@ def tier_summary(points: list[dict]) -> list[dict]:
 def print_tiers(args, summary: list[dict], points: list[dict]) -> None:
     """Part 1's table: one row per prompt size and mode."""
     print(f"\nTTFT from each tier: {args.random_model or args.model}, median of {args.prompts} prompts")
-    print(f"{'size':>6} {'mode':>10} {'tokens':>7} {'TTFT 1st':>9} {'TTFT again':>11} {'speedup':>8} "
+    print(f"{'size':>6} {'mode':>18} {'tokens':>7} {'TTFT 1st':>9} {'TTFT again':>11} {'speedup':>8} "
           f"{'served by':>12} {'same text':>10} {'store writes':>13}")
     for s in summary:
-        print(f"{s['size']:>6} {s['mode']:>10} {s['prompt_tokens']:>7} {s['ttft_first_s']:>8.3f}s "
+        print(f"{s['size']:>6} {s['mode']:>18} {s['prompt_tokens']:>7} {s['ttft_first_s']:>8.3f}s "
               f"{s['ttft_again_s']:>10.3f}s {s['speedup_vs_recompute']:>7}x {','.join(s['served_by']):>12} "
               f"{str(s['same_text']):>10} {str(s['store_writes_complete']):>13}")
     for point in points:
@@ -311,6 +336,8 @@ def parse_args() -> argparse.Namespace:
     add_model_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="small sizes: a CPU run of a few minutes")
     parser.add_argument("--modes", default=",".join(TIER_MODES + MULTI_TURN_MODES))
+    parser.add_argument("--load-choice", choices=LOAD_CHOICES, default="measured",
+                        help="the workers' kv_load_choice for part-1 modes without ':load' / ':measured'")
     parser.add_argument("--prompt-tokens", help="comma-separated prompt sizes (default 8192,32768)")
     parser.add_argument("--prompts", type=int, help="prompts per size (default 3)")
     parser.add_argument("--max-tokens", type=int, help="answer tokens of a measured prompt (default 16)")
@@ -336,7 +363,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plan-only", action="store_true", help="print the sizes the run would use, and stop")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/kv-tiers-*.json)")
     args = parser.parse_args()
-    unknown = set(args.modes.split(",")) - set(TIER_MODES + MULTI_TURN_MODES)
+    modes = [split_mode(m, "measured") for m in args.modes.split(",")]
+    unknown = {f"{base}:{choice}" for base, choice in modes
+               if base not in TIER_MODES + MULTI_TURN_MODES or choice not in LOAD_CHOICES}
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(TIER_MODES + MULTI_TURN_MODES)}")
     for key, value in (QUICK if args.quick else DEFAULTS).items():

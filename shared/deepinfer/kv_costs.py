@@ -41,6 +41,9 @@ class KvCosts:
     #: Bytes per second of a load from the host tier / the kvcache store (None: the worker has no such tier).
     host_bytes_per_s: float | None
     store_bytes_per_s: float | None
+    #: kv_load_choice "load": every tier with a rate loads as if free, so whatever a tier holds is loaded (to
+    #: measure a load path, or on hardware whose rates are known to favour loads); the rule above otherwise.
+    always_load: bool = False
 
     def block_recompute_s(self) -> float:
         """Seconds to compute one block's tokens."""
@@ -51,7 +54,9 @@ class KvCosts:
         if tier == DEVICE:
             return 0.0
         rate = {HOST: self.host_bytes_per_s, STORE: self.store_bytes_per_s}[tier]
-        return math.inf if not rate or rate <= 0 else self.kv_bytes_per_block / rate
+        if not rate or rate <= 0:
+            return math.inf
+        return 0.0 if self.always_load else self.kv_bytes_per_block / rate
 
     def worth_loading(self, tier: str) -> bool:
         """Whether a block of `tier` loads at least as fast as it is computed (a tie loads, as in blocks_to_load)."""

@@ -90,11 +90,13 @@ class MeasuredRates:
     #: (tier, "loaded" | "recomputed") → prompt tokens the choices sent that way (plain ints; metrics read them).
     #: Host by the engine thread (HostTier's admission), store by the event loop (StoreTier's): one writer a key.
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: kv_load_choice "load": the costs load whatever a tier holds (KvCosts.always_load); rates still measured.
+    always_load: bool = False
 
     @classmethod
-    def for_device(cls, device_type: str) -> MeasuredRates:
+    def for_device(cls, device_type: str, always_load: bool = False) -> MeasuredRates:
         """Priors for this device type."""
-        return cls(Throughput(prefill_prior(device_type)))
+        return cls(Throughput(prefill_prior(device_type)), always_load=always_load)
 
     def observe_step(self, num_tokens: int, seconds: float, block_size: int) -> None:
         """A step that computed prompt tokens: `num_tokens` batched in `seconds` (short steps are not measured)."""
@@ -114,6 +116,7 @@ class MeasuredRates:
             prefill_tokens_per_s=self.prefill.rate,
             host_bytes_per_s=self.loads[HOST].rate if host else None,
             store_bytes_per_s=self.loads[store_path].rate if store_path is not None else None,
+            always_load=self.always_load,
         )
 
     def decided(self, tier: str, num_loaded_tokens: int, num_recomputed_tokens: int) -> None:

@@ -1,10 +1,14 @@
 """A worker's store gets through a same-host shard's shared memory (deepinfer.kvcache.client.local): byte-identical
 to the data-plane get, with and without receive buffers; never taken for another host id or a shard without the
-region; and a real shard process on nats-server (DEEPINFER_KVCACHE_SHM_RAM) serving through it across kill -9."""
+region; and a real shard process on nats-server (DEEPINFER_KVCACHE_SHM_RAM) serving through it across kill -9.
+The device path's protocol (a region registered once, slots copied to a destination's rows, the seq checked after
+the copy: a rewritten slot is never used; a refused registration reads on the CPU) with numpy stand-ins for CUDA;
+tests/gpu/test_store_shm_dma_gpu.py runs it on a GPU."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -175,4 +179,127 @@ async def test_a_cancelled_get_returns_only_once_its_copy_stopped_writing_the_bu
         assert row.tobytes() == PAYLOADS[0]  # written before the cancelled get returned, never after
     finally:
         proceed.set()
+        await client.close()
+
+
+# -- the device path (a GPU's: deepinfer.engine.slot_dma), here with a registrar and a destination in numpy -------
+class _Registered:
+    """A region 'registered': the slots array the destination copies from."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        self.slots, self.unregistered = slots, False
+
+    def unregister(self) -> None:
+        self.unregistered = True
+
+
+class _Registrar:
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse, self.regions = refuse, []
+
+    def register(self, slots: np.ndarray) -> _Registered | None:
+        if self.refuse:
+            return None
+        self.regions.append(_Registered(slots))
+        return self.regions[-1]
+
+
+class _DeviceRows:
+    """A SlotDestination whose 'device rows' are a numpy array; `after_copy` runs once the copy is done (before
+    the reader's second seq check)."""
+
+    def __init__(self, num_rows: int, after_copy=None) -> None:
+        self.rows = np.zeros((num_rows, SIZE), np.uint8)
+        self.on_device: list[int] = []
+        self.after_copy = after_copy
+
+    async def copy(self, region: _Registered, refs, indexes) -> None:
+        for ref, i in zip(refs, indexes, strict=True):
+            self.rows[i, : ref.size] = region.slots[ref.slot, : ref.size]
+        if self.after_copy is not None:
+            self.after_copy(refs)
+
+
+async def test_a_device_get_copies_slots_to_the_device_rows_and_not_the_host_rows(shard):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    registrar = _Registrar()
+    client.shared_memory.use_device(registrar)
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        assert await client.prepare_shared_memory(LAYOUT) == 1  # mapped and registered before any load
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)
+        device = _DeviceRows(len(HASHES))
+        await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
+        assert sorted(device.on_device) == list(range(len(HASHES)))
+        assert [row.tobytes() for row in device.rows] == PAYLOADS
+        assert not rows.any()  # the CPU never copied them
+        assert client.shared_memory.num_device_blocks == len(HASHES) and client.shared_memory.num_fallbacks == 0
+        assert len(registrar.regions) == 1  # registered once, for every get
+        await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=_DeviceRows(len(HASHES)))
+        assert len(registrar.regions) == 1
+    finally:
+        await client.close()
+    assert registrar.regions[0].unregistered  # before the unmap
+
+
+async def test_a_slot_rewritten_before_the_device_copy_is_checked_is_not_used(shard):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    client.shared_memory.use_device(_Registrar())
+    region = store._ram.region  # the shard's side: rewrite the slot (same bytes, a new seq) under the reader
+
+    def rewrite(refs) -> None:
+        ref = refs[3]
+        region.write(ref.slot, region.view(ref.slot, ref.size).tobytes(), ref.key_digest)
+
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)
+        device = _DeviceRows(len(HASHES), after_copy=rewrite)
+        await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
+        assert device.on_device == []  # nothing of the torn lease is used from the device
+        assert [row.tobytes() for row in rows] == PAYLOADS  # the data plane served them into the host rows
+        assert client.shared_memory.num_fallbacks == 1 and client.shared_memory.num_device_blocks == 0
+    finally:
+        await client.close()
+
+
+async def test_a_region_the_device_refuses_is_read_on_the_cpu(shard):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    client.shared_memory.use_device(_Registrar(refuse=True))
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)
+        device = _DeviceRows(len(HASHES))
+        await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
+        assert device.on_device == [] and [row.tobytes() for row in rows] == PAYLOADS
+        assert client.shared_memory.num_blocks == len(HASHES) and client.shared_memory.num_fallbacks == 0
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+async def test_the_device_paths_checksum_pass_catches_a_slot_corrupted_in_place(shard, verify: bool):
+    store, server, secret = shard
+    client = _client(server, secret, store, host_id=store.host_id)
+    client.shared_memory.use_device(_Registrar(), verify_checksums=verify)
+    try:
+        await client.put(LAYOUT, HASHES, PAYLOADS)
+        region = store._ram.region
+        async with DataPlaneClient(server.address, secret) as plane:
+            lease = await plane.lease_blocks(LAYOUT, HASHES[:1], store.host_id)
+            await plane.release_lease(lease.lease_id)
+        region._mapped.slots[lease.slots[0].slot, 7] ^= 0xFF  # a bit flip in the RAM tier, no seq change
+        rows = np.zeros((len(HASHES), SIZE), np.uint8)
+        device = _DeviceRows(len(HASHES))
+        with contextlib.suppress(DataPlaneError):  # the data plane then refuses the corrupt block, or serves it
+            await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)
+        if verify:  # caught before anything was marked as on the device: the get fell back
+            assert device.on_device == [] and client.shared_memory.num_fallbacks == 1
+        else:  # off (the default): the lease and the seqlock do not see a corruption in place
+            assert sorted(device.on_device) == list(range(len(HASHES)))
+            assert device.rows[0].tobytes() != PAYLOADS[0]
+    finally:
         await client.close()

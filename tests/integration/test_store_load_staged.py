@@ -44,12 +44,15 @@ class Worker:
         self.calls: list[int] = []
         self.refuse_from: int | None = None
 
-    def import_chunk(self, first: int, rows):
+    def import_chunk(self, first: int, rows, device=None):
         def run() -> tuple[bool, None]:
             self.calls.append(first)
             time.sleep(0.01)  # a slow engine thread: the next chunk is received meanwhile
             if self.refuse_from is not None and first >= self.refuse_from:
                 return False, None
+            if device is not None:  # the rows the 'DMA' brought, over the host rows (import_device_rows' twin)
+                positions = list(device.positions)
+                rows[positions] = device.rows[positions]
             import_rows(self.caches, list(range(1 + first, 1 + first + rows.shape[0])), rows, get_ops("cpu"))
             self.imported.append(first)
             return True, None
@@ -123,3 +126,80 @@ async def test_a_request_that_stops_loading_stops_the_load(shard):
     assert worker.imported == [0]
     assert worker.calls == [0, 2]  # no chunk received after the refusal was seen
     assert pool._free.qsize() == 1
+
+
+class _Registered:
+    def __init__(self, slots) -> None:
+        self.slots = slots
+
+    def unregister(self) -> None:
+        pass
+
+
+class _Registrar:
+    def register(self, slots):
+        return _Registered(slots)
+
+
+class CpuSlotCopies:
+    """ChunkSlotCopies' stand-in: the chunk's 'device rows' a CPU tensor, each copy a short wait (a DMA in flight)
+    then a numpy copy out of the mapping; counts the copies in flight at once."""
+
+    in_flight = max_in_flight = 0
+
+    def __init__(self, chunk, positions) -> None:
+        self.chunk, self.positions, self.on_device = chunk, list(positions), []
+        if chunk.device_rows is None:
+            chunk.device_rows = torch.zeros_like(chunk.rows)
+
+    async def copy(self, region, refs, indexes) -> None:
+        CpuSlotCopies.in_flight += 1
+        CpuSlotCopies.max_in_flight = max(CpuSlotCopies.max_in_flight, CpuSlotCopies.in_flight)
+        await asyncio.sleep(0.02)
+        for ref, i in zip(refs, indexes, strict=True):
+            self.chunk.device_rows[self.positions[i], : ref.size] = torch.from_numpy(
+                region.slots[ref.slot, : ref.size].copy())
+        CpuSlotCopies.in_flight -= 1
+
+    def device_rows(self, num_rows: int):
+        from deepinfer.engine import DeviceRows
+
+        if not self.on_device:
+            return None
+        return DeviceRows(self.chunk.device_rows[:num_rows], tuple(self.positions[i] for i in self.on_device))
+
+
+async def test_a_load_to_the_device_overlaps_its_chunks_and_imports_bitwise(shard):
+    source = _caches(seed=6)
+    payloads = export_blocks(source, list(range(1, NUM_BLOCKS + 1)))
+    hashes = [bytes([i + 120]) * 16 for i in range(NUM_BLOCKS)]
+    local = [payloads[i] if i == 4 else None for i in range(NUM_BLOCKS)]  # one held by the host tier
+    await shard.put(LAYOUT, hashes, payloads)
+    shard.shared_memory.use_device(_Registrar())
+    pool = StagingPool(block_nbytes(source), chunk_blocks=3, num_chunks=2, pin=False)
+    worker = Worker(shard, _caches(None), pool)
+    CpuSlotCopies.max_in_flight = 0
+    assert await load_staged(shard, LAYOUT, hashes, local, pool, worker.import_chunk, CpuSlotCopies)
+    assert sorted(worker.imported) == [0, 3, 6, 9]
+    expected = _caches(None)
+    import_blocks(expected, list(range(1, NUM_BLOCKS + 1)), payloads)
+    for got, want in zip(worker.caches, expected, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert pool._free.qsize() == 2
+    shm = shard.shards.live()["s0"].shm
+    assert shard.shared_memory.num_device_blocks == (NUM_BLOCKS - 1 if shm else 0)
+    assert CpuSlotCopies.max_in_flight == (2 if shm else 0)  # a chunk's get while the other's copy ran
+
+
+async def test_a_miss_mid_load_to_the_device_raises_after_every_chunk_in_flight(shard):
+    source = _caches(seed=7)
+    payloads = export_blocks(source, list(range(1, NUM_BLOCKS + 1)))
+    hashes = [bytes([i + 160]) * 16 for i in range(NUM_BLOCKS)]
+    await shard.put(LAYOUT, hashes[:5], payloads[:5])  # the second chunk misses
+    shard.shared_memory.use_device(_Registrar())
+    pool = StagingPool(block_nbytes(source), chunk_blocks=4, num_chunks=2, pin=False)
+    worker = Worker(shard, _caches(None), pool)
+    with pytest.raises(BlockNotFound):
+        await load_staged(shard, LAYOUT, hashes, [None] * NUM_BLOCKS, pool, worker.import_chunk, CpuSlotCopies)
+    assert worker.imported == [0]
+    assert pool._free.qsize() == 2

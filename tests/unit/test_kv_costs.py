@@ -130,3 +130,15 @@ def test_a_workers_metrics_show_the_rates_and_the_decided_tokens():
     assert sample("worker_kv_load_decision_tokens_total", tier=HOST, decision="loaded") == 80
     assert sample("worker_kv_load_decision_tokens_total", tier=STORE, decision="recomputed") == 32
     assert sample("worker_kv_load_decision_tokens_total", tier=STORE, decision="loaded") == 0
+
+
+def test_kv_load_choice_load_loads_whatever_a_tier_holds():
+    slow = MeasuredRates.for_device("cuda", always_load=True)
+    slow.observe_load(STORE, 2 * MIB, 1.0)  # 2 MiB/s: ~1000x slower than computing a block
+    rule = slow.costs(16, 2 * MIB, host=False, store_path=STORE)
+    assert rule.worth_loading(STORE) and not rule.worth_loading(HOST)  # no host tier: still nothing to load
+    assert rule.blocks_to_load([(DEVICE, 3), (HOST, 0), (STORE, 7)]) == 10
+    measured = MeasuredRates.for_device("cuda")
+    measured.observe_load(STORE, 2 * MIB, 1.0)
+    assert measured.costs(16, 2 * MIB, host=False, store_path=STORE).blocks_to_load(
+        [(DEVICE, 3), (HOST, 0), (STORE, 7)]) == 3

@@ -39,3 +39,16 @@ def test_without_the_host_tier_its_setting_is_not_passed(monkeypatch: pytest.Mon
     env = env_of("tiers-on", False, monkeypatch)
     assert not any("HOST_CACHE" in name for name in env)
     assert env["DEEPINFER_DECODE_KV_STORE"] == "true"
+
+
+def test_store_shm_keeps_the_shards_ram_tier_in_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tier_stack, "host_tier_available", lambda: True)
+    plan = StackPlan("store-shm", kv_cache_bytes=1 << 20, max_model_len=1024, host_cache_bytes=4 << 20,
+                     store_bytes=8 << 20, load_timeout_s=60.0, load_choice="load", shm_slot_bytes=64 << 10)
+    env = plan.env(Path("/data"), random_weights=True)
+    assert env["DEEPINFER_KVCACHE_SHM_RAM"] == "true" and env["DEEPINFER_KVCACHE_SHM_SLOT_BYTES"] == str(64 << 10)
+    assert int(env["DEEPINFER_KVCACHE_RAM_BYTES"]) <= 8 << 20  # capped by what /dev/shm has free
+    for role in ("PREFILL", "DECODE"):
+        assert env[f"DEEPINFER_{role}_KV_STORE"] == "true" and env[f"DEEPINFER_{role}_KV_LOAD_CHOICE"] == "load"
+    assert env_of("store", True, monkeypatch)["DEEPINFER_DECODE_KV_LOAD_CHOICE"] == "measured"
+    assert "DEEPINFER_KVCACHE_SHM_RAM" not in env_of("store", True, monkeypatch)

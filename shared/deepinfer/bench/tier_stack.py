@@ -5,12 +5,18 @@ Modes: which tiers are on.
 
     recompute / tiers-off   host tier off, store off (no kvcache shard)
     host                    host tier on, store off
-    store                   host tier off, one kvcache shard, store on
+    store                   host tier off, one kvcache shard, store on (gets over the data plane)
+    store-shm               as store, the shard's RAM tier in shared memory (DEEPINFER_KVCACHE_SHM_RAM): gets
+                            through it, on CUDA slots DMA'd straight to the device (kv_store_shm_dma)
     tiers-on                host tier on (where it exists), one kvcache shard, store on
+
+`load_choice` is every worker's kv_load_choice: "measured" (load or recompute at the measured rates) or "load"
+(always load what a tier holds: the load path measured whatever the chooser would say).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -27,7 +33,7 @@ from deepinfer.config import DecodeSettings, KvCacheSettings, PrefillSettings, W
 
 #: The worker setting of the host tier (bytes of host memory; 0 = off), in main once the host tier is.
 HOST_FIELD = "kv_host_cache_bytes"
-STORE_MODES, HOST_MODES = ("store", "tiers-on"), ("host", "tiers-on")
+STORE_MODES, HOST_MODES, SHM_MODES = ("store", "store-shm", "tiers-on"), ("host", "tiers-on"), ("store-shm",)
 _SAMPLE = re.compile(r"^(\w+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
 
@@ -80,6 +86,8 @@ class StackPlan:
     store_bytes: int  # the shard's RAM and disk capacity
     load_timeout_s: float
     extra_env: tuple[str, ...] = ()  # NAME=VALUE, last
+    load_choice: str = "measured"  # the workers' kv_load_choice
+    shm_slot_bytes: int = 2 << 20  # a block's bytes, page-rounded (store-shm: one block a slot)
 
     @property
     def store(self) -> bool:
@@ -92,7 +100,8 @@ class StackPlan:
     def env(self, data_dir: Path, random_weights: bool) -> dict[str, str]:
         """Every service's environment overrides."""
         worker = {"kv_cache_bytes": self.kv_cache_bytes, "max_model_len": self.max_model_len,
-                  "kv_store": str(self.store).lower(), "kv_store_load_timeout_s": self.load_timeout_s}
+                  "kv_store": str(self.store).lower(), "kv_store_load_timeout_s": self.load_timeout_s,
+                  "kv_load_choice": self.load_choice}
         if host_tier_available():
             worker[HOST_FIELD] = self.host_cache_bytes if self.host else 0
         if random_weights:
@@ -103,7 +112,23 @@ class StackPlan:
         if self.store:
             env |= {env_name(KvCacheSettings, "ram_bytes"): str(self.store_bytes),
                     env_name(KvCacheSettings, "disk_bytes"): str(self.store_bytes)}
+        if self.mode in SHM_MODES:
+            env |= {env_name(KvCacheSettings, "shm_ram"): "true",
+                    env_name(KvCacheSettings, "ram_bytes"): str(shm_ram_bytes(self.store_bytes)),
+                    env_name(KvCacheSettings, "shm_slot_bytes"): str(self.shm_slot_bytes)}
         return env | dict(item.split("=", 1) for item in self.extra_env)
+
+
+def shm_ram_bytes(store_bytes: int, shm_dir: str = "/dev/shm") -> int:
+    """The shared-memory RAM tier: the store's bytes, or 90% of what the tmpfs has free when that is less (a
+    container's /dev/shm may be small; blocks past it are on disk only and are read from there, slower)."""
+    with contextlib.suppress(OSError):
+        free = int(0.9 * shutil.disk_usage(shm_dir).free)
+        if free < store_bytes:
+            print(f"WARNING: {shm_dir} has {free / 2**30:.1f} GiB free for a {store_bytes / 2**30:.1f} GiB "
+                  "shared-memory RAM tier: capped, loads past it come from disk", file=sys.stderr, flush=True)
+            return free
+    return store_bytes
 
 
 def start_stack(plan: StackPlan, model: str, device: str, num_prefill: int, random_weights: bool):

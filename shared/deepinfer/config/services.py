@@ -288,6 +288,11 @@ class WorkerSettings(ServiceSettings):
         "are copied there as they are computed and loaded back instead of recomputed. Unset = 8 GiB on one CUDA "
         "device (at most a quarter of the host memory), off on the CPU and with tensor parallelism; 0 = off.",
     )
+    kv_load_choice: Literal["measured", "load"] = Field(
+        "measured", description="A prompt's prefix held in the host tier or the store: measured = loaded only as far "
+        "as loading beats recomputing it at this worker's measured rates (docs/kvstore.md, 'Load or recompute'); "
+        "load = always loaded (to measure a load path, e.g. bench/kv/kv_tiers.py's forced modes).",
+    )
     enable_prefix_caching: bool = Field(DEFAULT_ENABLE_PREFIX_CACHING, description="Reuse KV blocks of identical prefixes.")
     async_scheduling: bool | None = Field(
         None, description="Prepare step N+1 on the CPU while the device runs step N (see docs/gpu.md); unset = on "
@@ -368,6 +373,16 @@ class WorkerSettings(ServiceSettings):
     )
     kv_store_shard_lease_s: float = Field(
         3.0, gt=0, description="A store shard is dropped after this long without a KvStoreHeartbeat."
+    )
+    kv_store_shm_dma: bool = Field(
+        True, description="On CUDA, copy a same-host shard's shared-memory slots straight to the device (its region "
+        "registered with cudaHostRegister, read-only); off, or where registration fails: copied on the CPU into "
+        "pinned staging first (docs/kvstore.md, 'Same host: the shared-memory RAM tier').",
+    )
+    kv_store_shm_verify_checksums: bool = Field(
+        False, description="Also verify each block's xxh3-64 on the shared-memory DMA path (a CPU read of every "
+        "byte the copy moves: about as long as the copy). Off: the lease and the seqlock still catch a rewritten "
+        "or evicted block; the checksum guards a RAM tier corrupted in place. The CPU path always verifies.",
     )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)

@@ -35,6 +35,7 @@ _EXPORTS = {
     "ExportDeviceKv": "commands",
     "NewStagingPool": "commands",
     "ImportChunk": "commands",
+    "CopySlots": "commands",
     "CompleteLoad": "commands",
     "FailLoad": "commands",
     "PinCached": "commands",
@@ -55,6 +56,7 @@ _EXPORTS = {
     "host_id": "kv_device_transfer",
     "CachedPayloads": "kv_load",
     "StagingPool": "kv_transfer",
+    "DeviceRows": "kv_transfer",
     "block_nbytes": "kv_transfer",
     "ExecutionMode": "execution",
     "StartPhase": "start_progress",
@@ -73,7 +75,9 @@ __all__ = [
     "CompleteLoad",
     "ComputeKv",
     "ContextLengthExceeded",
+    "CopySlots",
     "DEVICE_TIER",
+    "DeviceRows",
     "DeviceTransferError",
     "Engine",
     "EngineArgs",
@@ -119,6 +123,7 @@ if TYPE_CHECKING:
         Abort,
         AddRequest,
         CompleteLoad,
+        CopySlots,
         EngineCommand,
         ExportDeviceKv,
         ExportHeld,
@@ -137,7 +142,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.host_tier import HostTierReport
     from deepinfer.engine.kv_device_transfer import DeviceTransferError, host_id
     from deepinfer.engine.kv_load import CachedPayloads
-    from deepinfer.engine.kv_transfer import StagingPool, block_nbytes
+    from deepinfer.engine.kv_transfer import DeviceRows, StagingPool, block_nbytes
     from deepinfer.engine.outputs import EngineOutput, EngineStats, PromptLogprobs, SampledToken
     from deepinfer.engine.requests import (
         COMPUTE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -70,6 +70,9 @@ class EngineArgs:
     #: Bytes of the host-memory KV tier (pinned on CUDA; deepinfer.engine.host_tier); 0 = off; None = on for one
     #: CUDA device (deepinfer.engine.memory.default_host_tier_bytes), off on the CPU and with tensor parallelism.
     kv_host_cache_bytes: int | None = None
+    #: Load or recompute a cached prefix held in a lower tier: "measured" = whichever is faster at the measured
+    #: rates (deepinfer.kv_costs); "load" = always load what a tier holds (benches measuring a load path).
+    kv_load_choice: Literal["measured", "load"] = "measured"
     enable_prefix_caching: bool = DEFAULT_ENABLE_PREFIX_CACHING
     #: Processes (one per GPU, or CPU processes over gloo) that each hold 1/N of every layer.
     tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from deepinfer.engine.engine import Engine
     from deepinfer.engine.kv_load import CachedPayloads
-    from deepinfer.engine.kv_transfer import StagingPool
+    from deepinfer.engine.kv_transfer import DeviceRows, StagingChunk, StagingPool
     from deepinfer.protocol.kv import KvDeviceExport
 
 T = TypeVar("T")
@@ -107,9 +107,25 @@ class ImportChunk(EngineCommand["tuple[bool, torch.cuda.Event | None]"]):
     first: int
     rows: torch.Tensor
     pool: StagingPool
+    device: DeviceRows | None = None
 
     def apply(self, engine: Engine) -> tuple[bool, torch.cuda.Event | None]:
-        return engine.import_chunk(self.plan, self.first, self.rows, self.pool)
+        return engine.import_chunk(self.plan, self.first, self.rows, self.pool, self.device)
+
+
+@dataclass(frozen=True, slots=True)
+class CopySlots(EngineCommand["torch.cuda.Event"]):
+    """`Engine.copy_slots`."""
+
+    pool: StagingPool
+    chunk: StagingChunk
+    src: torch.Tensor
+    slots: Sequence[int]
+    nbytes: int
+    positions: Sequence[int]
+
+    def apply(self, engine: Engine) -> torch.cuda.Event:
+        return engine.copy_slots(self.pool, self.chunk, self.src, self.slots, self.nbytes, self.positions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,7 @@ class EngineCore:
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         #: Measured prefill and load rates (deepinfer.kv_rates): load-or-recompute at admission, the heartbeat.
-        self.rates = MeasuredRates.for_device(self.device.type)
+        self.rates = MeasuredRates.for_device(self.device.type, always_load=self.args.kv_load_choice == "load")
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model, progress)
             progress.begin("allocating the host KV tier")

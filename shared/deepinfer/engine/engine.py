@@ -39,7 +39,7 @@ from deepinfer.engine.kv_load import (
     pin_cached,
     start_load,
 )
-from deepinfer.engine.kv_transfer import StagingPool, block_nbytes, kv_layout_of
+from deepinfer.engine.kv_transfer import DeviceRows, StagingChunk, StagingPool, block_nbytes, kv_layout_of
 from deepinfer.engine.outputs import EngineOutput, EngineStats
 from deepinfer.engine.requests import (
     Admission,
@@ -50,6 +50,7 @@ from deepinfer.engine.requests import (
     PulledKv,
     StoredKv,
 )
+from deepinfer.engine.slot_dma import copy_slots
 from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
 from deepinfer.kv_costs import KvCosts
@@ -265,11 +266,18 @@ class Engine:
         """A new pool of staging rows for store loads, pinned on CUDA (allocate once, at start)."""
         return new_staging_pool(self.core.runner.kv_caches)
 
-    def import_chunk(self, plan: LoadPlan, first: int, rows: torch.Tensor,
-                     pool: StagingPool) -> tuple[bool, torch.cuda.Event | None]:
-        """Write verified rows into the plan's blocks [first, first + len(rows)); (False, None) when the request no
-        longer loads or they do not fit, else (True, the event after which the rows may be reused)."""
-        return import_chunk(self.core, plan, first, rows, pool)
+    def import_chunk(self, plan: LoadPlan, first: int, rows: torch.Tensor, pool: StagingPool,
+                     device: DeviceRows | None = None) -> tuple[bool, torch.cuda.Event | None]:
+        """Write verified rows into the plan's blocks [first, first + len(rows)) (`device`: some of them are on the
+        chunk's device side already); (False, None) when the request no longer loads or they do not fit, else
+        (True, the event after which the rows may be reused)."""
+        return import_chunk(self.core, plan, first, rows, pool, device)
+
+    def copy_slots(self, pool: StagingPool, chunk: StagingChunk, src: torch.Tensor, slots: Sequence[int],
+                   nbytes: int, positions: Sequence[int]) -> torch.cuda.Event:
+        """CUDA: copy registered shared-memory slots into a staging chunk's device rows on the pool's copy stream
+        (deepinfer.engine.slot_dma); the event after which they are there."""
+        return copy_slots(pool, chunk, src, slots, nbytes, positions, self.core.runner.kv_caches[0].device)
 
     def complete_load(self, plan: LoadPlan, num_host_blocks: int = 0) -> bool:
         """Every chunk was imported: the blocks are cached and the request runs; False when it was aborted."""

@@ -23,7 +23,15 @@ import torch
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.host_tier import HostTier
-from deepinfer.engine.kv_transfer import StagingPool, block_nbytes, export_blocks, import_blocks, import_rows
+from deepinfer.engine.kv_transfer import (
+    DeviceRows,
+    StagingPool,
+    block_nbytes,
+    export_blocks,
+    import_blocks,
+    import_device_rows,
+    import_rows,
+)
 from deepinfer.engine.requests import EngineRequest, LoadPlan
 from deepinfer.kernels.torch_block_copy import layer_table
 
@@ -73,20 +81,23 @@ def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes], num
     return True
 
 
-def import_chunk(core: EngineCore, plan: LoadPlan, first: int, rows: torch.Tensor, pool: StagingPool) -> tuple[
-        bool, torch.cuda.Event | None]:
+def import_chunk(core: EngineCore, plan: LoadPlan, first: int, rows: torch.Tensor, pool: StagingPool,
+                 device: DeviceRows | None = None) -> tuple[bool, torch.cuda.Event | None]:
     """Write rows (verified payloads, in staging) into the plan's blocks [first, first + len(rows)): one
-    import_rows (O(1) launches). (False, None) when the request no longer loads (aborted: its blocks may belong to
-    another request now; nothing is written) or the rows do not fit; else (True, the event after which the rows
-    may be reused)."""
+    import_rows (O(1) launches); with `device` (CUDA: some rows were copied to the chunk's device side from
+    shared memory) import_device_rows. (False, None) when the request no longer loads (aborted: its blocks may
+    belong to another request now; nothing is written) or the rows do not fit; else (True, the event after which
+    the rows may be reused)."""
     if plan.request_id not in core.scheduler.loading:
         return False, None
     kv_caches = core.runner.kv_caches
     if pool.layers is None:
         pool.layers = layer_table(kv_caches)
+    block_ids = plan.block_ids[first : first + rows.shape[0]]
     try:
-        return True, import_rows(kv_caches, plan.block_ids[first : first + rows.shape[0]], rows, core.ops,
-                                 pool.layers)
+        if device is not None:
+            return True, import_device_rows(kv_caches, block_ids, rows, device, core.ops, pool.layers)
+        return True, import_rows(kv_caches, block_ids, rows, core.ops, pool.layers)
     except ValueError as exc:
         log.warning("store payloads for %s do not fit (%s): recomputing", plan.request_id, exc)
         return False, None

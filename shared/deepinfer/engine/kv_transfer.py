@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from deepinfer.kernels.torch_block_copy import LayerTable
 from deepinfer.protocol.kv import KvLayout
 
 __all__ = [
+    "DeviceRows",
     "LayoutMismatch",
     "StagingChunk",
     "StagingPool",
@@ -44,6 +46,7 @@ __all__ = [
     "check_layout",
     "export_blocks",
     "import_blocks",
+    "import_device_rows",
     "import_rows",
     "kv_layout_of",
 ]
@@ -197,6 +200,45 @@ def import_rows(
     return event
 
 
+@dataclass(frozen=True)
+class DeviceRows:
+    """A chunk whose rows are partly on the device already: `rows` [n, block_nbytes] uint8 on the device (the
+    chunk's device side), `positions` the rows copied there from shared memory (checked); the others are in the
+    host rows and go up with the import."""
+
+    rows: torch.Tensor
+    positions: tuple[int, ...]
+
+
+def import_device_rows(
+    kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], host_rows: torch.Tensor, device: DeviceRows,
+    ops: KernelOps, table: LayerTable | None = None,
+) -> torch.cuda.Event:
+    """import_rows for a chunk part of which is on the device (CUDA): the host rows not in device.positions copied
+    up into the device rows (one non_blocking copy per run, from pinned memory), then one ops.scatter_blocks of
+    every layer from the device rows, all on the current stream; the event after which both sides may be reused."""
+    first = _check_caches(kv_caches)
+    nbytes, n = block_nbytes(kv_caches), len(block_ids)
+    for name, rows in (("host rows", host_rows), ("device rows", device.rows)):
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (n, nbytes):
+            raise ValueError(f"{name} must be [{n}, {nbytes}] uint8, got {tuple(rows.shape)} {rows.dtype}")
+    if device.rows.device != first.device or any(not 0 <= p < n for p in device.positions):
+        raise ValueError(f"device rows on {device.rows.device} at {device.positions} for {n} blocks on {first.device}")
+    ids = torch.tensor(_check_block_ids(first, block_ids, unique=True), dtype=torch.long)
+    on_device = set(device.positions)
+    start = None
+    for i in range(n + 1):  # runs of host rows: [start, i)
+        if i < n and i not in on_device:
+            start = i if start is None else start
+        elif start is not None:
+            device.rows[start:i].copy_(host_rows[start:i], non_blocking=True)
+            start = None
+    ops.scatter_blocks(device.rows, kv_caches, ids.pin_memory().to(first.device, non_blocking=True), table)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class StagingChunk:
     """chunk_blocks rows of one block each: `rows` [chunk_blocks, block nbytes] uint8, and one writable
     memoryview per row (what a get receives into)."""
@@ -207,6 +249,9 @@ class StagingChunk:
         self.views = [memoryview(flat[i]) for i in range(rows.shape[0])]
         #: Set by the last import from these rows (CUDA): the rows are reused only once it has completed.
         self.done: torch.cuda.Event | None = None
+        #: The chunk's device side (CUDA, allocated by the engine thread at the first copy of shared-memory slots
+        #: straight to the device: deepinfer.engine.slot_dma); `done` covers it too.
+        self.device_rows: torch.Tensor | None = None
 
 
 class StagingPool:
@@ -228,6 +273,20 @@ class StagingPool:
                 prefault(rows.data_ptr(), rows.numel())
             self._free.put_nowait(StagingChunk(rows))
         self.layers: LayerTable | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+
+    def device_rows(self, chunk: StagingChunk, device: torch.device) -> torch.Tensor:
+        """Engine thread: the chunk's device rows [chunk_blocks, block_nbytes] (allocated at first use)."""
+        if chunk.device_rows is None:
+            chunk.device_rows = torch.empty(tuple(chunk.rows.shape), dtype=torch.uint8, device=device)
+        return chunk.device_rows
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """Engine thread: the stream shared-memory slots are copied to device rows on (never the compute stream:
+        a step does not wait for these copies)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._copy_stream
 
     async def acquire(self) -> StagingChunk:
         """A free chunk (waits for one), its last import from it complete."""

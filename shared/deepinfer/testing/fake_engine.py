@@ -56,9 +56,9 @@ class ScriptedEngine:
 
 class AdmissionRecorder:
     """The engine as the worker's store tier uses it, both its front door and its thread: reads (block size,
-    fingerprint, layout id "layout", prefix hints: `cached` = (device, host) leading blocks, none by default; the
-    measured `rates`, the CPU's priors until a test sets them) and `call(command)`, which applies the command to
-    this object at once. Each admitted request's id goes to `added` and its KV source to `kv_sources`; it is
+    fingerprint, layout id "layout", a CPU `device`, prefix hints: `cached` = (device, host) leading blocks, none
+    by default; the measured `rates`, the CPU's priors until a test sets them) and `call(command)`, which applies
+    the command to this object at once. Each admitted request's id goes to `added` and its KV source to `kv_sources`; it is
     computed, never loaded."""
 
     def __init__(self, block_size: int, fingerprint: bytes, has_host_tier: bool = False,
@@ -67,6 +67,7 @@ class AdmissionRecorder:
         self.kv_layout = SimpleNamespace(layout_id=lambda: "layout")
         self.kv_bytes_per_block, self.cached = kv_bytes_per_block, cached
         self.rates = MeasuredRates.for_device("cpu")
+        self.device = SimpleNamespace(type="cpu")  # the store tier copies slots to the device only on CUDA
         self.added: list[str] = []
         self.kv_sources: dict[str, KvSource] = {}
 

@@ -31,6 +31,7 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_bytes=int(settings.kv_cache_bytes) if settings.kv_cache_bytes is not None else None,
         kv_host_cache_bytes=None if settings.kv_host_cache_bytes is None else int(settings.kv_host_cache_bytes),
+        kv_load_choice=settings.kv_load_choice,
         enable_prefix_caching=settings.enable_prefix_caching,
         async_scheduling=settings.async_scheduling,
         prefill_chunk_s=worker_prefill_chunk_s(settings),

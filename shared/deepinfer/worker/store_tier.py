@@ -43,6 +43,7 @@ from deepinfer.engine import (
     AddRequest,
     Admission,
     CompleteLoad,
+    DeviceRows,
     Engine,
     EngineOutput,
     EngineRequest,
@@ -56,12 +57,15 @@ from deepinfer.engine import (
     Stored,
     StoredKv,
 )
+from deepinfer.engine.kv_transfer import StagingChunk
+from deepinfer.engine.slot_dma import CudaRegistrar
 from deepinfer.hashing import hash_blocks
 from deepinfer.kv_costs import DEVICE, HOST, STORE
 from deepinfer.kv_rates import STORE_SHM
 from deepinfer.kvcache.client import KvStoreClient
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
+from deepinfer.worker.slot_copies import ChunkSlotCopies
 from deepinfer.worker.store_lookup import StoreLookups
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,11 @@ class StoreTier:
         self._writing = False
         self._writer: asyncio.Task[None] | None = None
         self._staging: StagingPool | None = None
+        #: On CUDA, same-host shared-memory slots are copied straight to the device (kv_store_shm_dma); the
+        #: region is mapped and registered once, in the background, at the first admission that sees it.
+        self._prepare: asyncio.Task[int] | None = None
+        if settings.kv_store_shm_dma and engine.device.type == "cuda":
+            client.shared_memory.use_device(CudaRegistrar(engine.device), settings.kv_store_shm_verify_checksums)
         self._metrics(registry)
         #: The admission lookups, coalesced: requests that arrive together ask in one round trip.
         self.lookups = StoreLookups(client, self.layout_id, settings.kv_store_lookup_timeout_s, self.m_lookups,
@@ -111,7 +120,10 @@ class StoreTier:
                                     "Blocks read from a same-host shard's shared memory (not the socket).")
         self.m_shm_fallbacks = counter(registry, "worker_store_shm_fallbacks",
                                        "Same-host gets that fell back from shared memory to the data plane.")
-        self._shm_counted = (0, 0)
+        self.m_shm_device_blocks = counter(registry, "worker_store_shm_device_blocks",
+                                           "Of those, blocks copied straight to the device (DMA from the "
+                                           "registered region, never through the CPU).")
+        self._shm_counted = (0, 0, 0)
         self.m_load_s = histogram(registry, "worker_store_load_seconds", "A load: get and import of its blocks.")
         self.m_written_blocks = counter(registry, "worker_store_written_blocks", "Blocks written behind.")
         self.m_written_bytes = counter(registry, "worker_store_written_bytes", "Bytes written behind.")
@@ -137,10 +149,11 @@ class StoreTier:
         """Stop writing behind (what is queued is dropped) and looking up (waiting admissions: misses); close
         the client."""
         await self.lookups.close()
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        for task in (self._writer, self._prepare):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self.client.close()
 
     # -- admission ----------------------------------------------------------------------------------------------
@@ -162,6 +175,9 @@ class StoreTier:
         num_local = num_device + num_host
         beyond = hashes[num_local:]
         path = self.store_path()
+        if path == STORE_SHM and self._prepare is None and self.client.shared_memory.registrar is not None:
+            self._prepare = asyncio.create_task(self.client.prepare_shared_memory(self.layout_id),
+                                                name="store-shm-register")
         costs = self.engine.kv_costs(path)
         if beyond and len(beyond) * self.block_size < self.settings.kv_store_min_lookup_tokens:
             self.m_lookups_skipped.inc()  # recomputing this little costs less than asking
@@ -199,12 +215,17 @@ class StoreTier:
         missing = [h for h, payload in zip(hashes, local, strict=True) if payload is None]
         pool = self._staging_pool()
 
-        def import_into(first: int, rows) -> Awaitable[tuple[bool, object]]:
-            return self.engine_loop.call(ImportChunk(plan, first, rows, pool))
+        def import_into(first: int, rows, device: DeviceRows | None = None) -> Awaitable[tuple[bool, object]]:
+            return self.engine_loop.call(ImportChunk(plan, first, rows, pool, device))
+
+        def to_device(chunk: StagingChunk, positions: Sequence[int]) -> ChunkSlotCopies:
+            return ChunkSlotCopies(self.engine_loop, pool, chunk, positions)
 
         try:
-            imported = await asyncio.wait_for(load_staged(self.client, self.layout_id, hashes, local, pool,
-                                                          import_into), self.settings.kv_store_load_timeout_s)
+            imported = await asyncio.wait_for(
+                load_staged(self.client, self.layout_id, hashes, local, pool, import_into,
+                            to_device if self.client.shared_memory.registrar is not None else None),
+                self.settings.kv_store_load_timeout_s)
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
             self._count_shared_memory()
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
@@ -228,10 +249,11 @@ class StoreTier:
     def _count_shared_memory(self) -> None:
         """Bring the shared-memory counters up to the client's totals (loads may overlap: deltas, not values)."""
         reads = self.client.shared_memory
-        blocks, fallbacks = self._shm_counted
+        blocks, fallbacks, device_blocks = self._shm_counted
         self.m_shm_blocks.inc(reads.num_blocks - blocks)
         self.m_shm_fallbacks.inc(reads.num_fallbacks - fallbacks)
-        self._shm_counted = (reads.num_blocks, reads.num_fallbacks)
+        self.m_shm_device_blocks.inc(reads.num_device_blocks - device_blocks)
+        self._shm_counted = (reads.num_blocks, reads.num_fallbacks, reads.num_device_blocks)
 
     def _staging_pool(self) -> StagingPool:
         """The loads' staging (allocated by start(); here for a tier never started)."""
@@ -328,54 +350,87 @@ async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvSto
 
 async def load_staged(
     client: KvStoreClient, layout_id: str, hashes: Sequence[bytes], local: Sequence[bytes | None],
-    pool: StagingPool, import_chunk: Callable[[int, object], Awaitable[tuple[bool, object]]],
+    pool: StagingPool, import_chunk: Callable[..., Awaitable[tuple[bool, object]]],
+    to_device: Callable[[StagingChunk, Sequence[int]], ChunkSlotCopies] | None = None,
 ) -> bool:
     """Load blocks chunk by chunk through the pool: blocks in `local` (host-tier payloads) are copied into the
     chunk's rows, the others received into them (client.get, every checksum verified), then
     `import_chunk(first, rows)` (the engine thread: (imported, done event)) runs while the next chunk arrives.
+    With `to_device` (CUDA, a registrar on the client: `to_device(chunk, rows)` the chunk's SlotDestination),
+    blocks of same-host shared-memory shards go straight to the chunk's device rows instead, and the import is
+    `import_chunk(first, rows, device_rows)`; the chunks' gets then overlap too (as many as the pool lends: one
+    chunk's lease and checks while another's DMA runs; the copies queue on one stream).
     False when a chunk was not imported (the request left the loading state): stop, nothing more is written.
     Raises what client.get raises; every import already issued is waited for first (its chunk goes back to the
     pool only once its rows are read), so nothing writes the blocks after this returns."""
     imports: list[asyncio.Task[bool]] = []
 
-    async def run_import(chunk, first: int, num_rows: int) -> bool:
+    async def run_import(chunk, first: int, num_rows: int, device: DeviceRows | None) -> bool:
         done = None
         try:
-            imported, done = await import_chunk(first, chunk.rows[:num_rows])
+            if device is None:
+                imported, done = await import_chunk(first, chunk.rows[:num_rows])
+            else:
+                imported, done = await import_chunk(first, chunk.rows[:num_rows], device)
             return imported
         finally:
             pool.release(chunk, done)
+
+    async def receive_and_import(chunk, first: int, num_rows: int) -> bool:
+        try:
+            device = await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
+                                          local[first : first + num_rows], chunk, num_rows, to_device)
+        except BaseException:
+            pool.release(chunk)
+            raise  # a get's error: raised once every chunk in flight is done
+        try:
+            return await run_import(chunk, first, num_rows, device)
+        except Exception:
+            return False  # an import that failed, as below: the load is not complete
 
     try:
         for first in range(0, len(hashes), pool.chunk_blocks):
             num_rows = min(pool.chunk_blocks, len(hashes) - first)
             chunk = await pool.acquire()
             if any(t.done() and (t.exception() is not None or not t.result()) for t in imports):
-                pool.release(chunk)  # an import refused (the request left) or failed: no more gets
+                pool.release(chunk)  # an import refused (the request left) or failed, or a get failed: stop
                 break
+            if to_device is not None:
+                imports.append(asyncio.create_task(receive_and_import(chunk, first, num_rows)))
+                continue
             try:
-                await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
-                                     local[first : first + num_rows], chunk.views[:num_rows])
+                device = await _receive_chunk(client, layout_id, hashes[first : first + num_rows],
+                                              local[first : first + num_rows], chunk, num_rows, to_device)
             except BaseException:
                 pool.release(chunk)
                 raise
-            imports.append(asyncio.create_task(run_import(chunk, first, num_rows)))
+            imports.append(asyncio.create_task(run_import(chunk, first, num_rows, device)))
     finally:
         results = await asyncio.gather(*imports, return_exceptions=True)
+    for result in results if to_device is not None else ():
+        if isinstance(result, BaseException):  # a get's (receive_and_import turns an import's into False)
+            raise result
     return len(imports) * pool.chunk_blocks >= len(hashes) and all(r is True for r in results)
 
 
 async def _receive_chunk(client: KvStoreClient, layout_id: str, hashes: Sequence[bytes],
-                         local: Sequence[bytes | None], views: list[memoryview]) -> None:
-    """Fill one chunk's rows: host-tier payloads copied, the rest received from the store."""
+                         local: Sequence[bytes | None], chunk: StagingChunk, num_rows: int,
+                         to_device: Callable[[StagingChunk, Sequence[int]], ChunkSlotCopies] | None,
+                         ) -> DeviceRows | None:
+    """Fill one chunk's rows: host-tier payloads copied, the rest received from the store (with `to_device`,
+    those of same-host shared-memory shards copied to the chunk's device rows: then what the import needs)."""
+    views = chunk.views[:num_rows]
     fetch = [i for i, payload in enumerate(local) if payload is None]
     for i, payload in enumerate(local):
         if payload is not None:
             if memoryview(payload).nbytes != views[i].nbytes:
                 raise ValueError(f"host payload of {memoryview(payload).nbytes} bytes, rows of {views[i].nbytes}")
             views[i][:] = memoryview(payload).cast("B")
-    if fetch:
-        await client.get(layout_id, [hashes[i] for i in fetch], into=[views[i] for i in fetch])
+    if not fetch:
+        return None
+    device = None if to_device is None else to_device(chunk, fetch)
+    await client.get(layout_id, [hashes[i] for i in fetch], into=[views[i] for i in fetch], device=device)
+    return None if device is None else device.device_rows(num_rows)
 
 
 def cached_tokens_by_tier(output: EngineOutput) -> dict[str, int]:

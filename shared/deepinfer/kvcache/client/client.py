@@ -29,7 +29,7 @@ from deepinfer.dataplane import DataPlaneClient, DataPlaneConnectionError, DataP
 from deepinfer.dataplane.blocking import BlockingPutClient
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.host_identity import host_id as this_host_id
-from deepinfer.kvcache.client.local import SharedMemoryReads
+from deepinfer.kvcache.client.local import SharedMemoryReads, SlotDestination
 from deepinfer.kvcache.client.shards import Shard, ShardSet
 from deepinfer.kvcache.rendezvous import group_by_shard
 from deepinfer.protocol import KvStoreHeartbeat
@@ -87,8 +87,7 @@ class KvStoreClient:
         """True when every live shard is on this host with its RAM tier in shared memory: gets skip the socket
         (unless one falls back)."""
         shards = self.shards.live().values()
-        host_id = self.shared_memory.host_id
-        return bool(shards) and all(s.shm and s.host_id and s.host_id == host_id for s in shards)
+        return bool(shards) and all(self._same_host_shm(s) for s in shards)
 
     async def has(self, layout_id: str, block_hashes: Sequence[bytes], connection: str = "read") -> list[bool]:
         """One flag per block: held by its shard. A shard that fails answers False for its blocks. `connection`
@@ -106,12 +105,17 @@ class KvStoreClient:
         return present
 
     async def get(self, layout_id: str, block_hashes: Sequence[bytes],
-                  into: Sequence[memoryview] | None = None) -> list[BytesLike]:
+                  into: Sequence[memoryview] | None = None,
+                  device: SlotDestination | None = None) -> list[BytesLike]:
         """The blocks' payloads, in order, every checksum verified; raises (BlockNotFound, DataPlaneError,
         StoreUnavailable) unless every block was served. `into`: one writable buffer per block (e.g. staging
-        rows) that it is received into, uncopied; after an error they hold unverified bytes."""
+        rows) that it is received into, uncopied; after an error they hold unverified bytes. `device` (with
+        `into`; a worker on CUDA): blocks of same-host shared-memory shards may be copied straight to the
+        device instead (their indexes in device.on_device; their `into` buffers are then left unwritten)."""
         if into is not None and len(into) != len(block_hashes):
             raise ValueError(f"{len(into)} buffers for {len(block_hashes)} blocks")
+        if device is not None and into is None:
+            raise ValueError("a get to the device needs into (the rows of the blocks that do not go there)")
         payloads: list[BytesLike | None] = [None] * len(block_hashes)
         groups = self._groups(block_hashes)
         if block_hashes and not groups:
@@ -120,7 +124,7 @@ class KvStoreClient:
         async def fetch(shard: Shard, indexes: list[int]) -> None:
             client, hashes = self._client(shard, "read"), [block_hashes[i] for i in indexes]
             buffers = None if into is None else [into[i] for i in indexes]
-            blocks = await self._shared_memory_get(shard, client, layout_id, hashes, buffers)
+            blocks = await self._shared_memory_get(shard, client, layout_id, hashes, buffers, device, indexes)
             if blocks is None:
                 blocks = await client.get_blocks("", block_hashes=hashes, layout_id=layout_id, into=buffers)
             for i, block in zip(indexes, blocks, strict=True):
@@ -155,13 +159,26 @@ class KvStoreClient:
         self._raise_first(list(groups), results, fail_quietly=False)
         return len(block_hashes)
 
+    async def prepare_shared_memory(self, layout_id: str) -> int:
+        """Map (and, on a GPU, register) the region of every live same-host shared-memory shard now, ahead of
+        the first load (SharedMemoryReads.prepare); how many are registered. Failures are left to the loads."""
+        shards = [s for s in self.shards.live().values() if self._same_host_shm(s)]
+        results = await asyncio.gather(*(self.shared_memory.prepare(self._client(s, "read"), layout_id)
+                                         for s in shards), return_exceptions=True)
+        return sum(r is True for r in results)
+
+    def _same_host_shm(self, shard: Shard) -> bool:
+        return bool(shard.shm and shard.host_id and shard.host_id == self.shared_memory.host_id)
+
     async def _shared_memory_get(self, shard: Shard, client: DataPlaneClient, layout_id: str,
-                                 block_hashes: list[bytes], into: list[memoryview] | None) -> list[BytesLike] | None:
+                                 block_hashes: list[bytes], into: list[memoryview] | None,
+                                 device: SlotDestination | None = None,
+                                 indexes: list[int] | None = None) -> list[BytesLike] | None:
         """The blocks through shared memory when the shard is on this host and leases them; else None."""
-        if not (shard.shm and shard.host_id and shard.host_id == self.shared_memory.host_id):
+        if not self._same_host_shm(shard):
             return None
         try:
-            return await self.shared_memory.get(client, layout_id, block_hashes, into)
+            return await self.shared_memory.get(client, layout_id, block_hashes, into, device, indexes)
         except DataPlaneConnectionError:
             raise  # the shard is gone: the data plane would fail too
         except Exception as exc:  # refused, not in shared memory, torn: the data plane serves them

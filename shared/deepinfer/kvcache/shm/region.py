@@ -209,13 +209,24 @@ class SlotReader:
         Raises TornRead when the slot no longer holds the leased block, ChecksumError when the copy's xxh3-64
         is not the block's; dst then holds garbage.
         """
+        self.check(ref)
+        np.copyto(dst, self._mapped.slots[ref.slot, :ref.size])
+        self.check(ref, "was rewritten during the copy")
+        if checksum(dst) != ref.checksum:
+            raise ChecksumError(f"slot {ref.slot}: checksum mismatch")
+
+    def check(self, ref: SlotRef, what: str = "no longer holds the leased block") -> None:
+        """The seqlock's test, either side of a copy: TornRead unless the slot still holds the leased block under
+        the leased seq (a copy between two passing checks read exactly that block; the DMA path copies in
+        between)."""
         header = self._mapped.headers[ref.slot]
         if int(header[SEQ]) != ref.seq or int(header[SIZE]) != ref.size or int(header[KEY_DIGEST]) != ref.key_digest:
-            raise TornRead(f"slot {ref.slot} no longer holds the leased block")
-        np.copyto(dst, self._mapped.slots[ref.slot, :ref.size])
-        if int(header[SEQ]) != ref.seq:
-            raise TornRead(f"slot {ref.slot} was rewritten during the copy")
-        if checksum(dst) != ref.checksum:
+            raise TornRead(f"slot {ref.slot} {what}")
+
+    def verify(self, ref: SlotRef) -> None:
+        """ChecksumError unless the slot's bytes hash to the leased checksum (read in place: the DMA path's
+        optional xxh3 pass; only meaningful between two passing `check`s)."""
+        if checksum(self._mapped.slots[ref.slot, :ref.size]) != ref.checksum:
             raise ChecksumError(f"slot {ref.slot}: checksum mismatch")
 
     def close(self) -> None:
