@@ -7,6 +7,7 @@ serves that chunk, and the torn device rows never reach the cache."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -66,8 +67,10 @@ class _EngineThread:
         return copy_slots(pool, chunk, src, slots, nbytes, positions, DEVICE)
 
 
-@pytest.fixture
-async def shard(tmp_path):
+@contextlib.asynccontextmanager
+async def _shard(tmp_path):
+    """A KvStore with its RAM tier in /dev/shm behind a data-plane server, and a client that knows it (the GPU tier
+    runs without pytest-asyncio: each test drives its own loop)."""
     nbytes = block_nbytes(_caches(None))
     secret = generate_secret()
     store = KvStore(
@@ -114,64 +117,72 @@ async def _load(client: KvStoreClient, hashes, target, engine: _EngineThread, co
     return loaded
 
 
-async def test_a_dma_load_writes_exactly_the_data_plane_blocks(shard):
-    store, server, secret, client = shard
-    source = _caches(seed=1)
-    ids = list(range(1, NUM_BLOCKS + 1))
-    payloads, hashes = export_blocks(source, ids), [i.to_bytes(16, "little") for i in ids]
-    await client.put(LAYOUT, hashes, payloads)
-    client.shared_memory.use_device(CudaRegistrar(DEVICE))
-    assert await client.prepare_shared_memory(LAYOUT) == 1, "cudaHostRegister (read-only | portable) refused"
-    engine, target = _EngineThread(), _caches(None)
-    assert await _load(client, hashes, target, engine)
-    assert client.shared_memory.num_device_blocks == NUM_BLOCKS and client.shared_memory.num_fallbacks == 0
-    assert engine.num_copies == 3  # one CopySlots per chunk
-    async with DataPlaneClient(server.address, secret) as plane:  # the data-plane get of the same blocks
-        over_socket = await plane.get_blocks("", block_hashes=hashes, layout_id=LAYOUT)
-    expected = _caches(None)
-    import_blocks(expected, ids, over_socket)
-    torch.cuda.synchronize()
-    for a, b in zip(target, expected, strict=True):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    region = next(iter(client.shared_memory._regions.values())).registered.result()
-    assert isinstance(region, RegisteredSlots) and region.registered
-    await client.close()
-    assert not region.registered  # unregistered (then unmapped) when the client closed
+def test_a_dma_load_writes_exactly_the_data_plane_blocks(tmp_path):
+    asyncio.run(_dma_load_writes_exactly_the_data_plane_blocks(tmp_path))
 
 
-async def test_a_slot_rewritten_before_the_check_is_not_used(shard):
-    store, server, secret, client = shard
-    source = _caches(seed=2)
-    ids = list(range(1, NUM_BLOCKS + 1))
-    payloads, hashes = export_blocks(source, ids), [i.to_bytes(16, "little") for i in ids]
-    await client.put(LAYOUT, hashes, payloads)
-    client.shared_memory.use_device(CudaRegistrar(DEVICE))
-    region = store._ram.region  # the shard's side of the region
+async def _dma_load_writes_exactly_the_data_plane_blocks(tmp_path):
+    async with _shard(tmp_path) as (store, server, secret, client):
+        source = _caches(seed=1)
+        ids = list(range(1, NUM_BLOCKS + 1))
+        payloads, hashes = export_blocks(source, ids), [i.to_bytes(16, "little") for i in ids]
+        await client.put(LAYOUT, hashes, payloads)
+        client.shared_memory.use_device(CudaRegistrar(DEVICE))
+        assert await client.prepare_shared_memory(LAYOUT) == 1, "cudaHostRegister (read-only | portable) refused"
+        engine, target = _EngineThread(), _caches(None)
+        assert await _load(client, hashes, target, engine)
+        assert client.shared_memory.num_device_blocks == NUM_BLOCKS and client.shared_memory.num_fallbacks == 0
+        assert engine.num_copies == 3  # one CopySlots per chunk
+        async with DataPlaneClient(server.address, secret) as plane:  # the data-plane get of the same blocks
+            over_socket = await plane.get_blocks("", block_hashes=hashes, layout_id=LAYOUT)
+        expected = _caches(None)
+        import_blocks(expected, ids, over_socket)
+        torch.cuda.synchronize()
+        for a, b in zip(target, expected, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        region = next(iter(client.shared_memory._regions.values())).registered.result()
+        assert isinstance(region, RegisteredSlots) and region.registered
+        await client.close()
+        assert not region.registered  # unregistered (then unmapped) when the client closed
 
-    class TornOnce(ChunkSlotCopies):
-        """The second chunk's slot 0 is rewritten (same bytes, a new seq) after its copy completed, and the device
-        rows are scribbled as a torn DMA would leave them: neither may reach the cache."""
 
-        calls = 0
-        torn = False
+def test_a_slot_rewritten_before_the_check_is_not_used(tmp_path):
+    asyncio.run(_slot_rewritten_before_the_check_is_not_used(tmp_path))
 
-        async def copy(self, registered, refs, indexes) -> None:
-            await super().copy(registered, refs, indexes)
-            TornOnce.calls += 1
-            if TornOnce.calls == 2:
-                TornOnce.torn = True
-                ref = refs[0]
-                region.write(ref.slot, region.view(ref.slot, ref.size).tobytes(), ref.key_digest)
-                self.chunk.device_rows.fill_(0x7F)
-                torch.cuda.synchronize()
 
-    engine, target = _EngineThread(), _caches(None)
-    assert await _load(client, hashes, target, engine, copies=TornOnce)
-    assert TornOnce.torn
-    assert client.shared_memory.num_fallbacks == 1  # that chunk came over the data plane
-    assert client.shared_memory.num_device_blocks == NUM_BLOCKS - 8
-    for a, b in zip(target, source, strict=True):
-        assert torch.equal(a[:, 1:].view(torch.int16), b[:, 1:].view(torch.int16))
+async def _slot_rewritten_before_the_check_is_not_used(tmp_path):
+    async with _shard(tmp_path) as (store, server, secret, client):
+        source = _caches(seed=2)
+        ids = list(range(1, NUM_BLOCKS + 1))
+        payloads, hashes = export_blocks(source, ids), [i.to_bytes(16, "little") for i in ids]
+        await client.put(LAYOUT, hashes, payloads)
+        client.shared_memory.use_device(CudaRegistrar(DEVICE))
+        region = store._ram.region  # the shard's side of the region
+
+        class TornOnce(ChunkSlotCopies):
+            """The second chunk's slot 0 is rewritten (same bytes, a new seq) after its copy completed, and the device
+            rows are scribbled as a torn DMA would leave them: neither may reach the cache."""
+
+            calls = 0
+            torn = False
+
+            async def copy(self, registered, refs, indexes) -> None:
+                await super().copy(registered, refs, indexes)
+                TornOnce.calls += 1
+                if TornOnce.calls == 2:
+                    TornOnce.torn = True
+                    ref = refs[0]
+                    region.write(ref.slot, region.view(ref.slot, ref.size).tobytes(), ref.key_digest)
+                    self.chunk.device_rows.fill_(0x7F)
+                    torch.cuda.synchronize()
+
+        engine, target = _EngineThread(), _caches(None)
+        assert await _load(client, hashes, target, engine, copies=TornOnce)
+        assert TornOnce.torn
+        assert client.shared_memory.num_fallbacks == 1  # that chunk came over the data plane
+        assert client.shared_memory.num_device_blocks == NUM_BLOCKS - 8
+        for a, b in zip(target, source, strict=True):
+            assert torch.equal(a[:, 1:].view(torch.int16), b[:, 1:].view(torch.int16))
 
 
 def test_a_region_registers_read_only_and_copies_slots_bitwise():
