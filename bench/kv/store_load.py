@@ -171,8 +171,8 @@ async def _run(args, address: str, paths: list[str]) -> dict:
     caches, engine = _caches(args.blocks), EngineThread()
     pool = None
     if "staged" in paths:
+        from deepinfer.engine.kv_load import LOAD_CHUNKS
         from deepinfer.engine.kv_transfer import StagingPool
-        from deepinfer.worker.store_tier import LOAD_CHUNKS
 
         pool = StagingPool(block_nbytes, args.chunk_blocks, num_chunks=LOAD_CHUNKS, pin=False)
     rows: dict[str, list[dict]] = {p: [] for p in paths}

@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 #: each receiving one chunk while the engine thread imports its previous one).
 LOAD_CHUNK_BYTES = 32 << 20
 LOAD_CHUNKS = 4
+#: On CUDA: a chunk is also one lease and one DMA of same-host shared-memory slots, whose fixed cost (a lease /
+#: release round trip, two engine-thread calls) 32 MiB chunks did not amortise: `bench/kv/kv_shm.py --device cuda
+#: --blocks 1024` on an H200 gave 22.8 / 36.7 / 41.4 GB/s at 16 / 64 / 128 blocks of 2 MiB a chunk, against 55 GB/s
+#: for a pinned copy_ (docs/kvstore.md). 4 chunks: 512 MiB pinned, and as much device memory once a DMA runs.
+LOAD_CHUNK_BYTES_CUDA = 128 << 20
 
 
 def start_load(core: EngineCore, request: EngineRequest, num_stored_blocks: int) -> LoadPlan | None:
@@ -60,9 +65,10 @@ def start_load(core: EngineCore, request: EngineRequest, num_stored_blocks: int)
 
 
 def new_staging_pool(kv_caches: Sequence[torch.Tensor]) -> StagingPool:
-    """LOAD_CHUNKS chunks of LOAD_CHUNK_BYTES of these caches' blocks, pinned when the caches are on CUDA."""
-    nbytes = block_nbytes(kv_caches)
-    return StagingPool(nbytes, max(1, LOAD_CHUNK_BYTES // nbytes), LOAD_CHUNKS, pin=kv_caches[0].device.type == "cuda")
+    """LOAD_CHUNKS chunks of LOAD_CHUNK_BYTES (LOAD_CHUNK_BYTES_CUDA on CUDA, pinned) of these caches' blocks."""
+    nbytes, cuda = block_nbytes(kv_caches), kv_caches[0].device.type == "cuda"
+    chunk_bytes = LOAD_CHUNK_BYTES_CUDA if cuda else LOAD_CHUNK_BYTES
+    return StagingPool(nbytes, max(1, chunk_bytes // nbytes), LOAD_CHUNKS, pin=cuda)
 
 
 def finish_load(core: EngineCore, plan: LoadPlan, payloads: Sequence[bytes], num_host_blocks: int = 0) -> bool:
