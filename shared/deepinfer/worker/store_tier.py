@@ -59,7 +59,7 @@ from deepinfer.engine import (
 from deepinfer.hashing import hash_blocks
 from deepinfer.kv_costs import DEVICE, HOST, STORE
 from deepinfer.kv_rates import STORE_SHM
-from deepinfer.kvcache.client import KvStoreClient
+from deepinfer.kvcache.client import KvStoreClient, KvTransport
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.store_lookup import StoreLookups
@@ -321,7 +321,8 @@ async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvSto
     knows the shards by the time it serves)."""
     secret = settings.common.data_plane_secret
     client = KvStoreClient(secret.get_secret_value() if secret else None, settings.kv_store_load_timeout_s,
-                           settings.kv_store_shard_lease_s)
+                           settings.kv_store_shard_lease_s, transport=KvTransport(settings.kv_transport),
+                           transfer_engine_host=settings.data_plane_host)
     await client.start(bus)
     return client
 

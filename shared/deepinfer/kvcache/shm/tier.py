@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.frames import BytesLike, RemoteRegion
 from deepinfer.kvcache.shm.region import SlotRef, SlotRegion, key_digest, round_up
 
 #: A block's identity in the store: (layout_id, block_hash) (the store's `ram.Key`; not imported: the store
@@ -49,6 +49,8 @@ class SlotLease:
     lease_id: str
     region_path: str
     refs: list[SlotRef]
+    #: For a transfer-engine reader on another host: where the region is in the shard's engine (None: same host).
+    remote_region: RemoteRegion | None = None
 
 
 class ShmRamTier:
