@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepinfer.dataplane import DataPlaneAuthError, DataPlaneClient, DataPlaneError, generate_secret
+from deepinfer.dataplane import (
+    ChecksumError,
+    DataPlaneAuthError,
+    DataPlaneClient,
+    DataPlaneError,
+    generate_secret,
+)
 from deepinfer.dataplane.frames import LeaseVia
 from deepinfer.dataplane.transfer_engine import Transfer, TransferEngine, TransferFailed, availability
 from deepinfer.kvcache.client import KvStoreClient, KvTransport
@@ -192,6 +198,29 @@ async def test_a_peer_never_told_a_lease_gets_nothing(shard, engine):
         assert not dst.any()
     finally:
         await client.close()
+
+
+async def test_a_slot_overwritten_through_the_engine_is_served_by_no_path(shard, engine):
+    """The TE has no authentication: a peer that reaches it can write registered memory. The readers' checksums
+    (from the shard's index, not the region) stop such bytes on both paths."""
+    te = _client(shard, KvTransport.MOONCAKE)
+    try:
+        await te.put(LAYOUT, HASHES[:1], PAYLOADS[:1])
+        async with DataPlaneClient(shard.address, shard.secret) as plane:
+            lease = await plane.lease_blocks(LAYOUT, HASHES[:1], "", via=LeaseVia.TRANSFER_ENGINE)
+            await plane.release_lease(lease.lease_id)
+        region, grant = lease.remote_region, lease.slots[0]
+        assert region is not None
+        garbage = np.frombuffer(os.urandom(SIZE), np.uint8).copy()
+        engine.register_buffer(garbage)
+        engine.write(region.session_id, [Transfer(garbage.ctypes.data,
+                                                  region.slots_address + grant.slot * region.slot_bytes, SIZE)])
+        engine.unregister(garbage.ctypes.data)
+        with pytest.raises(ChecksumError):  # the TE read fails its checksum; the data-plane get is refused too
+            await te.get(LAYOUT, HASHES[:1])
+        assert te.transfer_engine.num_fallbacks == 1 and te.transfer_engine.num_blocks == 0
+    finally:
+        await te.close()
 
 
 async def test_without_the_engine_on_the_shard_the_data_plane_serves(tmp_path, engine):
