@@ -157,12 +157,6 @@ class TransferEngine:
         if code != 0:
             raise TransferFailed(f"unregistering {address:#x} failed (code {code})")
 
-    def is_registered(self, address: int, length: int) -> bool:
-        """[address, address + length) lies inside one registered range."""
-        with self._lock:
-            return any(start <= address and address + length <= start + size
-                       for start, size in self._registered.items())
-
     # -- transfers ----------------------------------------------------------------------------------------------
     def read(self, session_id: str, transfers: Sequence[Transfer]) -> None:
         """Copy each transfer's remote bytes (the peer's registered memory) to its local address; blocks."""
