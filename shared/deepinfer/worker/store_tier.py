@@ -125,6 +125,7 @@ class StoreTier:
         one-time allocation kept off the event loop and off the first load), then start the write-behind task."""
         if self._staging is None:
             self._staging = await self.engine_loop.call(NewStagingPool())
+        self.client.transfer_engine.register_ranges(self._staging.host_ranges)  # when (if) its engine starts
         self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
 
     async def flush(self, timeout_s: float) -> None:

@@ -47,6 +47,7 @@ class TransferEngineReads:
                  engine: TransferEngine | None = None) -> None:
         self.hostname, self.protocol = hostname, protocol
         self._engine = engine
+        self._ranges: list[tuple[int, int]] = []  # registered with the engine when it starts
         #: Blocks read through the transfer engine, and gets that fell back to the data plane.
         self.num_blocks = 0
         self.num_fallbacks = 0
@@ -54,13 +55,24 @@ class TransferEngineReads:
     def engine(self) -> TransferEngine:
         """The engine (started now if need be); raises TransferEngineUnavailable when it cannot load here."""
         if self._engine is None:
-            self._engine = TransferEngine.shared(self.hostname, self.protocol)
+            engine = TransferEngine.shared(self.hostname, self.protocol)
+            for address, length in self._ranges:
+                engine.register(address, length)
+            self._engine = engine
         return self._engine
 
+    def register_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """(address, length) ranges the gets will land in (the staging rows: once), registered with the engine
+        now if it runs, else when it starts (a worker that never reads through it opens no ports). RDMA reads
+        only into registered memory; TCP reads anywhere."""
+        self._ranges += ranges
+        if self._engine is not None:
+            for address, length in ranges:
+                self._engine.register(address, length)
+
     def register(self, buffer) -> None:
-        """Register memory the gets will land in (the staging rows, once): RDMA reads only into registered
-        memory (TCP reads anywhere)."""
-        self.engine().register_buffer(buffer)
+        """Register a buffer the gets will land in (as register_ranges)."""
+        self.register_ranges([buffer_address(buffer)])
 
     async def get(self, client: DataPlaneClient, layout_id: str, block_hashes: Sequence[bytes],
                   into: Sequence[memoryview] | None) -> list[BytesLike]:
