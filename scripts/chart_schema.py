@@ -140,6 +140,8 @@ def build_schema() -> dict:
             "kvcache": _component("kvcache", {
                 "enabled": {"type": "boolean"}, "replicas": replicas,
                 "storage": _obj({"size": {"type": "string"}, "storageClassName": {"type": "string"}}),
+                "transferEnginePorts": _obj({"min": {"type": "integer", "minimum": 1024, "maximum": 65535},
+                                             "max": {"type": "integer", "minimum": 1024, "maximum": 65535}}),
             }),
             "podDisruptionBudget": _obj({"enabled": {"type": "boolean"}, "minAvailable": {"type": "integer"}}),
             "autoscaling": _obj({

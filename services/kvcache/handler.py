@@ -1,7 +1,8 @@
 """A kvcache store shard. What it does:
 
     data plane                 get / put / has by (layout_id, hash) ──► KvStore (RAM, then disk; docs/kvstore.md)
-                               lease / release (shm_ram): a worker on this host reads the RAM tier's shared memory
+                               lease / release (shm_ram): a worker on this host reads the RAM tier's shared memory;
+                               with transfer_engine, a worker on any host copies it through Mooncake Transfer Engine
     di.kvcache.<shard>.lookup  KvLookupRequest ──► KvLookupReply (has, under the request's layout)
     every maintenance interval expire → one compaction step → publish what was stored / expired / evicted
                                (one KvStoreEventBatch per layout on di.kvcache.events.<shard>, seq +1 each)
@@ -23,6 +24,7 @@ from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import KvCacheSettings
 from deepinfer.dataplane import DataPlaneServer
+from deepinfer.dataplane.transfer_engine import TransferEngine
 from deepinfer.kvcache.store import KvStore, StoreEvent, StoreEventKind, StoreSettings
 from deepinfer.protocol import KvLookupReply, KvLookupRequest, KvStoreEventBatch, KvStoreHeartbeat
 from deepinfer.service import ServiceContext
@@ -76,6 +78,11 @@ class KvCacheHandler:
             secret=secret.get_secret_value() if secret else None,
         )
         await self.data_plane.start()
+        if self.settings.transfer_engine:  # registers the region: leases via the engine name its addresses
+            engine = await asyncio.to_thread(TransferEngine.shared, self.settings.data_plane_host,
+                                             self.settings.transfer_engine_protocol)
+            self.store.serve_transfer_engine(engine)
+            log.info("transfer engine %s (%s) serves the RAM tier", engine.session_id, engine.protocol)
 
     async def start(self) -> None:
         """Answer lookups; heartbeat now and then every interval; start the maintenance loop."""
@@ -138,6 +145,7 @@ class KvCacheHandler:
             ram_capacity_bytes=int(self.settings.ram_bytes), disk_bytes=stats.disk_live_bytes,
             disk_capacity_bytes=int(self.settings.disk_bytes), draining=self.draining, ts=time.time(),
             host_id=self.store.host_id, shm=self.store.shm_enabled,
+            transfer_engine=self.store.transfer_engine_enabled,
         )
         await self.bus.publish(subjects.kvcache_heartbeat(self.shard), beat)
         self.num_heartbeats += 1

@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from deepinfer import subjects
@@ -384,6 +384,12 @@ class WorkerSettings(ServiceSettings):
         "byte the copy moves: about as long as the copy). Off: the lease and the seqlock still catch a rewritten "
         "or evicted block; the checksum guards a RAM tier corrupted in place. The CPU path always verifies.",
     )
+    kv_transport: Literal["auto", "dataplane", "mooncake"] = Field(
+        "auto", description="How store gets move their bytes: auto = a same-host shard's shared memory, a shard on "
+        "another host through Mooncake Transfer Engine when it serves one and the library loads here, else the "
+        "data plane; dataplane = always the data plane; mooncake = the transfer engine for every shard that "
+        "serves one, this host's too (docs/kvstore.md, \"Worker settings\"). Any failure: the data plane.",
+    )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
     _block_size = field_validator("block_size")(_power_of_two)
@@ -468,10 +474,24 @@ class KvCacheSettings(ServiceSettings):
     shm_slot_bytes: ByteSize = Field(
         ByteSize(2 << 20), ge=4096, description="One shared-memory slot; a larger block is kept on disk only.",
     )
+    transfer_engine: bool = Field(
+        False, description="Serve the shared-memory RAM tier (needs shm_ram) to workers on other hosts through "
+        "Mooncake Transfer Engine, named data_plane_host; the `transfer-engine` extra and libibverbs1 "
+        "(docs/dataplane.md, \"Transfer engine\": any process that reaches its ports can read the tier).",
+    )
+    transfer_engine_protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="The transfer engine's transport: tcp, or rdma where the hosts have RDMA NICs."
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Seconds between KvStoreHeartbeat messages.")
     maintenance_interval_s: float = Field(
         2.0, gt=0, description="Seconds between expiry sweeps, compaction steps and event publishes."
     )
+
+    @model_validator(mode="after")
+    def _transfer_engine_needs_shm(self) -> KvCacheSettings:
+        if self.transfer_engine and not self.shm_ram:
+            raise ValueError("transfer_engine serves the shared-memory RAM tier: it needs shm_ram")
+        return self
 
     @field_validator("shard")
     @classmethod

@@ -30,6 +30,7 @@ from deepinfer.dataplane.frames import (
     FrameHeader,
     FrameLimits,
     FrameOp,
+    LeaseVia,
     byte_view,
     check_checksums,
     checksum,
@@ -174,16 +175,21 @@ class DataPlaneClient(PeerConnection):
             present.extend(reply.present)
         return present
 
-    async def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str) -> FrameHeader:
-        """Lease the blocks' slots in the peer's shared-memory region (a peer on this host: `host_id` is ours);
-        the reply carries `lease_id`, `region_path` and one `slots` grant per hash. Raises like get_blocks, and
-        DataPlaneError when the peer has no region or is on another host. Release with release_lease."""
+    async def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str,
+                           via: LeaseVia = LeaseVia.SHARED_MEMORY) -> FrameHeader:
+        """Lease the blocks' slots in the peer's shared-memory region (a peer on this host: `host_id` is ours;
+        `via=TRANSFER_ENGINE`: a peer anywhere that serves its region to transfer engines); the reply carries
+        `lease_id`, `region_path`, one `slots` grant per hash and, via a transfer engine, `remote_region`.
+        Raises like get_blocks, and DataPlaneError when the peer has no region, is on another host, or runs
+        no transfer engine. Release with release_lease."""
         hashes = [bytes(h) for h in block_hashes]
         request = FrameHeader(op=FrameOp.LEASE, correlation_id=self._new_correlation_id(), layout_id=layout_id,
-                              block_hashes=hashes, host_id=host_id)
+                              block_hashes=hashes, host_id=host_id, via=via)
         reply, _ = await self._request(request, [], None)
         if len(reply.slots) != len(hashes) or not reply.lease_id or not reply.region_path:
             raise DataPlaneError(f"{self.address} answered a lease of {len(reply.slots)} slots for {len(hashes)}")
+        if via == LeaseVia.TRANSFER_ENGINE and reply.remote_region is None:
+            raise DataPlaneError(f"{self.address} answered a transfer-engine lease without its remote region")
         return reply
 
     async def release_lease(self, lease_id: str) -> None:

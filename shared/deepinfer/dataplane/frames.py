@@ -23,7 +23,7 @@ from deepinfer.dataplane.buffers import block_buffer
 from deepinfer.dataplane.errors import ChecksumError, FrameError, FrameTooLarge
 from deepinfer.dataplane.stream import BlockStream
 from deepinfer.protocol.base import Message, ProtocolError
-from deepinfer.protocol.types import BlockHash, NonNegativeInt
+from deepinfer.protocol.types import BlockHash, NonNegativeInt, PositiveInt
 
 #: Anything with the buffer protocol that the data plane accepts as block bytes.
 BytesLike = bytes | bytearray | memoryview
@@ -77,6 +77,28 @@ class SlotGrant(Message):
     key_digest: int = Field(ge=0, lt=1 << 64)
 
 
+class LeaseVia(StrEnum):
+    """How a lease's reader copies the slots: from its own mapping of the region (same host), or with a
+    transfer engine from the provider's registered memory (another host; deepinfer.dataplane.transfer_engine)."""
+
+    SHARED_MEMORY = "shm"
+    TRANSFER_ENGINE = "transfer_engine"
+
+
+class RemoteRegion(Message):
+    """Where a lease's slots are for a transfer-engine reader: the provider's engine session and the addresses
+    of its region's slot headers and slots in that process (slot i's header at headers_address + 32 i, its
+    bytes at slots_address + slot_bytes i; deepinfer.kvcache.shm.region). Told only in a lease reply, on an
+    authenticated connection."""
+
+    kind = "dataplane_remote_region"
+
+    session_id: str = Field(min_length=1)
+    headers_address: PositiveInt
+    slots_address: PositiveInt
+    slot_bytes: PositiveInt
+
+
 class FrameHeader(Message):
     """The msgpack header of one frame; the payload's block sizes and checksums ride in it."""
 
@@ -105,6 +127,10 @@ class FrameHeader(Message):
     lease_id: str = ""
     region_path: str = ""
     slots: list[SlotGrant] = Field(default_factory=list)
+    #: lease: how the reader copies (a transfer engine from another host: no host id check); the reply's
+    #: remote region when it is a transfer engine.
+    via: LeaseVia = LeaseVia.SHARED_MEMORY
+    remote_region: RemoteRegion | None = None
 
     @model_validator(mode="after")
     def _counts_agree(self) -> FrameHeader:

@@ -18,6 +18,7 @@ from deepinfer.dataplane.frames import (
     FrameHeader,
     FrameLimits,
     FrameOp,
+    LeaseVia,
     SlotGrant,
     byte_view,
     check_checksums,
@@ -269,12 +270,14 @@ class DataPlaneServer:
         lease_blocks = getattr(self.provider, "lease_blocks", None)
         if lease_blocks is None:
             raise DataPlaneError("this peer leases no shared memory")
+        via = {} if request.via == LeaseVia.SHARED_MEMORY else {"via": request.via}  # older providers: no `via`
         lease = await call_provider(lease_blocks, layout_id=request.layout_id, block_hashes=request.block_hashes,
-                                    host_id=request.host_id)
+                                    host_id=request.host_id, **via)
         slots = [SlotGrant(slot=r.slot, seq=r.seq, size=r.size, checksum=r.checksum, key_digest=r.key_digest)
                  for r in lease.refs]
         return FrameHeader(op=FrameOp.REPLY, correlation_id=cid, lease_id=lease.lease_id,
-                           region_path=lease.region_path, slots=slots)
+                           region_path=lease.region_path, slots=slots, via=request.via,
+                           remote_region=getattr(lease, "remote_region", None))
 
     async def _get(self, request: FrameHeader) -> tuple[FrameHeader, list[memoryview]]:
         ids, hashes = request.block_ids, request.block_hashes

@@ -267,11 +267,14 @@ class StagingPool:
             raise ValueError("block_nbytes, chunk_blocks and num_chunks must be positive")
         self.block_nbytes, self.chunk_blocks = block_nbytes, chunk_blocks
         self._free: asyncio.Queue[StagingChunk] = asyncio.Queue()
+        #: (address, length) of every chunk's rows: what a transfer engine registers once to read into them.
+        self.host_ranges: list[tuple[int, int]] = []
         for _ in range(num_chunks):
             rows = torch.empty((chunk_blocks, block_nbytes), dtype=torch.uint8, pin_memory=pin)
             if not pin:
                 prefault(rows.data_ptr(), rows.numel())
             self._free.put_nowait(StagingChunk(rows))
+            self.host_ranges.append((rows.data_ptr(), rows.numel()))
         self.layers: LayerTable | None = None
         self._copy_stream: torch.cuda.Stream | None = None
 

@@ -47,6 +47,9 @@ class KvStoreHeartbeat(Message):
     #: slots over the data plane and read them from shared memory (docs/kvstore.md; empty from older shards).
     host_id: str = ""
     shm: bool = False
+    #: Workers on any host may lease its RAM tier's slots and copy them with a transfer engine (the engine's
+    #: session and the addresses are told only in the lease reply, on the authenticated data plane).
+    transfer_engine: bool = False
     #: Unix seconds on the shard's clock.
     ts: float
 

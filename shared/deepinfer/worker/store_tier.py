@@ -62,7 +62,7 @@ from deepinfer.engine.slot_dma import CudaRegistrar
 from deepinfer.hashing import hash_blocks
 from deepinfer.kv_costs import DEVICE, HOST, STORE
 from deepinfer.kv_rates import STORE_SHM
-from deepinfer.kvcache.client import KvStoreClient
+from deepinfer.kvcache.client import KvStoreClient, KvTransport
 from deepinfer.telemetry import counter, gauge, histogram
 from deepinfer.worker.engine_loop import EngineLoop
 from deepinfer.worker.slot_copies import ChunkSlotCopies
@@ -137,6 +137,7 @@ class StoreTier:
         one-time allocation kept off the event loop and off the first load), then start the write-behind task."""
         if self._staging is None:
             self._staging = await self.engine_loop.call(NewStagingPool())
+        self.client.transfer_engine.register_ranges(self._staging.host_ranges)  # when (if) its engine starts
         self._writer = asyncio.create_task(self._write_loop(), name="store-write-behind")
 
     async def flush(self, timeout_s: float) -> None:
@@ -343,7 +344,8 @@ async def start_store_client(settings: WorkerSettings, bus: MessageBus) -> KvSto
     knows the shards by the time it serves)."""
     secret = settings.common.data_plane_secret
     client = KvStoreClient(secret.get_secret_value() if secret else None, settings.kv_store_load_timeout_s,
-                           settings.kv_store_shard_lease_s)
+                           settings.kv_store_shard_lease_s, transport=KvTransport(settings.kv_transport),
+                           transfer_engine_host=settings.data_plane_host)
     await client.start(bus)
     return client
 

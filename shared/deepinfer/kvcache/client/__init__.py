@@ -3,5 +3,6 @@ batched has / get / put over the data plane (docs/kvstore.md, "Workers")."""
 
 from deepinfer.kvcache.client.client import KvStoreClient, StoreUnavailable
 from deepinfer.kvcache.client.shards import Shard, ShardSet
+from deepinfer.kvcache.client.transport import KvTransport
 
-__all__ = ["KvStoreClient", "Shard", "ShardSet", "StoreUnavailable"]
+__all__ = ["KvStoreClient", "KvTransport", "Shard", "ShardSet", "StoreUnavailable"]

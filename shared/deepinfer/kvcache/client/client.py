@@ -9,7 +9,9 @@ that rendezvous hashing of its hash picks among the live shards (deepinfer.kvcac
          caller's buffers (write-behind: views of pinned host slots) to the kernel, no copy, not on the loop
 
 A shard on this host whose RAM tier is shared memory (its heartbeat: our host id, `shm`) serves a get through the
-mapping instead of the socket (deepinfer.kvcache.client.local), falling back to the data-plane get on any failure.
+mapping instead of the socket (deepinfer.kvcache.client.local); a shard on another host that serves its RAM tier to
+transfer engines (`transfer_engine`) through Mooncake Transfer Engine (deepinfer.kvcache.client.remote). Which one
+is `transport` (deepinfer.kvcache.client.transport); any failure falls back to the data-plane get.
 
 A shard that is down, slow or gone turns its blocks into misses for `has` (never an error); `get` is all or
 nothing like the data plane and raises, so the caller recomputes. Methods run on the event loop.
@@ -28,9 +30,12 @@ from deepinfer.bus import MessageBus, Subscriptions
 from deepinfer.dataplane import DataPlaneClient, DataPlaneConnectionError, DataPlaneError
 from deepinfer.dataplane.blocking import BlockingPutClient
 from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.transfer_engine import TransferEngineUnavailable
 from deepinfer.host_identity import host_id as this_host_id
 from deepinfer.kvcache.client.local import SharedMemoryReads, SlotDestination
+from deepinfer.kvcache.client.remote import TransferEngineReads
 from deepinfer.kvcache.client.shards import Shard, ShardSet
+from deepinfer.kvcache.client.transport import KvTransport, LeasedReads, path_for
 from deepinfer.kvcache.rendezvous import group_by_shard
 from deepinfer.protocol import KvStoreHeartbeat
 
@@ -48,7 +53,8 @@ class KvStoreClient:
     """Client of every live store shard; `start(bus)` follows their heartbeats."""
 
     def __init__(self, secret: str | bytes | None, timeout_s: float, shard_lease_s: float,
-                 shards: ShardSet | None = None, host_id: str | None = None) -> None:
+                 shards: ShardSet | None = None, host_id: str | None = None,
+                 transport: KvTransport = KvTransport.AUTO, transfer_engine_host: str = "127.0.0.1") -> None:
         self.secret = secret
         self.timeout_s = timeout_s
         self.shards = shards or ShardSet(shard_lease_s)
@@ -58,6 +64,10 @@ class KvStoreClient:
         self._subscriptions: Subscriptions | None = None
         #: Gets from shards on this host (`host_id`: this machine's unless a test says otherwise).
         self.shared_memory = SharedMemoryReads(this_host_id() if host_id is None else host_id)
+        #: Gets from shards that serve a transfer engine (`transfer_engine_host`: how peers reach this host).
+        self.transport = KvTransport(transport)
+        self.transfer_engine = TransferEngineReads(transfer_engine_host)
+        self._transfer_engine_error = "" if self.transport != KvTransport.DATAPLANE else "not used"
 
     async def start(self, bus: MessageBus) -> None:
         """Follow the shards' heartbeats on di.kvcache.heartbeat.*."""
@@ -78,6 +88,7 @@ class KvStoreClient:
             putter.close()
         self._put_threads.shutdown(wait=False, cancel_futures=True)
         self.shared_memory.close()
+        self.transfer_engine.close()
 
     def has_shards(self) -> bool:
         """True while at least one shard is live."""
@@ -124,7 +135,7 @@ class KvStoreClient:
         async def fetch(shard: Shard, indexes: list[int]) -> None:
             client, hashes = self._client(shard, "read"), [block_hashes[i] for i in indexes]
             buffers = None if into is None else [into[i] for i in indexes]
-            blocks = await self._shared_memory_get(shard, client, layout_id, hashes, buffers, device, indexes)
+            blocks = await self._leased_get(shard, client, layout_id, hashes, buffers, device, indexes)
             if blocks is None:
                 blocks = await client.get_blocks("", block_hashes=hashes, layout_id=layout_id, into=buffers)
             for i, block in zip(indexes, blocks, strict=True):
@@ -168,22 +179,39 @@ class KvStoreClient:
         return sum(r is True for r in results)
 
     def _same_host_shm(self, shard: Shard) -> bool:
-        return bool(shard.shm and shard.host_id and shard.host_id == self.shared_memory.host_id)
+        """Whether gets from `shard` go through its shared memory (kv_transport and host identity, path_for)."""
+        return self.reads_for(shard) is self.shared_memory
 
-    async def _shared_memory_get(self, shard: Shard, client: DataPlaneClient, layout_id: str,
-                                 block_hashes: list[bytes], into: list[memoryview] | None,
-                                 device: SlotDestination | None = None,
-                                 indexes: list[int] | None = None) -> list[BytesLike] | None:
-        """The blocks through shared memory when the shard is on this host and leases them; else None."""
-        if not self._same_host_shm(shard):
+    def reads_for(self, shard: Shard) -> LeasedReads | None:
+        """The leased-slot path a get from `shard` takes first (None: the data-plane get)."""
+        path = path_for(self.transport, shard, self.shared_memory.host_id, not self._transfer_engine_error)
+        if path == "shm":
+            return self.shared_memory
+        return self.transfer_engine if path == "transfer_engine" else None
+
+    async def _leased_get(self, shard: Shard, client: DataPlaneClient, layout_id: str,
+                          block_hashes: list[bytes], into: list[memoryview] | None,
+                          device: SlotDestination | None = None,
+                          indexes: list[int] | None = None) -> list[BytesLike] | None:
+        """The blocks through a leased-slot path (shared memory, straight to the device when `device` is given;
+        the transfer engine); None: not taken or failed, the data plane serves them."""
+        reads = self.reads_for(shard)
+        if reads is None:
             return None
         try:
-            return await self.shared_memory.get(client, layout_id, block_hashes, into, device, indexes)
+            if reads is self.shared_memory:
+                return await reads.get(client, layout_id, block_hashes, into, device, indexes)
+            return await reads.get(client, layout_id, block_hashes, into)
         except DataPlaneConnectionError:
             raise  # the shard is gone: the data plane would fail too
-        except Exception as exc:  # refused, not in shared memory, torn: the data plane serves them
-            self.shared_memory.num_fallbacks += 1
-            log.debug("kvcache shard %s: shared-memory get fell back to the data plane: %r", shard.name, exc)
+        except TransferEngineUnavailable as exc:  # once: the library does not load in this process
+            self._transfer_engine_error = str(exc)
+            log.warning("kvcache gets take the data plane: %s", exc)
+            return None
+        except Exception as exc:  # refused, not held in slots, torn, a transfer error: the data plane serves them
+            reads.num_fallbacks += 1
+            log.debug("kvcache shard %s: %s get fell back to the data plane: %r", shard.name,
+                      type(reads).__name__, exc)
             return None
 
     # -- internals ----------------------------------------------------------------------------------------------

@@ -12,14 +12,15 @@ from deepinfer.protocol import KvStoreHeartbeat
 
 @dataclass(frozen=True)
 class Shard:
-    """One store shard: its name, where its data plane listens, and whether its RAM tier is shared memory on
-    host `host_id`."""
+    """One store shard: its name, where its data plane listens, whether its RAM tier is shared memory on
+    host `host_id`, and whether it serves that memory to transfer engines (readers on other hosts)."""
 
     name: str
     data_plane_address: str
     last_seen_s: float
     host_id: str = ""
     shm: bool = False
+    transfer_engine: bool = False
 
 
 class ShardSet:
@@ -37,7 +38,8 @@ class ShardSet:
         if beat.draining:
             self._shards.pop(beat.shard, None)
             return
-        self._shards[beat.shard] = Shard(beat.shard, beat.data_plane_address, self._clock(), beat.host_id, beat.shm)
+        self._shards[beat.shard] = Shard(beat.shard, beat.data_plane_address, self._clock(), beat.host_id, beat.shm,
+                                         beat.transfer_engine)
 
     def forget(self, name: str) -> None:
         """Drop a shard now (its data plane refused us); its next heartbeat brings it back."""

@@ -163,6 +163,12 @@ class SlotRegion:
         header[SEQ] = seq + 1
         return SlotRef(slot, seq + 1, int(data.size), sums, digest)
 
+    @property
+    def address(self) -> int:
+        """The mapping's base address in this process (what a transfer engine registers: the whole region, so
+        a remote reader can check a slot's header after copying its bytes)."""
+        return self._mapped.headers.ctypes.data - PAGE
+
     def view(self, slot: int, size: int) -> memoryview:
         """The slot's first `size` bytes, read-only (valid only while the slot is not rewritten)."""
         return memoryview(self._mapped.slots[slot, :size]).toreadonly()

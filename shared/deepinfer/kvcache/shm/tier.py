@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.errors import ChecksumError
+from deepinfer.dataplane.frames import BytesLike, RemoteRegion, checksum
 from deepinfer.kvcache.shm.region import SlotRef, SlotRegion, key_digest, round_up
 
 #: A block's identity in the store: (layout_id, block_hash) (the store's `ram.Key`; not imported: the store
@@ -49,6 +50,8 @@ class SlotLease:
     lease_id: str
     region_path: str
     refs: list[SlotRef]
+    #: For a transfer-engine reader on another host: where the region is in the shard's engine (None: same host).
+    remote_region: RemoteRegion | None = None
 
 
 class ShmRamTier:
@@ -83,9 +86,15 @@ class ShmRamTier:
         return self._entries.get(key)
 
     def payload(self, key: Key) -> bytes:
-        """A copy of the block's bytes (the slot may be rewritten once the caller releases the state lock)."""
+        """A copy of the block's bytes (the slot may be rewritten once the caller releases the state lock),
+        checked against the checksum it was written with: a region registered with a transfer engine can be
+        written by any peer that reaches the engine (docs/dataplane.md, "Transfer engine"). Raises
+        ChecksumError for a slot whose bytes changed."""
         ref = self._entries[key].ref
-        return bytes(self.region.view(ref.slot, ref.size))
+        data = bytes(self.region.view(ref.slot, ref.size))
+        if checksum(data) != ref.checksum:
+            raise ChecksumError(f"slot {ref.slot}: its bytes no longer match the block written there")
+        return data
 
     def use(self, key: Key, now_s: float) -> None:
         """Record a use: the block becomes the most recently used."""

@@ -4,7 +4,9 @@
     read_blocks:  RAM hit, else a disk hit (checksum verified) promoted to RAM, else BlockNotFound (all or nothing)
     has_blocks:   held and not expired (not a use)
     lease_blocks: (a shared-memory RAM tier only) read_blocks without the bytes: each block's slot in the region
-                  that workers on this host map, held for them until release_lease (deepinfer.kvcache.shm)
+                  that workers on this host map, held for them until release_lease (deepinfer.kvcache.shm);
+                  via a transfer engine (serve_transfer_engine): the same slots for a reader on any host, which
+                  copies them out of the region's registered memory with its own engine
 
 Invariant: with a disk tier every RAM block is also on disk, so leaving RAM loses nothing, and leaving the disk
 (eviction, expiry, a bad checksum) also drops the block from RAM. Two locks: the state lock guards every index,
@@ -14,18 +16,20 @@ the event buffer and the reads from disk (short: one block); the write lock make
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from deepinfer.dataplane.errors import BlockNotFound, DataPlaneError
-from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.frames import BytesLike, LeaseVia, RemoteRegion
 from deepinfer.host_identity import host_id
-from deepinfer.kvcache.shm.region import SHM_REGION_RECORD, replace_region_record
+from deepinfer.kvcache.shm.region import PAGE, SHM_REGION_RECORD, replace_region_record
 from deepinfer.kvcache.shm.tier import ShmRamTier, SlotLease
 from deepinfer.kvcache.store.compaction import (
     CompactionProgress,
@@ -41,6 +45,9 @@ from deepinfer.kvcache.store.ram import Key, RamTier, held_payload
 from deepinfer.kvcache.store.records import MAX_KEY_PART_BYTES, record_bytes
 from deepinfer.kvcache.store.scan import CorruptReason
 from deepinfer.kvcache.store.settings import StoreSettings
+
+if TYPE_CHECKING:
+    from deepinfer.dataplane.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +103,9 @@ class KvStore:
         self._events = EventBuffer(settings.max_pending_events)
         self._pending_touches: set[Key] = set()
         self._closed = False
+        #: The engine the region is registered with, and what a transfer-engine lease names (serve_transfer_engine).
+        self._transfer_engine: TransferEngine | None = None
+        self._remote_region: RemoteRegion | None = None
         if self._disk is not None:
             self.metrics.opened(self._disk.open_report)
         self._update_usage()
@@ -160,13 +170,35 @@ class KvStore:
         """The RAM tier is a shared-memory region that workers on this host may lease slots of."""
         return isinstance(self._ram, ShmRamTier)
 
-    def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str) -> SlotLease:
+    def serve_transfer_engine(self, engine: TransferEngine) -> None:
+        """Register the slot region with this process's transfer engine: leases `via` it then name the region's
+        addresses in that engine, for readers on any host. Needs the slot RAM tier (`shm_dir`)."""
+        if not isinstance(self._ram, ShmRamTier):
+            raise ValueError("transfer-engine reads need the RAM tier in a slot region (shm_dir / shm_ram)")
+        region = self._ram.region
+        engine.register(region.address, region.layout.size_bytes)
+        self._transfer_engine = engine
+        self._remote_region = RemoteRegion(session_id=engine.session_id, headers_address=region.address + PAGE,
+                                           slots_address=region.address + region.layout.data_offset,
+                                           slot_bytes=region.layout.slot_bytes)
+
+    @property
+    def transfer_engine_enabled(self) -> bool:
+        """Leases via a transfer engine are served (readers on other hosts)."""
+        return self._remote_region is not None
+
+    def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str,
+                     via: LeaseVia = LeaseVia.SHARED_MEMORY) -> SlotLease:
         """Every block's slot in the shared-memory region, leased (a use, like a get; blocks on disk only are
-        promoted first). Raises DataPlaneError for a reader on another host or a store without the region,
-        BlockNotFound unless every block is held, and in shared memory at the end (the reader then gets)."""
+        promoted first). Raises DataPlaneError for a shared-memory reader on another host, a transfer-engine
+        reader of a store that serves none, or a store without the region; BlockNotFound unless every block is
+        held, and in shared memory at the end (the reader then gets)."""
         if not isinstance(self._ram, ShmRamTier):
             raise DataPlaneError("this kvcache store keeps no RAM tier in shared memory")
-        if host_id != self.host_id:
+        if via == LeaseVia.TRANSFER_ENGINE:
+            if self._remote_region is None:
+                raise DataPlaneError("this kvcache store serves no transfer-engine reads")
+        elif host_id != self.host_id:
             raise DataPlaneError(f"shared memory is for readers on host {self.host_id!r}, not {host_id!r}")
         keys = self._all_held(layout_id, block_hashes)
         for key in keys:
@@ -177,6 +209,8 @@ class KvStore:
             lease = self._ram.lease(keys)
         if lease is None:
             raise BlockNotFound(f"{len(keys)} block(s) of layout {layout_id!r} are not all in shared memory")
+        if via == LeaseVia.TRANSFER_ENGINE:
+            return dataclasses.replace(lease, remote_region=self._remote_region)
         return lease
 
     def release_lease(self, lease_id: str) -> None:
@@ -272,6 +306,9 @@ class KvStore:
                 if self._disk is not None:
                     self._disk.close()
                 if isinstance(self._ram, ShmRamTier):
+                    if self._transfer_engine is not None:  # before the unmap: the engine must not serve it
+                        self._transfer_engine.unregister(self._ram.region.address)
+                        self._remote_region = None
                     self._ram.close()
 
     def __enter__(self) -> KvStore:
