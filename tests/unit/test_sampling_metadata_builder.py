@@ -14,7 +14,12 @@ from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilde
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, greedy_tokens
 from deepinfer.sampling.staging import HostStaging
-from tests.sampling_reference import metadata_differences, random_params, random_step, reference_build
+from deepinfer.testing.sampling_reference import (
+    metadata_differences,
+    random_params,
+    random_step,
+    reference_build,
+)
 
 VOCAB = 97
 
