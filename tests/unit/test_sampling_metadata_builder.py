@@ -1,6 +1,6 @@
 """SamplingMetadataBuilder gives, field by field, what the per-step rebuild from every row's params gave (kept in
-tests/sampling_reference.py), over random mixed batches, changing compositions, reused staging memory of every size,
-and the SampledTokenBuffer's staged index copies."""
+deepinfer.testing.sampling_reference), over random mixed batches, changing compositions, reused staging memory of
+every size, and the SampledTokenBuffer's staged index copies."""
 
 from __future__ import annotations
 
