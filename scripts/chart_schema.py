@@ -151,6 +151,8 @@ def build_schema() -> dict:
             }),
             "serviceMonitor": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "string"},
                                     "labels": {"type": "object"}}),
+            "grafana": _obj({"dashboards": _obj({"enabled": {"type": "boolean"}, "namespace": {"type": "string"},
+                                                 "annotations": {"type": "object"}})}),
         }),
     }
 

@@ -95,41 +95,127 @@ def internal_routes() -> set[str]:
 
 
 def exported_metrics() -> set[str]:
-    """Every Prometheus series name a service defines through deepinfer.telemetry.metrics (deepinfer_ + name).
+    """Every Prometheus series name the code defines (a counter's with its `_total`; a histogram's base name)."""
+    return {name + ("_total" if m.kind == "counter" else "") for name, m in defined_metrics().items()}
 
-    Literal names, and `f"worker_{name}"` over the `for name, doc in ((...), ...)` tuple the worker uses."""
-    names: set[str] = set()
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric as the code defines it: counter, gauge or histogram, and its label names (None: not literal)."""
+
+    kind: str
+    labels: frozenset[str] | None
+
+
+#: The constructors a metric is defined with: deepinfer.telemetry's (the name gets `deepinfer_`) and
+#: prometheus_client's (the name as written: vLLM's `vllm:*` gauges and counters).
+_OUR_CONSTRUCTORS = {"counter": "counter", "gauge": "gauge", "histogram": "histogram"}
+_CLIENT_CONSTRUCTORS = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram"}
+
+
+def defined_metrics() -> dict[str, Metric]:
+    """Every metric the code in services/ and shared/deepinfer defines: its name as /metrics exposes it (a
+    counter's without `_total`) -> its kind and labels. Read from the source:
+
+    - `counter(registry, "gateway_requests", ...)`: a literal name;
+    - `gauge(registry, f"worker_{name}", ...)` or `Gauge(name, ...)` in a comprehension `for name, ... in T`,
+      T a literal tuple of tuples or a module-level one (`_COUNTERS = (("vllm:...", ...), ...)`): every first
+      element, through the f-string;
+    - `histogram(registry, f"{service}_hop_seconds", ...)` in the class `Hops(tracer, registry, service)`: once
+      per service name a `Hops(...)` call passes as a literal.
+    """
+    names: dict[str, Metric] = {}
+    hop_services: set[str] = set()
     for path in [*(ROOT / "services").rglob("*.py"), *(ROOT / "shared" / "deepinfer").rglob("*.py")]:
         tree = ast.parse(path.read_text())
-        loops = {}
+        constants = _module_tuples(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.DictComp | ast.ListComp | ast.GeneratorExp | ast.SetComp):
-                for gen in node.generators:
-                    if isinstance(gen.iter, ast.Tuple):
-                        loops[id(node)] = [
-                            e.elts[0].value
-                            for e in gen.iter.elts
-                            if isinstance(e, ast.Tuple) and isinstance(e.elts[0], ast.Constant)
-                        ]
+                values = _loop_values(node, constants)
                 for child in ast.walk(node):
                     if isinstance(child, ast.Call):
-                        names |= _metric_names(child, loops.get(id(node), []))
+                        names |= _metric_names(child, values)
             elif isinstance(node, ast.Call):
-                names |= _metric_names(node, [])
-    return {f"deepinfer_{name}" for name in names}
+                names |= _metric_names(node, {})
+                if _is_call(node, "Hops", 3) and isinstance(node.args[2], ast.Constant):
+                    hop_services.add(node.args[2].value)
+    hops = names.pop("deepinfer_{service}_hop_seconds", None)
+    assert hops is not None, "telemetry/hops.py no longer defines deepinfer_<service>_hop_seconds as read here"
+    names |= {f"deepinfer_{service}_hop_seconds": hops for service in hop_services}
+    return names
 
 
-def _metric_names(call: ast.Call, loop_values: list[str]) -> set[str]:
+def _is_call(node: ast.Call, name: str, num_args: int) -> bool:
+    return isinstance(node.func, ast.Name) and node.func.id == name and len(node.args) == num_args
+
+
+def _module_tuples(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level `NAME = ((literal, ...), ...)`: NAME -> the first elements."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            firsts = _first_elements(node.value)
+            if firsts:
+                found[node.targets[0].id] = firsts
+    return found
+
+
+def _first_elements(node: ast.expr) -> list[str]:
+    if not isinstance(node, ast.Tuple):
+        return []
+    return [e.elts[0].value for e in node.elts
+            if isinstance(e, ast.Tuple) and e.elts and isinstance(e.elts[0], ast.Constant)]
+
+
+def _loop_values(node: ast.expr, constants: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The comprehension's `for name, ... in T`: name -> T's first elements."""
+    values = {}
+    for gen in node.generators:  # type: ignore[attr-defined]
+        target = gen.target.elts[0] if isinstance(gen.target, ast.Tuple) else gen.target
+        if not isinstance(target, ast.Name):
+            continue
+        firsts = constants.get(gen.iter.id, []) if isinstance(gen.iter, ast.Name) else _first_elements(gen.iter)
+        if firsts:
+            values[target.id] = firsts
+    return values
+
+
+def _metric_names(call: ast.Call, loop_values: dict[str, list[str]]) -> dict[str, Metric]:
     func = call.func
-    if not (isinstance(func, ast.Name) and func.id in ("counter", "gauge", "histogram") and len(call.args) >= 2):
-        return set()
-    arg = call.args[1]
-    suffix = "_total" if func.id == "counter" else ""
+    if not isinstance(func, ast.Name):
+        return {}
+    if func.id in _OUR_CONSTRUCTORS and len(call.args) >= 2:
+        kind, prefix, arg, labels_at = _OUR_CONSTRUCTORS[func.id], "deepinfer_", call.args[1], 3
+    elif func.id in _CLIENT_CONSTRUCTORS and call.args:
+        kind, prefix, arg, labels_at = _CLIENT_CONSTRUCTORS[func.id], "", call.args[0], 2
+    else:
+        return {}
+    metric = Metric(kind, _label_names(call, labels_at))
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-        return {arg.value + suffix}
-    if isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
-        return {f"{arg.values[0].value}{value}{suffix}" for value in loop_values}
-    return set()
+        return {prefix + arg.value: metric}
+    if isinstance(arg, ast.Name):
+        return {prefix + value: metric for value in loop_values.get(arg.id, [])}
+    if isinstance(arg, ast.JoinedStr):
+        parts = arg.values
+        if len(parts) == 2 and isinstance(parts[0], ast.Constant) and isinstance(parts[1], ast.FormattedValue):
+            variable = parts[1].value
+            if isinstance(variable, ast.Name) and variable.id in loop_values:
+                return {f"{prefix}{parts[0].value}{value}": metric for value in loop_values[variable.id]}
+        if ast.unparse(arg) == "f'{service}_hop_seconds'":
+            return {prefix + "{service}_hop_seconds": metric}
+    return {}
+
+
+def _label_names(call: ast.Call, position: int) -> frozenset[str] | None:
+    """The literal `labelnames` of a metric's constructor call (positional or keyword); None when not literal."""
+    node = next((k.value for k in call.keywords if k.arg == "labelnames"), None)
+    if node is None:
+        node = call.args[position] if len(call.args) > position else ast.Tuple(elts=[])
+    if not isinstance(node, ast.List | ast.Tuple):
+        return None
+    if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return None
+    return frozenset(e.value for e in node.elts)
 
 
 def cli_env() -> dict[str, str]:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from deepinfer.membership import Membership
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing import FakeBroker, FakeBus
-from deepinfer.testing.checkpoints import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tiny_tokenizer
+from deepinfer.testing.checkpoints import TOKENIZER_DIR_MAX_MODEL_LEN
 from deepinfer.testing.fake_workers import FakeWorkers
 from deepinfer.tokenizer import Tokenizer
 from services.gateway.app import ApiState
@@ -30,17 +29,7 @@ from services.gateway.main import build
 MODEL = "tiny"
 GATEWAY_ID = "gw-test"
 ANSWER = "Hello, world! How are you today?"
-MAX_MODEL_LEN = 96
-
-
-def write_tokenizer_dir(path: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
-    """A model directory without weights: config.json (the context length), the tiny tokenizer and its config."""
-    path.mkdir(parents=True, exist_ok=True)
-    make_tiny_tokenizer(384).save(str(path / "tokenizer.json"))
-    config = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[3], "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "config.json").write_text(json.dumps({"max_position_embeddings": max_model_len}))
-    return path
+MAX_MODEL_LEN = TOKENIZER_DIR_MAX_MODEL_LEN
 
 
 def gateway_settings(model_dir: Path, **fields: Any) -> GatewaySettings:

@@ -21,12 +21,12 @@ from types import SimpleNamespace
 
 from deepinfer.protocol import TokenBatch, TokenChunk, WireSamplingParams
 from deepinfer.testing import FakeBroker, FakeBus
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.openai_models import DeltaMessage
 from services.gateway.output import ChoiceOutput
 from services.gateway.presenters import CHAT
 from services.gateway.recipe import ModelInfo
 from services.gateway.streams import TokenStreams
-from tests.gateway_harness import write_tokenizer_dir
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 

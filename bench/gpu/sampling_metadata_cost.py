@@ -3,8 +3,8 @@
 
     PYTHONPATH=shared:. python bench/gpu/sampling_metadata_cost.py [--device cpu|cuda] [--rounds 7]
 
-before: the per-step rebuild from every row's params (`tests/sampling_reference.reference_build`, the code the
-builder replaced) and `SampledTokenBuffer`'s old index copy (`torch.tensor(lists, pin_memory=...)`).
+before: the per-step rebuild from every row's params (`deepinfer.testing.sampling_reference.reference_build`,
+the code the builder replaced) and `SampledTokenBuffer`'s old index copy (`torch.tensor(lists, pin_memory=...)`).
 after: one builder kept across steps (as `ModelRunner` keeps it): `steady` keeps the batch, `churn` replaces one
 request every step (a SamplingParams object it has not seen: its RowConstants and the batch's packed constants
 are rebuilt; at c=64 with 256-token answers a decode batch changes about every 4th step).
@@ -31,7 +31,7 @@ import torch
 from deepinfer.engine.async_step import SampledTokenBuffer
 from deepinfer.sampling.metadata import _MAX_CACHED_ROWS, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
-from tests.sampling_reference import Step, random_step, reference_build
+from deepinfer.testing.sampling_reference import Step, random_step, reference_build
 
 VOCAB = 128_256
 SIZES = (1, 64, 256)

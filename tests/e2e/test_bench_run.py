@@ -1,13 +1,15 @@
 """`deepinfer bench run` against the stack, one short run per workload (a concurrency sweep, a Poisson rate sweep
 over two generator processes, a Mooncake trace, conversations): the JSON follows its schema, the CSV has one row
 per point, every request completed with the tokens the server reported, the cost table is printed, the PNGs are
-valid (where matplotlib is installed), and `bench compare` reads two runs and draws them on one plot."""
+valid (where matplotlib is installed), and `bench compare` reads two runs and draws them on one plot. `--up`
+starts a stack of its own for the run and stops it after."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -18,9 +20,9 @@ from deepinfer.up import Stack
 pytestmark = pytest.mark.e2e
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
+def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "deepinfer.cli", "bench", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 def bench_run(stack: Stack, flags: str, out, *more: str) -> dict:
@@ -120,3 +122,19 @@ def test_conversations_resend_their_history_and_the_cache_serves_it(stack: Stack
     assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["num_requests"] == 2 for t in turns)
     assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
     assert turns[2]["cached_tokens"] > 0  # the history of turns 0 and 1 came from the prefix cache
+
+
+def test_up_starts_a_stack_for_the_run_and_stops_it(tmp_path):
+    env = {**os.environ, "DEEPINFER_DATA_DIR": str(tmp_path / "data"), "DEEPINFER_GATEWAY_API_KEYS": "",
+           "OMP_NUM_THREADS": "1"}
+    stack = "--device cpu --prefill 0 --schedulers 1 --gateways 1 --kvcache 0"
+    flags = "--concurrency 2 --num-prompts 2 --input-words 20 --max-tokens 4 --ignore-eos --no-plots"
+    out = tmp_path / "up.json"
+    run = bench("run", "--up", *stack.split(), *flags.split(), "--out", str(out), env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert result["model"] == "smollm2-135m-instruct" and result["base_url"].startswith("http://127.0.0.1:")
+    (point,) = result["points"]
+    assert (point["num_requests"], point["num_failed"], point["output_tokens"]) == (2, 0, 8)
+    gateway_log = (tmp_path / "data" / "up" / "logs" / "gateway-0.log").read_text()
+    assert gateway_log.count("gateway stopped") == 1 and "stopped" in run.stderr.splitlines()[-1]

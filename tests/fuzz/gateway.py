@@ -26,9 +26,10 @@ import openai
 
 from deepinfer.protocol import WorkerRole
 from deepinfer.telemetry import serve_internal
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import worker_load
 from tests.fuzz.hooks import FAKE_UPSTREAM_MESSAGES
-from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, make_harness
 
 API_KEY = "sk-fuzz"
 #: The served context length (max_tokens is bounded by it in the document: the scripted answer is short anyway).

@@ -20,7 +20,7 @@ from deepinfer.engine.request import Request  # noqa: E402
 from deepinfer.sampling.metadata import SamplingMetadataBuilder  # noqa: E402
 from deepinfer.sampling.params import SamplingParams  # noqa: E402
 from deepinfer.sampling.sampler import Sampler, SamplerOutput  # noqa: E402
-from tests.sampling_reference import (  # noqa: E402
+from deepinfer.testing.sampling_reference import (  # noqa: E402
     metadata_differences,
     random_params,
     random_step,

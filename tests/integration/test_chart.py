@@ -248,6 +248,24 @@ def test_gateway_ingress_pdbs_and_service_monitor(rendered):
     assert monitor["spec"]["endpoints"] == [{"port": "internal", "path": "/metrics", "interval": "15s"}]
 
 
+def test_the_grafana_dashboard_configmap_only_when_enabled(tools: Tools, rendered, tmp_path):
+    for case, docs in rendered.items():
+        assert not [doc for doc in docs if "grafana_dashboard" in doc["metadata"].get("labels", {})], case
+    switch = ("--set", "grafana.dashboards.enabled=true", "--set", "grafana.dashboards.namespace=monitoring",
+              "--set-string", "grafana.dashboards.annotations.grafana_folder=DeepInfer")
+    assert "0 chart(s) failed" in tools.run("helm", "lint", "--strict", str(CHART), *switch).stdout
+    docs = render(tools, *switch)
+    (dashboard,) = [doc for doc in docs if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-dashboard")]
+    metadata = dashboard["metadata"]
+    assert metadata["labels"]["grafana_dashboard"] == "1" and metadata["namespace"] == "monitoring"
+    assert metadata["annotations"] == {"grafana_folder": "DeepInfer"}
+    assert json.loads(dashboard["data"]["deepinfer.json"]) == json.loads((CHART / "dashboards" / "deepinfer.json").read_text())
+    assert len(docs) == len(rendered["default"]) + 1  # the switch adds the ConfigMap and nothing else
+    path = tmp_path / "dashboard.yaml"
+    path.write_text(yaml.safe_dump(dashboard))
+    assert " passed for resource " in tools.run("kubernetes-validate", "--strict", str(path)).stdout
+
+
 def gateway_env(docs: list[dict]) -> dict[str, str]:
     (gateway,) = [doc for doc in workloads(docs) if component(doc) == "gateway"]
     return {e["name"]: e.get("value") for e in pod_spec(gateway)["containers"][0]["env"]}

@@ -13,7 +13,8 @@ import pytest
 from deepinfer.bus import Bus
 from deepinfer.nats_server import NatsServer
 from deepinfer.telemetry import serve_internal
-from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.bus import Bus
 from deepinfer.nats_server import NatsServer, free_port
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import FakeWorkers
-from tests.gateway_harness import MODEL, write_tokenizer_dir
+from tests.gateway_harness import MODEL
 from tests.integration.test_up import alive, descendants
 
 pytestmark = [

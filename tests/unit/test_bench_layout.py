@@ -1,5 +1,6 @@
-"""bench/ as a workshop beside the house (STYLE.md, issue #37): nothing of ours imports it, its probes edit no
-`sys.path`, and its modules import each other without a cycle. Read from the source, as test_layers.py does."""
+"""bench/ as a workshop beside the house (STYLE.md, issue #37): nothing of ours imports it, it imports nothing
+from tests/, its probes edit no `sys.path`, and its modules import each other without a cycle. Read from the
+source, as test_layers.py does."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def test_nothing_outside_bench_imports_it():
         if name == "bench" or name.startswith("bench.")
     ]
     assert importers == [], "move what a test needs into the package (deepinfer.testing, deepinfer.bench)"
+
+
+def test_bench_imports_nothing_from_tests():
+    importers = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted(BENCH.rglob("*.py"))
+        for name in sorted(imported_names(path))
+        if name == "tests" or name.startswith("tests.")
+    ]
+    assert importers == [], "move what a probe needs into the package (deepinfer.testing) and import it from there"
 
 
 def test_no_probe_edits_sys_path():

@@ -117,3 +117,16 @@ def test_up_passes_a_checked_speculative_config_to_the_decode_workers():
     assert _worker_env(parser.parse_args(["up"])) == {}
     result = run_cli("up", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}')
     assert result.returncode == 2 and "num_speculative_tokens must be an int >= 1" in result.stderr
+
+
+def test_bench_run_up_takes_up_s_stack_flags_and_refuses_a_port_in_use(tmp_path):
+    import socket
+
+    args = build_parser().parse_args(["bench", "run", "--up", "--device", "cpu", "--prefill", "0"])
+    assert (args.up, args.device, args.prefill, args.port, args.model) == (True, "cpu", 0, 0, None)  # any free port
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("bench", "run", "--up", "--port", str(port), "--out", str(tmp_path / "x.json"),
+                         DEEPINFER_DATA_DIR=str(tmp_path / "data"))
+    assert result.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in result.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "x.json").exists()  # nothing was started

@@ -10,7 +10,8 @@ import anthropic
 import httpx2
 import pytest
 
-from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness
 
 KEY = "sk-ant"
 MESSAGES = [{"role": "user", "content": "Hi there"}]

@@ -12,7 +12,8 @@ import anthropic
 import httpx2
 import pytest
 
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import MODEL, Harness, make_harness
 
 KEY = "sk-ant"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -13,8 +13,9 @@ import pytest
 
 from deepinfer.hashing import hash_blocks
 from deepinfer.protocol import ErrorCode, WorkerRole
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import worker_load
-from tests.gateway_harness import ANSWER, MAX_MODEL_LEN, MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MAX_MODEL_LEN, MODEL, Harness, make_harness
 
 
 @pytest.fixture(scope="module")

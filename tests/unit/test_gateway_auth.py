@@ -11,9 +11,10 @@ import pytest
 from fastapi.routing import APIRoute
 
 from deepinfer.protocol import WorkerRole
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import worker_load
 from services.gateway.auth import KeyFileError, KeyRing, cache_salt, read_keys_file
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, Harness, make_harness
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 2}]}
 #: Routes answered without a key (load balancers probe them), as documented in docs/gateway.md.

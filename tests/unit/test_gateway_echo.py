@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.testing import FakeBroker, FakeBus
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import MODEL, Harness, make_harness
 
 PROMPT = "The quick brown fox"
 IDS = [70, 80, 90, 100, 110]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from fastapi.routing import APIRoute
 
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.openai_models import ChatCompletionRequest
-from tests.gateway_harness import MAX_MODEL_LEN, MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MAX_MODEL_LEN, MODEL, Harness, make_harness
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from deepinfer.protocol import ErrorCode, ErrorDetail
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.errors import HTTP_ERRORS, ApiError, from_wire
-from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, make_harness
 
 EXPECTED_STATUS = {
     ErrorCode.BAD_REQUEST: 400,

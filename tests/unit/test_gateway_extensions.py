@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import MODEL, make_harness
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}

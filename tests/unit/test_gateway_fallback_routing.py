@@ -9,9 +9,10 @@ import pytest
 
 from deepinfer.membership import Membership
 from deepinfer.protocol import RouteRequest, RouteStatus, WorkerRole
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import PREFILL_ID, worker_load
 from services.gateway.fallback_routing import FallbackRouter
-from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, make_harness
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from deepinfer.testing import FakeBroker, FakeBus
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.tokenizer.tokenizer import MAX_COMPILED_TEMPLATES
-from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, Harness, make_harness
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]}
 PROMPT = {"model": MODEL, "prompt": "Hi there"}

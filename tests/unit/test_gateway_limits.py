@@ -8,8 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.limits import format_reset
-from tests.gateway_harness import GATEWAY_ID, MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import GATEWAY_ID, MODEL, Harness, make_harness
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 

@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from deepinfer.protocol import WorkerRole
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import worker_load
-from tests.gateway_harness import ANSWER, MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, make_harness
 from tests.waiting import wait_until
 
 FAST = {"stream_timeout_s": 0.3, "first_token_timeout_s": 0.3, "poll_interval_s": 0.02, "retry_after_s": 0.05}

@@ -13,9 +13,10 @@ from deepinfer.nats_server import free_port
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import new_registry
 from deepinfer.testing import FakeBroker, FakeBus
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import FakeWorkers
 from services.gateway.main import build
-from tests.gateway_harness import ANSWER, MODEL, gateway_settings, write_tokenizer_dir
+from tests.gateway_harness import ANSWER, MODEL, gateway_settings
 
 GATEWAY_DIR = Path(__file__).resolve().parents[2] / "services" / "gateway"
 GATEWAY_MODULES = [p.stem for p in GATEWAY_DIR.glob("*.py") if p.stem not in ("__init__", "__main__")]

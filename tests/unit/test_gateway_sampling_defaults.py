@@ -11,8 +11,9 @@ import pytest
 from deepinfer.defaults import DEFAULT_MODEL
 from deepinfer.model_store import recommended_sampling
 from deepinfer.sampling.params import generation_sampling
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.recipe import model_sampling_defaults
-from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, make_harness
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.3, "top_p": 0.8, "top_k": 20}

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from services.gateway.app import INLINE_PROMPT_BYTES
 from services.gateway.openai_models import ChatCompletionRequest
 from services.gateway.recipe import ModelInfo
 from services.gateway.structured import compiles_grammar
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, Harness, make_harness
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ from starlette.requests import ClientDisconnect
 
 from deepinfer.protocol import TokenBatch, TokenChunk, WorkerRole
 from deepinfer.testing import FakeBus
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.testing.fake_workers import worker_load
 from services.gateway.streams import TokenStreams
-from tests.gateway_harness import MODEL, make_harness, write_tokenizer_dir
+from tests.gateway_harness import MODEL, make_harness
 
 #: Migration off: these tests are about how a failure ends a request (what a spent migration budget leaves).
 FAST = {"stream_timeout_s": 0.5, "first_token_timeout_s": 0.5, "poll_interval_s": 0.05, "migration": False}

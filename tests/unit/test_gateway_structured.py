@@ -11,7 +11,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway_harness import MODEL, Harness, make_harness, write_tokenizer_dir
+from deepinfer.testing.checkpoints import write_tokenizer_dir
+from tests.gateway_harness import MODEL, Harness, make_harness
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}

@@ -1,6 +1,6 @@
 """SamplingMetadataBuilder gives, field by field, what the per-step rebuild from every row's params gave (kept in
-tests/sampling_reference.py), over random mixed batches, changing compositions, reused staging memory of every size,
-and the SampledTokenBuffer's staged index copies."""
+deepinfer.testing.sampling_reference), over random mixed batches, changing compositions, reused staging memory of
+every size, and the SampledTokenBuffer's staged index copies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilde
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.sampler import Sampler, greedy_tokens
 from deepinfer.sampling.staging import HostStaging
-from tests.sampling_reference import metadata_differences, random_params, random_step, reference_build
+from deepinfer.testing.sampling_reference import (
+    metadata_differences,
+    random_params,
+    random_step,
+    reference_build,
+)
 
 VOCAB = 97
 

@@ -23,9 +23,8 @@ from deepinfer.structured import (
     json_schema_grammar,
 )
 from deepinfer.structured.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, schema_error
-from deepinfer.testing.checkpoints import EOS_TOKEN_ID
+from deepinfer.testing.checkpoints import EOS_TOKEN_ID, write_tokenizer_dir
 from deepinfer.tokenizer import Tokenizer
-from tests.gateway_harness import write_tokenizer_dir
 
 SCHEMA = {
     "type": "object",

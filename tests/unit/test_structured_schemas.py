@@ -13,8 +13,8 @@ from deepinfer.structured import GrammarError, Grammars, SchemaError, json_schem
 from deepinfer.structured.finite import endless_part
 from deepinfer.structured.grammar import public_error
 from deepinfer.structured.numbers import FRACTION_DIGITS, INTEGER_BOUND, NUMBER_BOUND, bound_numbers
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.tokenizer import Tokenizer
-from tests.gateway_harness import write_tokenizer_dir
 
 RECURSIVE = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 

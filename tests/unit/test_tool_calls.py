@@ -9,6 +9,7 @@ import llguidance
 import pytest
 
 from deepinfer.structured import Grammars
+from deepinfer.testing.checkpoints import write_tokenizer_dir
 from deepinfer.tokenizer import Tokenizer
 from services.gateway.tool_calls import (
     HERMES,
@@ -19,7 +20,6 @@ from services.gateway.tool_calls import (
     template_messages,
     tool_format,
 )
-from tests.gateway_harness import write_tokenizer_dir
 
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

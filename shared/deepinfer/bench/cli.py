@@ -1,5 +1,6 @@
 """`deepinfer bench`: `run` a load against any OpenAI-compatible server (a concurrency sweep, a Poisson request-rate
-sweep, a Mooncake trace replay or multi-turn conversations; JSON and CSV) and
+sweep, a Mooncake trace replay or multi-turn conversations; JSON and CSV), with `--up` against a local stack it
+starts for the run (`deepinfer up`'s, `deepinfer.up.cli.local_stack`) and stops after, and
 `compare` two result files (exit 1 when a figure got worse by more than the tolerance, so a script or CI step
 can stop on a slower commit)."""
 
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from deepinfer.bench.compare import DEFAULT_TOLERANCE, compare, point_name, table
 from deepinfer.bench.prompts import MOONCAKE_BLOCK_SIZE
+from deepinfer.config import DEFAULT_MODEL
+from deepinfer.up.cli import add_stack_arguments
 
 if TYPE_CHECKING:
     from deepinfer.bench.generator import Outcome
@@ -29,7 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--conversations",
     )
     run_parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
-    run_parser.add_argument("--model", default=None, help="default: the first model the server lists")
+    run_parser.add_argument(
+        "--model",
+        default=None,
+        help=f"default: the first model the server lists (--up: the model to serve, default {DEFAULT_MODEL})",
+    )
+    stack = run_parser.add_argument_group(
+        "a local stack", "--up starts the stack `deepinfer up` runs, for this run only (instead of --base-url)"
+    )
+    stack.add_argument("--up", action="store_true", help="start a local stack, run against it, stop it")
+    add_stack_arguments(stack, default_port=0)
     workload = run_parser.add_mutually_exclusive_group()
     workload.add_argument(
         "--concurrency",
@@ -122,7 +134,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point."""
+    """The sweep against --base-url, or with --up against a local stack started for it and stopped after."""
+    if not args.up:
+        return sweep_against(args, args.base_url.rstrip("/"), args.model)
+    from deepinfer.up.cli import PortInUse, StopRequested, local_stack
+    from deepinfer.up.stack import StackError
+
+    up_args = argparse.Namespace(**{**vars(args), "model": args.model or DEFAULT_MODEL})
+    try:
+        with local_stack(up_args, echo_logs=False) as stack:
+            return sweep_against(args, stack.base_url.removesuffix("/v1"), stack.model_name)
+    except PortInUse as exc:
+        print(f"deepinfer: {exc}", file=sys.stderr)
+        return 2
+    except StackError:
+        return 2  # local_stack logged why
+    except StopRequested:
+        return 1  # local_stack said so and stopped the stack
+
+
+def sweep_against(args: argparse.Namespace, base_url: str, model: str | None) -> int:
+    """One point per level of the workload, a line of summary each; the JSON (and CSV) written after every point.
+    `model=None`: the first model the server lists."""
     import httpx
 
     from deepinfer.bench.cost import cost_table
@@ -130,9 +163,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     from deepinfer.bench.report import SCHEMA, write
     from deepinfer.bench.workloads import settings, sweep
 
-    base_url = args.base_url.rstrip("/")
     try:
-        model = args.model or asyncio.run(_first_model(base_url))
+        model = model or asyncio.run(_first_model(base_url))
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         print(f"deepinfer: cannot list the models of {base_url}: {exc}", file=sys.stderr)
         return 2

@@ -147,6 +147,20 @@ def _write_tokenizer(path: Path, vocab_size: int, max_length: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
 
 
+#: The context length `write_tokenizer_dir` writes by default.
+TOKENIZER_DIR_MAX_MODEL_LEN = 96
+
+
+def write_tokenizer_dir(path: Path, max_model_len: int = TOKENIZER_DIR_MAX_MODEL_LEN) -> Path:
+    """A model directory without weights: config.json (the context length), the tiny tokenizer and its config."""
+    path.mkdir(parents=True, exist_ok=True)
+    make_tiny_tokenizer(384).save(str(path / "tokenizer.json"))
+    config = {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[3], "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": max_model_len}))
+    return path
+
+
 def make_tiny_checkpoint(
     path: str | Path,
     arch: str = "llama",

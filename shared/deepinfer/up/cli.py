@@ -14,6 +14,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -37,10 +39,21 @@ class StopRequested(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `deepinfer up` (each maps to settings the children get by environment)."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default: {DEFAULT_MODEL})")
+    add_stack_arguments(parser)
+
+
+def add_stack_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default_port: int = 8000
+) -> None:
+    """The flags that shape the stack, all but --model (`deepinfer bench run --up` has a --model of its own);
+    `default_port=0`: any free port."""
     parser.add_argument(
         "--device", choices=DEVICE_CHOICES, default="auto", help="workers' device (default: auto)"
     )
-    parser.add_argument("--port", type=_port, default=8000, help="gateway API port (default: 8000)")
+    parser.add_argument(
+        "--port", type=_port, default=default_port,
+        help=f"gateway API port (default: {default_port or 'any free port'})",
+    )
     parser.add_argument(
         "--prefill", type=_count, default=None, metavar="N",
         help="prefill workers (default: 1; 0 on a single GPU, where the decode worker computes prompts itself)",
@@ -68,14 +81,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the stack, wait until it is ready, print the URL, serve until a signal; 0 on a clean stop."""
+    from deepinfer.up.stack import StackError
+
+    try:
+        with local_stack(args, echo_logs=True) as stack:
+            if not stack.gateway_waits_for_workers:
+                log.info("no local prefill or decode worker: the gateway's /ready stays 503 until workers join")
+            _print_banner(stack)
+            threading.Event().wait()  # until a signal raises StopRequested
+    except PortInUse as exc:
+        print(f"deepinfer up: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except StackError:
+        return EXIT_FAILED  # local_stack logged why
+    except StopRequested:
+        pass  # local_stack said so and stopped the stack
+    return EXIT_OK
+
+
+class PortInUse(Exception):
+    """The gateway's port is taken: nothing was started."""
+
+
+@contextmanager
+def local_stack(args: argparse.Namespace, echo_logs: bool) -> Iterator[Stack]:
+    """The stack of `deepinfer up`'s flags (`add_arguments`), started and ready for the block, stopped after it.
+
+    The supervisor's lines (progress, restarts) go to stderr, and with `echo_logs` every child's log lines too
+    (each child's full log stays in <data_dir>/up/logs). From start to stop the first SIGINT/SIGTERM raises
+    StopRequested in the main thread, a second one kills every child. Raises PortInUse before starting anything,
+    StackError when the stack does not become ready (logged, and the stack stopped again by then)."""
     from deepinfer.config import CommonSettings, load_settings
     from deepinfer.up.logs import LogEcho
-    from deepinfer.up.stack import HOST, Stack
+    from deepinfer.up.stack import HOST, Stack, StackError
 
     common = load_settings(CommonSettings)  # exits 2 with one line on a bad DEEPINFER_* value
     if not _port_free(HOST, args.port):
-        print(f"deepinfer up: port {args.port} on {HOST} is in use; pass --port", file=sys.stderr)
-        return EXIT_FAILED
+        raise PortInUse(f"port {args.port} on {HOST} is in use; pass --port")
     stack = Stack(
         model=args.model,
         device=args.device,
@@ -89,41 +131,36 @@ def run(args: argparse.Namespace) -> int:
         env_overrides=_worker_env(args),
     )
     handler = _setup_logging(width=max(len(name) for name in _child_names(stack)))
-    echo = LogEcho(sys.stderr)
+    echo = LogEcho(sys.stderr) if echo_logs else None
     signals = _SignalHandler(stack)
     try:
         signals.install()
-        return _serve(stack, echo)
+        _start(stack, echo)
+        yield stack
     except StopRequested as exc:
         log.info("%s received: stopping (send it again to kill at once)", exc)
-        return EXIT_OK
+        raise
+    except StackError as exc:
+        log.error("%s", exc)
+        raise
     finally:
         signals.num_signals = max(1, signals.num_signals)  # from here on a signal kills, never interrupts
         stack.stop()
-        echo.stop()
+        if echo is not None:
+            echo.stop()
         signals.uninstall()
         log.info("stopped")
         logging.getLogger("deepinfer").removeHandler(handler)
 
 
-def _serve(stack: Stack, echo: LogEcho) -> int:
-    from deepinfer.up.stack import StackError
-
-    try:
-        stack.start()
+def _start(stack: Stack, echo: LogEcho | None) -> None:
+    stack.start()
+    if echo is not None:
         for name, info in stack.services.items():
             echo.add(name, info.log_path)
         echo.start()
-        log.info("waiting for %s", ", ".join(stack.services))
-        stack.wait_ready(on_ready=_report_ready, on_waiting=_report_waiting)
-    except StackError as exc:
-        log.error("%s", exc)
-        return EXIT_FAILED
-    if not stack.gateway_waits_for_workers:
-        log.info("no local prefill or decode worker: the gateway's /ready stays 503 until workers join")
-    _print_banner(stack)
-    threading.Event().wait()  # until a signal raises StopRequested
-    return EXIT_OK
+    log.info("waiting for %s (logs: %s)", ", ".join(stack.services), stack.log_dir)
+    stack.wait_ready(on_ready=_report_ready, on_waiting=_report_waiting)
 
 
 def _report_ready(name: str, seconds: float) -> None:

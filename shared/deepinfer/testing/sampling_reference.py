@@ -1,6 +1,6 @@
 """The sampling metadata build as it was before `SamplingMetadataBuilder` (every row's params read every step,
 two torch.tensor copies): the reference the builder's output is compared with, field by field, and random
-mixed batches to compare on."""
+mixed batches to compare on. Used by the builder's tests and by bench/gpu/sampling_metadata_cost.py."""
 
 from __future__ import annotations
 
