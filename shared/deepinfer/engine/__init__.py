@@ -56,6 +56,9 @@ _EXPORTS = {
     "host_id": "kv_device_transfer",
     "CachedPayloads": "kv_load",
     "StagingPool": "kv_transfer",
+    "StagingChunk": "kv_transfer",
+    "CudaRegistrar": "slot_dma",
+    "RegisteredSlots": "slot_dma",
     "DeviceRows": "kv_transfer",
     "block_nbytes": "kv_transfer",
     "ExecutionMode": "execution",
@@ -76,6 +79,7 @@ __all__ = [
     "ComputeKv",
     "ContextLengthExceeded",
     "CopySlots",
+    "CudaRegistrar",
     "DEVICE_TIER",
     "DeviceRows",
     "DeviceTransferError",
@@ -102,11 +106,13 @@ __all__ = [
     "PinCached",
     "PromptLogprobs",
     "PulledKv",
+    "RegisteredSlots",
     "ReleaseHeld",
     "Removed",
     "SampledToken",
     "SpecDecodeStats",
     "SpeculativeConfig",
+    "StagingChunk",
     "StagingPool",
     "StartPhase",
     "StartProgress",
@@ -142,7 +148,7 @@ if TYPE_CHECKING:
     from deepinfer.engine.host_tier import HostTierReport
     from deepinfer.engine.kv_device_transfer import DeviceTransferError, host_id
     from deepinfer.engine.kv_load import CachedPayloads
-    from deepinfer.engine.kv_transfer import DeviceRows, StagingPool, block_nbytes
+    from deepinfer.engine.kv_transfer import DeviceRows, StagingChunk, StagingPool, block_nbytes
     from deepinfer.engine.outputs import EngineOutput, EngineStats, PromptLogprobs, SampledToken
     from deepinfer.engine.requests import (
         COMPUTE,
@@ -155,6 +161,7 @@ if TYPE_CHECKING:
         PulledKv,
         StoredKv,
     )
+    from deepinfer.engine.slot_dma import CudaRegistrar, RegisteredSlots
     from deepinfer.engine.spec_config import SpeculativeConfig
     from deepinfer.engine.spec_decode_stats import SpecDecodeStats
     from deepinfer.engine.start_progress import StartPhase, StartProgress

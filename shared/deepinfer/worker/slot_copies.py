@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from deepinfer.engine import CopySlots, DeviceRows, StagingPool
-from deepinfer.engine.kv_transfer import StagingChunk
-from deepinfer.engine.slot_dma import RegisteredSlots
+from deepinfer.engine import CopySlots, DeviceRows, RegisteredSlots, StagingChunk, StagingPool
 from deepinfer.kvcache.shm.region import SlotRef
 from deepinfer.worker.engine_loop import EngineLoop
 

@@ -43,6 +43,7 @@ from deepinfer.engine import (
     AddRequest,
     Admission,
     CompleteLoad,
+    CudaRegistrar,
     DeviceRows,
     Engine,
     EngineOutput,
@@ -53,12 +54,11 @@ from deepinfer.engine import (
     LoadPlan,
     NewStagingPool,
     PinCached,
+    StagingChunk,
     StagingPool,
     Stored,
     StoredKv,
 )
-from deepinfer.engine.kv_transfer import StagingChunk
-from deepinfer.engine.slot_dma import CudaRegistrar
 from deepinfer.hashing import hash_blocks
 from deepinfer.kv_costs import DEVICE, HOST, STORE
 from deepinfer.kv_rates import STORE_SHM
