@@ -4,11 +4,11 @@
 #     GIT_COMMIT=$(git rev-parse --short HEAD) [SHARD=1/2] bash scripts/gpu_tests.sh [PYTEST_ARGS...]   # on the device
 #
 # Installs the carried wheels once (bench/device_wheels.sh makes .whl-stack here; the device call carries it), runs
-# `pytest tests/gpu --noconftest`, and writes under $OUT (default bench/results):
+# `pytest tests/gpu --noconftest`, and writes under $OUT (default bench/results, git-ignored):
 #   gpu-tests.log   pytest's output          gpu-tests.xml   its JUnit report
 #   gpu-tests.json  {date, commit, device, passed, failed, errors, skipped, seconds, failures: [test ids]}
-# Exit status: pytest's. Keep the log (bench/results/gpu-tests-<date>-<commit>.log) and the counts (docs/gpu-tests.md)
-# of every run that closes an engine, kernel or worker change.
+# Exit status: pytest's. Commit the log (as docs/gpu-tests/gpu-tests-<date>-<commit>.log) and the counts
+# (docs/gpu-tests.md) of every run that closes an engine, kernel or worker change.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}

@@ -7,7 +7,7 @@ do). Modes: `none` (nothing else), `thread` (an asyncio loop in the main thread,
 does `--loop-us` of Python: the decode worker's layout), `inline` (the engine thread does that work itself after
 each step); `--cpu N` adds `thread` with the process pinned to core N. Mean step (middle 80%) per mode and
 round; a table and one JSON line. Session 8: +0.27 ms a step for `thread` on the 2-core dev VM, none on the
-H200 host (docs/serving-path.md, "The H200 host's noise").
+H200 host (docs/journal/serving-path-2026-12.md, "The H200 host's noise").
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def usable_cpus(cgroup_root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_S
 def default_gateway_processes(num_cpus: int | None = None) -> int:
     """Gateway processes sharing one API port when unset: one per 4 usable cores, 1 to 4. One Python process
     turns a few thousand tokens a second into SSE; measured on one H200 (llama-1b, concurrency 64), 1 gateway
-    gave 9.3k output tok/s and 3 gave 20.3k (bench/results/serve-llama-1b-1xh200-gateways*.json)."""
+    gave 9.3k output tok/s and 3 gave 20.3k (bench/results/serve-llama-1b-1xh200-gateways*.json @ b8b19c2)."""
     cpus = usable_cpus() if num_cpus is None else num_cpus
     return max(1, min(MAX_AUTO_GATEWAYS, cpus // CORES_PER_GATEWAY))
 
