@@ -4,6 +4,9 @@ Same signatures and semantics as the torch twins (`torch_ops.paged_attention`, `
 the reference the parity tests hold these to), without the twins' float32 scores [Hq, q_len, S], repeated K/V
 and explicit masks. Per sequence, its context gathered from the paged cache once per layer:
 
+    bfloat16 prompt rows over >= 256 keys       -> blocked_attention: blocks of query rows on bf16 matmuls, any
+                                                   prefix or window (torch 2.13's flash kernel runs bf16 no faster
+                                                   than float32; its matmuls run bf16 twice as fast)
     prompt rows, no cached prefix (q_len == S)  -> is_causal: the flash kernel skips the blocks above the diagonal
     prompt rows over a prefix P = S - q_len     -> the rows over keys [0, P) unmasked and over keys [P, S) causal
                                                    (square: top-left = bottom-right), the two merged by their
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels import torch_mla, torch_ops
+from deepinfer.kernels import blocked_attention, torch_mla, torch_ops
 from deepinfer.kernels.metadata import AttentionMetadata
 
 #: The CPU flash kernel behind F.scaled_dot_product_attention, called directly where its second output, the
@@ -36,7 +39,19 @@ _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """q [1, Hq, Q, D] over k/v [1, Hkv, S, D], Q <= S, queries aligned to the end of the keys -> [1, Hq, Q, D]."""
+    """q [1, Hq, Q, D] over k/v [1, Hkv, S, D], Q <= S, queries aligned to the end of the keys -> [1, Hq, Q, D]:
+    blocked_attention where it wins (bfloat16 prompt rows over enough keys), the fused kernels elsewhere."""
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    keys_seen = num_keys if sliding_window is None else min(num_keys, sliding_window)
+    if num_queries > 1 and q.device.type == "cpu" and blocked_attention.wins(q.dtype, keys_seen):
+        return blocked_attention.blocked_causal_attention(q, k, v, scale, sliding_window)
+    return fused_causal_attention(q, k, v, scale, sliding_window)
+
+
+def fused_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    """causal_attention through torch's fused SDPA kernels only (flash on the CPU)."""
     num_queries, num_keys = q.shape[2], k.shape[2]
     prefix = num_keys - num_queries  # P: keys every query sees
     if sliding_window is not None and num_keys > sliding_window:
