@@ -8,7 +8,10 @@ On the host's network (docker/compose.host.yml: the private engine of scripts/do
  2. brings the stack up with fresh secrets, waits for the gateway to be ready (progress every 10 s);
  3. sends chat completions through the official `openai` client, non-streaming and streaming;
  4. sends one long prompt twice (the second reuses its prefix), takes the stack `down` without removing volumes,
-    brings it `up` again and sends the prompt a third time: its cached tokens come from the kvcache volume;
+    brings it `up` again with docker/compose.transfer-engine.yml (the kvcache shard serves its shared-memory RAM
+    tier through Mooncake Transfer Engine, the workers read through it: `kv_transport=mooncake`) and sends the
+    prompt a third time: its cached tokens come from the kvcache volume, and the workers' metrics show the blocks
+    read through the engine with no fallback to the data plane;
  5. checks that a worker given a model directory that is not there says where the model should be;
  6. takes the stack down with its volumes (unless --keep).
 Prints each step's time; exit status 0 only if every check held.
@@ -33,6 +36,9 @@ from deploy_tools import ensure  # noqa: E402
 
 PROJECT = "deepinfer-compose-test"
 FILES = ["-f", "docker-compose.yml", "-f", "docker/compose.host.yml"]
+#: The stack with the store's gets through Mooncake Transfer Engine (the last `up`).
+TRANSFER_ENGINE_FILES = [*FILES, "-f", "docker/compose.transfer-engine.yml"]
+WORKER_METRICS = ["http://127.0.0.1:8003/metrics", "http://127.0.0.1:8004/metrics"]  # prefill, decode
 GATEWAY = "http://127.0.0.1:8000"
 READY_TIMEOUT_S = 600
 #: Long enough to fill whole KV blocks many times over (16 tokens each).
@@ -53,8 +59,9 @@ def compose_command() -> tuple[str, ...]:
     return tuple(ensure(["docker-compose"])["docker-compose"])
 
 
-def compose(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
-    command = [*compose_command(), "-p", PROJECT, *FILES, *args]
+def compose(*args: str, env: dict[str, str], check: bool = True,
+            files: list[str] = FILES) -> subprocess.CompletedProcess:
+    command = [*compose_command(), "-p", PROJECT, *files, *args]
     return subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True, check=check)
 
 
@@ -115,6 +122,16 @@ def cached_tokens(client) -> tuple[int, int]:
     return reply.usage.prompt_tokens, (details.cached_tokens if details else 0) or 0
 
 
+def worker_counter(name: str) -> float:
+    """A counter summed over the CPU workers' /metrics (prefill and decode, internal ports on the host)."""
+    total = 0.0
+    for url in WORKER_METRICS:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        total += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} "))
+    return total
+
+
 def missing_model_message() -> str:
     """What a worker container says when its model directory is not in its volume."""
     result = subprocess.run(
@@ -154,18 +171,22 @@ def main() -> int:
         print(f"    prompt tokens {first[0]}, cached: first {first[1]}, second {second[1]}")
         assert second[1] > 0, "the second send reused nothing"
         done()
-        done = step("down (volumes kept), up, the prompt again")
+        done = step("down (volumes kept), up with the transfer engine on, the prompt again")
         compose("down", env=env)
-        compose("up", "--no-build", "-d", env=env)
+        compose("up", "--no-build", "-d", env=env, files=TRANSFER_ENGINE_FILES)
         wait_ready(env)
         third = cached_tokens(client)
         print(f"    after down/up: prompt tokens {third[0]}, cached {third[1]} (from the kvcache volume)")
         assert third[1] >= third[0] // 2, "the kvcache volume did not keep the prompt's blocks"
+        blocks = worker_counter("deepinfer_worker_store_transfer_engine_blocks_total")
+        fallbacks = worker_counter("deepinfer_worker_store_transfer_engine_fallbacks_total")
+        print(f"    read through Mooncake Transfer Engine: {blocks:.0f} blocks, {fallbacks:.0f} fallbacks")
+        assert blocks > 0 and fallbacks == 0, "the store hit did not come through the transfer engine"
         done()
     finally:
         if not args.keep:
             done = step("down -v")
-            compose("down", "-v", env=env, check=False)
+            compose("down", "-v", env=env, check=False, files=TRANSFER_ENGINE_FILES)
             done()
     done = step("a worker with no model in its volume")
     print(f"    {missing_model_message()}")

@@ -49,6 +49,25 @@ wheelhouse() {  # ACCELERATOR: .wheelhouse/ACCELERATOR filled by install.sh in d
     fi
 }
 
+# Mooncake Transfer Engine in an image, as its user: off CUDA it starts over TCP on 127.0.0.1; the CUDA build links
+# the driver's libcuda.so.1, which only the GPU runtime mounts, so there it is imported after torch with a stub of
+# the driver's symbols (built with the image's gcc) in its place: every other library it links resolves.
+transfer_engine_check() {  # ACCELERATOR
+    local start='from deepinfer.dataplane.transfer_engine import TransferEngine as T; e = T.start()
+print("transfer engine:", e.session_id, "over", e.protocol); e.close()'
+    if [ "$1" != cuda ]; then
+        docker run --rm --network host --entrypoint python3 "$(tag_of "$1")" -c "$start"
+        return
+    fi
+    # shellcheck disable=SC2016  # expanded in the container
+    docker run --rm --entrypoint sh "$(tag_of cuda)" -c 'set -e; cd /tmp
+so=$(python3 -c "import mooncake, os; print(os.path.dirname(mooncake.__file__))")/engine.so
+nm -D --undefined-only "$so" | awk "\$2 ~ /^cu[A-Z]/ {print \"void \" \$2 \"(void) {}\"}" > cuda_stub.c
+mkdir stub && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o stub/libcuda.so.1 cuda_stub.c
+LD_LIBRARY_PATH=/tmp/stub python3 -c "import torch, mooncake.engine as m; m.TransferEngine()
+print(\"transfer engine: imported after torch\", torch.__version__)"'
+}
+
 summary=()
 for accelerator in "$@"; do
     started=$SECONDS
@@ -71,6 +90,7 @@ for accelerator in "$@"; do
         docker run --rm --entrypoint python3 "$(tag_of cuda)" -c \
             'import torch; assert torch.version.cuda, torch.__version__; print("torch", torch.__version__)'
     fi
+    transfer_engine_check "$accelerator"
     size=$(docker image inspect -f '{{.Size}}' "$(tag_of "$accelerator")")
     summary+=("$(tag_of "$accelerator"): $((size / 1000000)) MB, built in $((SECONDS - started)) s")
 done

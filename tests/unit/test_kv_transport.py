@@ -43,3 +43,9 @@ def test_without_the_library_the_engine_says_why(monkeypatch):
     assert "apt-get install libibverbs1" in availability()
     with pytest.raises(TransferEngineUnavailable, match="libibverbs1"):
         TransferEngine.shared("127.0.0.1")
+
+    def no_libcurl(name: str):  # a minimal image: libibverbs1 installed, libcurl4 not (docker/install.sh has both)
+        raise ImportError("libcurl.so.4: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(transfer_engine.importlib, "import_module", no_libcurl)
+    assert availability().endswith("; apt-get install libcurl4")

@@ -1,7 +1,7 @@
 """`TransferEngine`: KV bytes between hosts through Mooncake Transfer Engine (TCP here, RDMA where a cluster has it).
 
 The library (`mooncake-transfer-engine-non-cuda` / `-cuda13`, the `transfer-engine` extra; it needs
-`libibverbs1` even for TCP) is imported lazily, on the first engine built: everything else runs without it, and
+`libibverbs1`, `libnuma1` and `libcurl4` even for TCP) is imported lazily, on the first engine built: everything else runs without it, and
 `availability()` says why it is missing.
 
     engine = TransferEngine.start(hostname="10.0.0.5")   # one per process: P2PHANDSHAKE metadata, no etcd
@@ -41,10 +41,14 @@ from deepinfer.dataplane.errors import DataPlaneError
 
 #: What `start` accepts as `protocol` (the library also has NVLink / EFA / CXL transports, not wired here).
 PROTOCOLS = ("tcp", "rdma")
+#: The Debian package of each library the wheels' engine.so links that a minimal system may lack (the CUDA build's
+#: libmlx5 included; docker/install.sh installs them).
+LIBRARY_PACKAGES = {"libibverbs": "libibverbs1", "libnuma": "libnuma1", "libcurl": "libcurl4",
+                    "libmlx5": "ibverbs-providers"}
 
 
 class TransferEngineUnavailable(DataPlaneError):
-    """The transfer engine cannot be loaded here (the extra is not installed, or libibverbs1 is missing)."""
+    """The transfer engine cannot be loaded here (the extra is not installed, or a library it links is missing)."""
 
     code = "transfer_engine_unavailable"
 
@@ -76,8 +80,9 @@ def availability() -> str:
 def _module() -> Any:
     try:
         return importlib.import_module("mooncake.engine")
-    except ImportError as exc:  # no wheel, or the wheel's engine.so without libibverbs.so.1
-        hint = ("apt-get install libibverbs1" if "libibverbs" in str(exc)
+    except ImportError as exc:  # no wheel, or the wheel's engine.so without a library it links
+        packages = [package for library, package in LIBRARY_PACKAGES.items() if library in str(exc)]
+        hint = (f"apt-get install {' '.join(packages)}" if packages
                 else "pip install 'deepinfer[transfer-engine]' (mooncake-transfer-engine-non-cuda)")
         raise TransferEngineUnavailable(f"Mooncake Transfer Engine not loadable ({exc}); {hint}") from exc
 

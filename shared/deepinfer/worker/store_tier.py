@@ -124,6 +124,11 @@ class StoreTier:
                                            "Of those, blocks copied straight to the device (DMA from the "
                                            "registered region, never through the CPU).")
         self._shm_counted = (0, 0, 0)
+        self.m_te_blocks = counter(registry, "worker_store_transfer_engine_blocks",
+                                   "Blocks read from a shard's slots through Mooncake Transfer Engine.")
+        self.m_te_fallbacks = counter(registry, "worker_store_transfer_engine_fallbacks",
+                                      "Transfer-engine gets that fell back to the data plane.")
+        self._te_counted = (0, 0)
         self.m_load_s = histogram(registry, "worker_store_load_seconds", "A load: get and import of its blocks.")
         self.m_written_blocks = counter(registry, "worker_store_written_blocks", "Blocks written behind.")
         self.m_written_bytes = counter(registry, "worker_store_written_bytes", "Bytes written behind.")
@@ -228,12 +233,12 @@ class StoreTier:
                             to_device if self.client.shared_memory.registrar is not None else None),
                 self.settings.kv_store_load_timeout_s)
         except Exception as exc:  # down, slow, evicted meanwhile, a bad checksum: recompute
-            self._count_shared_memory()
+            self._count_leased_reads()
             self.m_loads.labels("timeout" if isinstance(exc, TimeoutError) else "failed").inc()
             log.warning("store load of %d blocks for %s failed (%r): recomputing", len(hashes), plan.request_id, exc)
             await self.engine_loop.call(FailLoad(plan.request_id))
             return
-        self._count_shared_memory()
+        self._count_leased_reads()
         self._remember(missing)  # held by the store: once cached here, not written behind again
         num_host = len(hashes) - len(missing)
         loaded = imported and await self.engine_loop.call(CompleteLoad(plan, num_host))
@@ -247,14 +252,20 @@ class StoreTier:
             self.m_loaded_blocks.inc(len(missing))
             self.m_loaded_bytes.inc(len(missing) * pool.block_nbytes)
 
-    def _count_shared_memory(self) -> None:
-        """Bring the shared-memory counters up to the client's totals (loads may overlap: deltas, not values)."""
+    def _count_leased_reads(self) -> None:
+        """Bring the shared-memory and transfer-engine counters up to the client's totals (loads may overlap:
+        deltas, not values)."""
         reads = self.client.shared_memory
         blocks, fallbacks, device_blocks = self._shm_counted
         self.m_shm_blocks.inc(reads.num_blocks - blocks)
         self.m_shm_fallbacks.inc(reads.num_fallbacks - fallbacks)
         self.m_shm_device_blocks.inc(reads.num_device_blocks - device_blocks)
         self._shm_counted = (reads.num_blocks, reads.num_fallbacks, reads.num_device_blocks)
+        remote = self.client.transfer_engine
+        blocks, fallbacks = self._te_counted
+        self.m_te_blocks.inc(remote.num_blocks - blocks)
+        self.m_te_fallbacks.inc(remote.num_fallbacks - fallbacks)
+        self._te_counted = (remote.num_blocks, remote.num_fallbacks)
 
     def _staging_pool(self) -> StagingPool:
         """The loads' staging (allocated by start(); here for a tier never started)."""
