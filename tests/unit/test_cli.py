@@ -130,3 +130,16 @@ def test_bench_run_up_takes_up_s_stack_flags_and_refuses_a_port_in_use(tmp_path)
                          DEEPINFER_DATA_DIR=str(tmp_path / "data"))
     assert result.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in result.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "x.json").exists()  # nothing was started
+
+
+def test_bench_run_makes_the_folders_of_its_outputs_and_fails_when_no_request_is_served(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as closed:  # a port nothing listens on once this block ends
+        port = closed.getsockname()[1]
+    out = tmp_path / "new" / "run.json"
+    result = run_cli("bench", "run", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--concurrency", "1",
+                     "--num-prompts", "1", "--max-tokens", "2", "--no-plots", "--out", str(out),
+                     "--csv", str(tmp_path / "csv" / "run.csv"))
+    assert result.returncode == 1 and "first error" in result.stderr  # every request failed: not a success
+    assert out.exists() and (tmp_path / "csv" / "run.csv").exists()  # written, though their folders did not exist

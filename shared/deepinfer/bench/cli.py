@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_sweep(args: argparse.Namespace) -> int:
     """The sweep against --base-url, or with --up against a local stack started for it and stopped after."""
+    for path in (args.out, args.csv, args.plots):  # made before the run, not found missing after it
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
     if not args.up:
         return sweep_against(args, args.base_url.rstrip("/"), args.model)
     from deepinfer.up.cli import PortInUse, StopRequested, local_stack
