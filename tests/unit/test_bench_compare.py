@@ -13,6 +13,7 @@ def test_direction_from_the_figures_name():
     assert direction("ceilings.copy_gb_s") == 1
     assert direction("decode.64.graphs_of_roofline") == 1
     assert direction("points.service_over_offline") == 1
+    assert direction("points.c=4.requests_per_s") == 1  # a rate, not a duration ("_s")
     assert direction("decode.64.graphs_step_ms") == -1
     assert direction("prefill.attention_s") == -1
     assert direction("offline_ttft_ms_p99") == -1

@@ -18,7 +18,7 @@ from typing import Any
 #: A figure is worse when it moved the wrong way by more than this fraction (a run's own noise is ~1-3%).
 DEFAULT_TOLERANCE = 0.03
 
-_HIGHER = ("tok_s", "tflops", "gb_s", "of_roofline", "over_offline")
+_HIGHER = ("tok_s", "_per_s", "tflops", "gb_s", "of_roofline", "over_offline")  # a rate before "_s"
 _LOWER = ("_ms", "_s")
 #: `generator.*`: the load generator's own lags (deepinfer.bench.generator), a property of the client machine.
 _MACHINE = ("ceilings.", "limit", "roofline_tok_s", "generator.")
