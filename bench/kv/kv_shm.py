@@ -55,8 +55,9 @@ LAYOUT = "bench-layout"
 PATHS = ("shared memory", "data plane", "memcpy", "xxh3")
 
 
-def _shard(conn, ram_bytes: int, slot_bytes: int) -> None:
-    """Child process: a store shard with a shared-memory RAM tier on a free port; sends (address, host_id)."""
+def _shard(conn, ram_bytes: int, slot_bytes: int, transfer_engine: bool = False) -> None:
+    """Child process: a store shard with a shared-memory RAM tier on a free port (its slots also served through
+    Mooncake Transfer Engine when `transfer_engine`); sends (address, host_id)."""
     from deepinfer.dataplane import DataPlaneServer
     from deepinfer.kvcache.store import KvStore, StoreSettings
 
@@ -64,6 +65,10 @@ def _shard(conn, ram_bytes: int, slot_bytes: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             store = KvStore(StoreSettings(ram_bytes=ram_bytes, disk_dir=Path(tmp) / "kv", shm_dir=Path("/dev/shm"),
                                           shm_slot_bytes=slot_bytes))
+            if transfer_engine:
+                from deepinfer.dataplane.transfer_engine import TransferEngine
+
+                store.serve_transfer_engine(TransferEngine.start("127.0.0.1"))
             server = DataPlaneServer(store, secret=SECRET)
             await server.start()
             conn.send((server.address, store.host_id))

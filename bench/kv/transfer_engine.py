@@ -28,38 +28,16 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.kv.kv_shm import SECRET, _shard
 from bench.kv.kvstore import RawPath, _raw_server, _start
 
-SECRET = "kv-te-bench-secret-0123456789abcdef"
 LAYOUT = "bench-layout"
 PATHS = ("transfer engine", "engine read only", "raw socket", "data plane", "shared memory")
-
-
-def _shard(conn, ram_bytes: int, slot_bytes: int) -> None:
-    """Child process: a store shard whose slot region its transfer engine serves; sends (address, host_id)."""
-    from deepinfer.dataplane import DataPlaneServer
-    from deepinfer.dataplane.transfer_engine import TransferEngine
-    from deepinfer.kvcache.store import KvStore, StoreSettings
-
-    async def serve() -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            store = KvStore(StoreSettings(ram_bytes=ram_bytes, disk_dir=Path(tmp) / "kv", shm_dir=Path("/dev/shm"),
-                                          shm_slot_bytes=slot_bytes))
-            store.serve_transfer_engine(TransferEngine.start("127.0.0.1"))
-            server = DataPlaneServer(store, secret=SECRET)
-            await server.start()
-            conn.send((server.address, store.host_id))
-            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
-            await server.close()
-            store.close()
-
-    asyncio.run(serve())
 
 
 async def _run(args, address: str, shard_host_id: str, raw_port: int) -> dict[str, list[float]]:
@@ -135,7 +113,7 @@ def main() -> None:
     slot_bytes = args.block_mib << 20
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    shard = ctx.Process(target=_shard, args=(child, (args.blocks + 4) * slot_bytes, slot_bytes))
+    shard = ctx.Process(target=_shard, args=(child, (args.blocks + 4) * slot_bytes, slot_bytes, True))
     shard.start()
     raw_server, _, raw_port = _start(_raw_server)
     try:
