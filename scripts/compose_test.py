@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -62,7 +63,21 @@ def compose_command() -> tuple[str, ...]:
 def compose(*args: str, env: dict[str, str], check: bool = True,
             files: list[str] = FILES) -> subprocess.CompletedProcess:
     command = [*compose_command(), "-p", PROJECT, *files, *args]
-    return subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True, check=check)
+    result = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True)
+    if check and result.returncode != 0:
+        raise SystemExit(f"docker-compose {' '.join(args)} failed ({result.returncode}):\n{result.stderr.strip()}\n"
+                         f"{services_report(env, files)}")
+    return result
+
+
+def services_report(env: dict[str, str], files: list[str]) -> str:
+    """The services' states and their last log lines, for a failure's message."""
+    def run(*args: str) -> str:
+        command = [*compose_command(), "-p", PROJECT, *files, *args]
+        done = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True)
+        return (done.stdout + done.stderr).strip()
+    return (f"services: {' '.join(run('ps', '-a', '--format', '{{.Service}}={{.State}}/{{.Health}}').split())}\n"
+            f"last logs:\n{run('logs', '--tail', '30')}")
 
 
 def step(name: str):
@@ -96,8 +111,7 @@ def wait_ready(env: dict[str, str]) -> None:
             states = compose("ps", "-a", "--format", "{{.Service}}={{.State}}/{{.Health}}", env=env, check=False)
             print("    waiting:", " ".join(states.stdout.split()), flush=True)
         time.sleep(1)
-    logs = compose("logs", "--tail", "30", env=env, check=False).stdout
-    raise SystemExit(f"the gateway was not ready within {READY_TIMEOUT_S} s; last logs:\n{logs}")
+    raise SystemExit(f"the gateway was not ready within {READY_TIMEOUT_S} s\n{services_report(env, FILES)}")
 
 
 def chat_checks(client) -> None:
@@ -132,6 +146,28 @@ def worker_counter(name: str) -> float:
     return total
 
 
+def check_disk_space(env: dict[str, str]) -> None:
+    """Refuse early, saying what to free, when the engine's data root cannot hold the stack's containers.
+
+    The vfs driver of scripts/dockerd.sh copies an image's whole filesystem for each container: the CPU stack's
+    seven containers (7.5 GB of images) took 10 GB of disk, measured; ask 1.5x the images' sizes and 2 GB for the
+    volumes.
+    """
+    info = subprocess.run(["docker", "info", "--format", "{{.DockerRootDir}} {{.Driver}}"], text=True,
+                          capture_output=True, check=True).stdout.split()
+    root, driver = info[0], info[1]
+    images = compose("config", "--images", env=env).stdout.split()
+    sizes = subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", *images], text=True,
+                           capture_output=True, check=True).stdout.split()
+    needed = (3 * sum(int(s) for s in sizes) // 2 if driver == "vfs" else 0) + 2 * 1024**3
+    free = shutil.disk_usage(root).free if os.path.exists(root) else needed
+    print(f"    {len(images)} containers on the {driver} driver: ~{needed / 1e9:.1f} GB needed, "
+          f"{free / 1e9:.1f} GB free in {root}", flush=True)
+    if free < needed:
+        raise SystemExit(f"not enough disk for the stack: ~{needed / 1e9:.1f} GB needed in {root}, "
+                         f"{free / 1e9:.1f} GB free; free some (`docker image prune`) and run again")
+
+
 def missing_model_message() -> str:
     """What a worker container says when its model directory is not in its volume."""
     result = subprocess.run(
@@ -158,6 +194,7 @@ def main() -> int:
     env = base_env | {"DEEPINFER_NATS_TOKEN": secrets.token_hex(24), "DEEPINFER_DATA_PLANE_SECRET": secrets.token_hex(32)}
     try:
         done = step("up (first start: the model is prepared into the models volume)")
+        check_disk_space(env)
         compose("up", "--no-build", "-d", env=env)
         wait_ready(env)
         done()

@@ -79,6 +79,7 @@ for accelerator in "$@"; do
     # The classic builder pulls every stage's base: the stages not built get one that is already here.
     cuda_image=$python_image cann_image=$python_image
     [ "$accelerator" = cuda ] && cuda_image=${CUDA_IMAGE:-$(base_or_local nvidia/cuda:13.0.0-runtime-ubuntu24.04)}
+    replaced=$(docker image inspect -f '{{.Id}}' "$(tag_of "$accelerator")" 2> /dev/null || true)
     status=0
     docker build --network host -f docker/Dockerfile -t "$(tag_of "$accelerator")" \
         --build-arg ACCELERATOR="$accelerator" --build-arg PYTHON_IMAGE="$python_image" \
@@ -91,6 +92,11 @@ for accelerator in "$@"; do
             'import torch; assert torch.version.cuda, torch.__version__; print("torch", torch.__version__)'
     fi
     transfer_engine_check "$accelerator"
+    # The image this build replaced, now untagged: removed, or rebuilds fill the disk (the vfs driver of
+    # scripts/dockerd.sh keeps a full copy of every layer); left where a container still uses it.
+    if [ -n "$replaced" ] && [ "$replaced" != "$(docker image inspect -f '{{.Id}}' "$(tag_of "$accelerator")")" ]; then
+        docker image rm "$replaced" > /dev/null 2>&1 || true
+    fi
     size=$(docker image inspect -f '{{.Size}}' "$(tag_of "$accelerator")")
     summary+=("$(tag_of "$accelerator"): $((size / 1000000)) MB, built in $((SECONDS - started)) s")
 done
