@@ -5,7 +5,7 @@ well), "chat" (a multi-turn chat whose last turn asks to restate an earlier answ
 short story: few drafts hit). The default model; --concurrency requests at once (copies of the task's chat).
 Prints tokens/s per user of each mode (best of --repeats, the modes interleaved run by run, so a neighbour's load
 falls on all alike), whether the outputs equal the plain ones, and the acceptance counters. Figures:
-docs/speculative.md.
+docs/journal/speculative-2026-12.md (design: docs/speculative.md).
 
     PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open] [--modes none,4,auto] [--concurrency 1]
                                    [--max-tokens 160] [--repeats 3] [--threads 1] [--dtype float32]
