@@ -98,3 +98,20 @@ def test_a_speculating_stream_survives_its_decode_worker(pair, client, plain, sa
     assert reissues(pair) == before + 1  # it really moved
     assert time.monotonic() - started < 60
     both_decoders_up(pair)
+
+
+def test_a_required_tool_call_is_the_plain_stack_s(pair, client, stack):
+    """Drafts under the tool call's grammar (a forbidden draft token is rejected before verification): the call a
+    speculating stack makes is the plain stack's, name and arguments."""
+    from tests.e2e.test_structured_output import ASK, WEATHER
+
+    plain_client = openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=120)
+    calls = [
+        c.chat.completions.create(model=s.model_name, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                  temperature=0, max_tokens=64, parallel_tool_calls=False).choices[0]
+        for c, s in ((client, pair), (plain_client, stack))
+    ]
+    assert [c.finish_reason for c in calls] == ["tool_calls", "tool_calls"]
+    (speculated,), (plain_call,) = (c.message.tool_calls for c in calls)
+    assert (speculated.function.name, json.loads(speculated.function.arguments)) == (
+        plain_call.function.name, json.loads(plain_call.function.arguments))
