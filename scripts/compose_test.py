@@ -73,8 +73,7 @@ def compose(*args: str, env: dict[str, str], check: bool = True,
 def services_report(env: dict[str, str], files: list[str]) -> str:
     """The services' states and their last log lines, for a failure's message."""
     def run(*args: str) -> str:
-        command = [*compose_command(), "-p", PROJECT, *files, *args]
-        done = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True)
+        done = compose(*args, env=env, check=False, files=files)
         return (done.stdout + done.stderr).strip()
     return (f"services: {' '.join(run('ps', '-a', '--format', '{{.Service}}={{.State}}/{{.Health}}').split())}\n"
             f"last logs:\n{run('logs', '--tail', '30')}")

@@ -55,7 +55,6 @@ class RequestRecord:
         self.route = route
         self.span = span or INVALID_SPAN
         self.start_s = time.monotonic()
-        self._first_token_seen = False
         #: Per choice index: (time, output tokens) of its last delivery of text.
         self._last_delivery: dict[int, tuple[float, int]] = {}
         self._ended = False
@@ -67,18 +66,13 @@ class RequestRecord:
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         self.metrics.prompt_len.observe(num_prompt_tokens)
 
-    def first_token(self) -> None:
-        """Record TTFT (once)."""
-        if not self._first_token_seen:
-            self._first_token_seen = True
-            self.metrics.ttft_s.labels(self.route).observe(time.monotonic() - self.start_s)
-
     def delivered(self, choice: int, num_output_tokens: int) -> None:
         """A choice's text went out with `num_output_tokens` generated so far: TTFT at the request's first delivery;
         after a choice's first, the gap since its previous delivery, shared by the tokens that came in it (several
         arrive together with speculative decoding, or when a token completes a character), in the ITL histogram."""
         now = time.monotonic()
-        self.first_token()
+        if not self._last_delivery:  # the request's first delivery
+            self.metrics.ttft_s.labels(self.route).observe(now - self.start_s)
         last = self._last_delivery.get(choice)
         self._last_delivery[choice] = (now, num_output_tokens)
         if last is None or num_output_tokens <= last[1]:
