@@ -10,7 +10,7 @@ host arrays), the sampler's host work on a small vocabulary, and update(). Print
 
 `--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
-no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
+no-op replay), finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
 the runner's SamplingMetadataBuilder.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
 The fake model and the CPU graph runner: deepinfer.testing.cpu_graph_engine (tests/unit/test_cpu_graph_engine.py).
 """
@@ -140,7 +140,7 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16, gr
     timer.wrap(runner.graphs.inputs, "fill", "graph_fill")
     timer.wrap(runner.sampling_metadata, "build", "sampling_metadata")
     timer.wrap(runner, "sampler", "sampler")
-    timer.wrap(core, "_finish_in_flight", "finish_in_flight")
+    timer.wrap(core, "finish_in_flight", "finish_in_flight")
     timer.wrap(core.host_tier, "offload", "host_tier_offload")
     try:
         for _ in range(3):

@@ -411,19 +411,19 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         waited = self._in_flight  # this call waits for it: its kind names the call's time (else the launched one)
         if self._in_flight is not None and self._in_flight[1].needs_sync:
-            outputs = self._finish_in_flight()  # its tokens feed the next step's penalties on the host
+            outputs = self.finish_in_flight()  # its tokens feed the next step's penalties on the host
         scheduled = self.scheduler.schedule()
         timed = waited[0] if waited is not None else scheduled
         self.last_step_kind, self.last_step_tokens = timed.kind, timed.num_batched_tokens
         launched = (scheduled, self.runner.execute_async(scheduled, self.scheduler.requests))
         if self._in_flight is not None:
-            outputs += self._finish_in_flight()
+            outputs += self.finish_in_flight()
         self._in_flight = launched
         if not self.scheduler.has_unfinished_requests():
-            outputs += self._finish_in_flight()
+            outputs += self.finish_in_flight()
         return outputs
 
-    def _finish_in_flight(self) -> list[EngineOutput]:
+    def finish_in_flight(self) -> list[EngineOutput]:
         scheduled, pending = self._in_flight
         self._in_flight = None
         sampled = pending.result()
