@@ -269,7 +269,12 @@ class EngineCore:
         self.scheduler.abort_requests(list(request_ids))
 
     def close(self) -> None:
-        """Release what outlives the object: the tensor-parallel worker processes (no-op otherwise)."""
+        """Release what should not wait for the garbage collector: the host tier's pinned memory (a process that
+        builds several engines would run out of it) and the tensor-parallel worker processes. The engine cannot
+        step after."""
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()

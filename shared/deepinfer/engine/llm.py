@@ -59,7 +59,8 @@ class LLM:
         self._request_counter = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); a no-op for a single-process engine."""
+        """Free the host tier's pinned memory and stop the engine's worker processes (tensor parallelism) now,
+        not when the object is collected; `with LLM(...) as llm:` closes it at the block's end."""
         self.engine.close()
 
     def __enter__(self) -> LLM:
