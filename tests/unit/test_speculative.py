@@ -76,7 +76,8 @@ def test_suffix_drafts_greedy_equal_plain_and_draft_a_batch_sent_again(tiny_dir,
     drafted, accepted = (stats.num_draft_tokens - first.num_draft_tokens,
                          stats.num_accepted_tokens - first.num_accepted_tokens)
     assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)
-    assert llm.engine.core.drafter.num_cached_requests == len(PROMPTS)  # the first run (the second retires later)
+    # The first run's requests retired when the second's came; the second's as they finish (swept while others run).
+    assert len(PROMPTS) <= llm.engine.core.drafter.num_cached_requests <= 2 * len(PROMPTS)
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3])
