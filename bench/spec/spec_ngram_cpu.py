@@ -2,17 +2,18 @@
 
 Tasks: "edit" (fix the spelling of a text and repeat it: the answer mostly repeats the prompt, prompt lookup drafts
 well), "chat" (a multi-turn chat whose last turn asks to restate an earlier answer with one change), "open" (a
-short story: few drafts hit), "again" (the same kind of request sent again, as an agent loop does: the short story
-with another keeper's name each run; only suffix decoding's global tree carries one run's output to the next).
-The default model; --concurrency requests at once (copies of the task's chat). Prints tokens/s per user of each
-mode (best of --repeats, the modes interleaved run by run, so a neighbour's load falls on all alike), whether the
-outputs equal the plain ones, and the acceptance counters. Figures: docs/speculative.md.
+short story: few drafts hit); the same kind of request sent again, as an agent loop does, with a name that changes
+each run: "story-again" (the short story, its keeper named; open-ended, the stories part after a few words) and
+"code-again" (a Fibonacci function, its name given; the answers share most of their code). The default model;
+--concurrency requests at once (copies of the task's chat). Prints tokens/s per user of each mode (best of
+--repeats, the modes interleaved run by run, so a neighbour's load falls on all alike), whether the outputs equal
+the plain ones, and the acceptance counters. Figures: docs/speculative.md.
 
 Modes: none; n-gram with a fixed k (an int) or auto; suffix:K or suffix:auto (suffix decoding, vLLM's defaults for
-its suffix_decoding_* settings). A suffix mode drafts with a fresh drafter each run (its request alone, no output
-of earlier runs, which are this very request again) unless the task is "again" or --suffix-history is given.
+its suffix_decoding_* settings). A suffix mode drafts with a fresh drafter each run (from its request alone, not
+from earlier runs, which are this very request again) but in the -again tasks or with --suffix-history.
 
-    PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open|again]
+    PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open|story-again|code-again]
                                    [--modes none,4,auto,suffix:4,suffix:auto] [--concurrency 1] [--max-tokens 160]
                                    [--repeats 3] [--threads 1] [--dtype float32] [--suffix-history]
 """
@@ -44,17 +45,22 @@ TASKS = {
              {"role": "user", "content": "Thanks! Repeat the three tips, but make the third about exercise."}],
     "open": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
 }
-#: "again": run i's keeper (the warm-up is run 0).
-NAMES = ["Tom", "Anna", "Elias", "Maria", "John", "Sofia", "Peter", "Lena", "Oscar", "Clara", "Hugo"]
+#: The same kind of request sent again (as an agent loop does): run i's request fills in the i-th name (the warm-up
+#: is run 0). Only suffix decoding's global tree carries one run's output to the next.
+AGAIN = {
+    "story-again": ("Write a short story about a lighthouse keeper named {} who finds a message in a bottle.",
+                    ["Tom", "Anna", "Elias", "Maria", "John", "Sofia", "Peter", "Lena", "Oscar", "Clara"]),
+    "code-again": ("Write a Python function named {} that returns the n-th Fibonacci number, with a docstring.",
+                   ["fib", "fibonacci", "nth_fib", "fib_number", "get_fib", "compute_fib", "fibo", "fib_at"]),
+}
 
 
 def conversation(task: str, run: int) -> list[dict]:
-    """The task's chat for run `run` (the same every run but for "again")."""
-    if task != "again":
+    """The task's chat for run `run` (the same every run but for the "-again" tasks)."""
+    if task not in AGAIN:
         return TASKS[task]
-    name = NAMES[run % len(NAMES)]
-    return [{"role": "user", "content": f"Write a short story about a lighthouse keeper named {name} who finds a "
-                                        "message in a bottle."}]
+    template, names = AGAIN[task]
+    return [{"role": "user", "content": template.format(names[run % len(names)])}]
 
 
 def run_once(llm: LLM, conversations: list, params: SamplingParams) -> tuple[float, list[list[int]]]:
@@ -78,7 +84,7 @@ def spec_config(mode: str, lookup_min: int, lookup_max: int) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=[*sorted(TASKS), "again"], default="edit")
+    parser.add_argument("--task", choices=[*sorted(TASKS), *AGAIN], default="edit")
     parser.add_argument("--modes", default="none,4,auto",
                         help="comma-separated: none, an int k or auto (n-gram), suffix:K or suffix:auto")
     parser.add_argument("--concurrency", type=int, default=1)
@@ -90,7 +96,7 @@ def main() -> None:
                         help="float32 (the default): in bf16 a verify step's other GEMM shapes part greedy at one-ulp ties")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 shared cores: OpenMP spins)")
     parser.add_argument("--suffix-history", action="store_true",
-                        help="keep suffix decoding's global tree across runs (always with --task again)")
+                        help="keep suffix decoding's global tree across runs (always with the -again tasks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -98,7 +104,7 @@ def main() -> None:
     configs = {m: spec_config(m, args.lookup_min, args.lookup_max) for m in modes}
     llms = {m: LLM(progress=False, enable_prefix_caching=False, dtype=args.dtype, speculative_config=configs[m])
             for m in modes}
-    fresh = {m for m in modes if m.startswith("suffix:") and args.task != "again" and not args.suffix_history}
+    fresh = {m for m in modes if m.startswith("suffix:") and args.task not in AGAIN and not args.suffix_history}
 
     def run(m: str, index: int) -> tuple[float, list[list[int]]]:
         if m in fresh:  # a drafter that has seen no earlier run

@@ -79,6 +79,16 @@ class SuffixTree:
         """Sequences held."""
         return len(self._seqs)
 
+    def num_nodes(self) -> int:
+        """Nodes held, expanded and lazy (the root not counted): what the tree's memory grows with."""
+        num_nodes, stack = 0, [self.root]
+        while stack:
+            children = stack.pop().children
+            if children:
+                num_nodes += len(children)
+                stack.extend(children.values())
+        return num_nodes
+
     def extend(self, seq_id: Hashable, token_ids: Iterable[int]) -> None:
         """Append tokens to a sequence (a new one if `seq_id` is not held yet)."""
         seq = self._seqs.get(seq_id)
