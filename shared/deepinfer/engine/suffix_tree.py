@@ -19,9 +19,9 @@ one per suffix, not max_depth per token.
          ├ c ~ [a b]
          └ d ~
 
-`speculate` (module of the drafter: engine/suffix_drafter.py) matches every suffix of a pattern (the context's
-last tokens) and walks each match's most frequent continuation; the draft whose tokens' probabilities sum highest
-wins (the longest match on a tie).
+`speculate` matches every suffix of a pattern (a request's last tokens: engine/suffix_drafter.py) and walks each
+match's most frequent continuation; the draft whose tokens' probabilities sum highest wins (the longest match on a
+tie).
 """
 
 from __future__ import annotations
