@@ -1,6 +1,6 @@
 """What suffix decoding's drafter costs on the host, beside n-gram lookup: the first propose of a request (its
 prompt inserted), each later propose (one token appended), tree nodes per token, and a retired request's insertion
-into and removal from the global tree. Synthetic token streams (Pareto-distributed ids over 5,000, a fifth of
+into and removal from the global tree, and the bytes a held token costs. Synthetic token streams (Pareto-distributed ids over 5,000, a fifth of
 them copies of 3-20 earlier tokens), no model. Figures: docs/speculative.md ("Suffix decoding", Cost).
 
     PYTHONPATH=shared:. python bench/spec/suffix_cost.py [--prompt-lens 200,2000,8000] [--steps 300]
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+import tracemalloc
 
 from deepinfer.engine.drafter import propose_ngram
 from deepinfer.engine.request import Request
@@ -65,6 +66,17 @@ def global_tree(rng: random.Random, num_requests: int, output_len: int) -> str:
             f"remove one, {tree.num_nodes() / (num_requests * 0.9 * output_len):.1f} nodes a token")
 
 
+def memory(rng: random.Random, num_tokens: int) -> str:
+    tokens = token_stream(rng, num_tokens)
+    tracemalloc.start()
+    tree = SuffixTree(24)
+    tree.extend(0, tokens)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return (f"memory, {num_tokens} tokens in one tree: {held / num_tokens:.0f} bytes a token, "
+            f"{held / tree.num_nodes():.0f} a node")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-lens", default="200,2000,8000")
@@ -75,6 +87,7 @@ def main() -> None:
     for prompt_len in map(int, args.prompt_lens.split(",")):
         print(per_request(rng, prompt_len, args.steps))
     print(global_tree(rng, args.requests, 300))
+    print(memory(rng, 20000))
 
 
 if __name__ == "__main__":
