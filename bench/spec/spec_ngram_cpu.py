@@ -8,7 +8,8 @@ each run: "story-again" (the short story, its keeper named; open-ended, the stor
 --concurrency requests at once (copies of the task's chat). Prints tokens/s per user of each mode (best of
 --repeats, the mean of them in the -again tasks, whose runs are different requests; the modes interleaved run by
 run, so a neighbour's load falls on all alike), whether every run's outputs equal the plain ones, and the
-acceptance counters. Figures: docs/speculative.md.
+acceptance counters (accepted draft tokens per request: the decode steps drafts saved, whatever the load).
+Figures: docs/speculative.md.
 
 Modes: none; n-gram with a fixed k (an int) or auto; suffix:K or suffix:auto (suffix decoding, vLLM's defaults for
 its suffix_decoding_* settings). A suffix mode drafts with a fresh drafter each run (from its request alone, not
@@ -141,7 +142,8 @@ def main() -> None:
             accepted = stats.num_accepted_tokens - before.num_accepted_tokens
             drafts = stats.num_drafts - before.num_drafts
             line += (f"  acceptance {accepted / drafted if drafted else 0:.2f} of {drafted} draft tokens, "
-                     f"{1 + accepted / drafts if drafts else 1:.2f} tokens per verified draft")
+                     f"{1 + accepted / drafts if drafts else 1:.2f} tokens per verified draft, "
+                     f"{accepted / (args.repeats * args.concurrency):.1f} accepted per request")
         print(line)
 
 
