@@ -205,11 +205,11 @@ def test_unfinished_requests_keep_their_trees():
     assert (drafter.num_live_requests, drafter.num_cached_requests) == (4, 1)
 
 
-def test_suffix_config_defaults_as_vllm():
+def test_suffix_config_defaults_as_vllm_but_a_smaller_global_tree():
     config = SpeculativeConfig.of({"method": "suffix"})
     assert (config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
             config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
-            config.suffix_decoding_min_token_prob) == (24, 24, 10000, 1.0, 0.1)
+            config.suffix_decoding_min_token_prob) == (24, 24, 1000, 1.0, 0.1)  # vLLM: 10000 (~2 GB here)
     drafter = make_drafter(SpeculativeConfig.of({
         "method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 8,
         "suffix_decoding_max_cached_requests": 3, "suffix_decoding_max_spec_factor": 2,

@@ -61,7 +61,7 @@ class SuffixDrafter:
 
     has_probs = False
 
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_live_requests: int = MAX_LIVE_REQUESTS) -> None:
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
