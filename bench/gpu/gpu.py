@@ -3,7 +3,7 @@
 
     PYTHONPATH=shared:. python bench/gpu/gpu.py [--sections ceilings,prefill,decode,idle,serving,hf] [--layers 32] [--num-requests 1000]
                         [--batch-invariant]   # also: the engine in batch-invariant mode (prefill, decode)
-                        [--async-scheduling off|on|both]   # decode, idle, serving with async scheduling
+                        [--async-scheduling on|off|both]   # on (default): async, the engine's default on CUDA; off: sync
     PYTHONPATH=shared:. python bench/gpu/gpu.py --model deepseek [--tiny] [--hf-compile]   # DeepSeek-V2-Lite shape: bench/gpu/gpu_deepseek.py
 
 Prints a table and one JSON line; writes the JSON to $OUT/gpu-bench.json when OUT is set (or to --out).
@@ -211,8 +211,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's JSON: print every figure's change against it (deepinfer bench compare)")
     parser.add_argument("--batch-invariant", action="store_true", help="also measure batch-invariant mode")
-    parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
-                        help="on: the engine runs async; both: sync, then decode/idle/serving again async")
+    parser.add_argument("--async-scheduling", choices=("off", "on", "both"), default="on",
+                        help="on (default, the engine's own default on one CUDA device): async; off: synchronous; "
+                             "both: sync, then decode/idle/serving again async")
     parser.add_argument("--model", choices=("llama", "deepseek"), default="llama",
                         help="deepseek: DeepSeek-V2-Lite shape, MLA + MoE (bench/gpu/gpu_deepseek.py)")
     parser.add_argument("--tiny", action="store_true", help="deepseek: a toy config on the CPU (code paths only)")

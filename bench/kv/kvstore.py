@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         "samples": args.samples,
         "fsync": args.fsync,
         # glibc's malloc returns freed 2 MiB buffers to the OS unless told otherwise: every fresh block then
-        # costs page faults (see docs/kvstore.md, "Throughput").
+        # costs page faults (see docs/journal/kvstore-2026-12.md, "Where the time went").
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "results": results,
     }

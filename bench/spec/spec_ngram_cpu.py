@@ -9,7 +9,8 @@ each run: "story-again" (the short story, its keeper named; open-ended, the stor
 --repeats, the mean of them in the -again tasks, whose runs are different requests; the modes interleaved run by
 run, so a neighbour's load falls on all alike), whether every run's outputs equal the plain ones, and the
 acceptance counters (accepted draft tokens per request: the decode steps drafts saved, whatever the load).
-Figures: docs/speculative.md.
+Figures:
+docs/journal/speculative-2026-12.md (design: docs/speculative.md).
 
 Modes: none; n-gram with a fixed k (an int) or auto; suffix:K or suffix:auto (suffix decoding, vLLM's defaults for
 its suffix_decoding_* settings). A suffix mode drafts with a fresh drafter each run (from its request alone, not

@@ -86,6 +86,10 @@ class Generation:
                                       "cached_tokens_by_tier": by_tier},
         }
 
+    def delivered(self, delta: ChoiceDelta) -> None:
+        """A delta's text goes out now: its choice's token timing (TTFT, inter-token latency)."""
+        self.record.delivered(delta.index, self.outputs[delta.index].num_output_tokens)
+
     def end(self, status: int) -> None:
         """Close the request's metrics."""
         num_completion_tokens = sum(o.num_output_tokens for o in self.outputs)
@@ -166,7 +170,7 @@ async def collect(generation: Generation) -> dict[str, Any] | None:
     client went away meanwhile (the workers were told to drop the request: nobody is left to answer)."""
     async for delta in merged_deltas(generation):
         if delta.text:
-            generation.record.first_token()
+            generation.delivered(delta)
     if any(output.finish_reason is None for output in generation.outputs):
         return None  # a choice ended without finishing: only a disconnect does that (failures raise)
     return generation.presenter.response(generation)
@@ -187,7 +191,7 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
             pending = "".join(formatter.opening())
             async for delta in merged_deltas(generation):
                 if delta.text:
-                    generation.record.first_token()
+                    generation.delivered(delta)
                 events = formatter.delta(delta)
                 if events:
                     text = pending + "".join(events) if pending or len(events) > 1 else events[0]

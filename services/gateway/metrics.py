@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics: requests by route and status, TTFT, end-to-end latency, tokens, in flight."""
+"""The gateway's Prometheus metrics: requests by route and status, TTFT, inter-token latency, end-to-end latency,
+tokens, in flight."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class GatewayMetrics:
         self.registry = registry
         self.requests = counter(registry, "gateway_requests", "HTTP requests by route and status", ["route", "status"])
         self.ttft_s = histogram(registry, "gateway_ttft_seconds", "Request received -> first token sent", ["route"])
+        self.itl_s = histogram(
+            registry, "gateway_itl_seconds", "Inter-token latency: a choice's time between deliveries of its text, "
+            "divided among the tokens delivered (one observation per token after the choice's first)", ["route"],
+        )
         self.e2e_s = histogram(registry, "gateway_e2e_seconds", "Request received -> response done", ["route"])
         self.output_tokens = counter(registry, "gateway_output_tokens", "Tokens generated for clients")
         self.prompt_tokens = counter(registry, "gateway_prompt_tokens", "Prompt tokens of accepted requests")
@@ -51,6 +56,8 @@ class RequestRecord:
         self.span = span or INVALID_SPAN
         self.start_s = time.monotonic()
         self._first_token_seen = False
+        #: Per choice index: (time, output tokens) of its last delivery of text.
+        self._last_delivery: dict[int, tuple[float, int]] = {}
         self._ended = False
         metrics.in_flight.inc()
         metrics.num_in_flight += 1
@@ -65,6 +72,21 @@ class RequestRecord:
         if not self._first_token_seen:
             self._first_token_seen = True
             self.metrics.ttft_s.labels(self.route).observe(time.monotonic() - self.start_s)
+
+    def delivered(self, choice: int, num_output_tokens: int) -> None:
+        """A choice's text went out with `num_output_tokens` generated so far: TTFT at the request's first delivery;
+        after a choice's first, the gap since its previous delivery, shared by the tokens that came in it (several
+        arrive together with speculative decoding, or when a token completes a character), in the ITL histogram."""
+        now = time.monotonic()
+        self.first_token()
+        last = self._last_delivery.get(choice)
+        self._last_delivery[choice] = (now, num_output_tokens)
+        if last is None or num_output_tokens <= last[1]:
+            return
+        num_new = num_output_tokens - last[1]
+        itl = self.metrics.itl_s.labels(self.route)
+        for _ in range(num_new):
+            itl.observe((now - last[0]) / num_new)
 
     def end(self, status: int, num_output_tokens: int = 0, num_cached_tokens: int = 0) -> None:
         """Count the request with its final status and tokens (once)."""

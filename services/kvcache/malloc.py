@@ -3,7 +3,8 @@
 By default glibc serves every allocation over 128 KiB (then over a threshold that it raises as such buffers are
 freed) with an `mmap` of its own and hands it back on `free`, and trims the heap's free top: a store that receives,
 evicts and reads MiB-sized blocks all day then pays the page faults of fresh memory for almost every block (on the
-development VM ~0.55 s per GB, against ~0.08 s for reused memory; docs/kvstore.md, "Throughput"). These are the
+development VM ~0.55 s per GB, against ~0.08 s for reused memory; docs/journal/kvstore-2026-12.md, "Where the time
+went"). These are the
 `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` environment variables, set from inside the process.
 """
 

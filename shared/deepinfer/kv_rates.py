@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 from deepinfer.kv_costs import HOST, STORE, KvCosts
 
-#: Host tier → device: the one-launch block copies measured on an H200 (docs/kvstore.md, 41–48 GB/s).
+#: Host tier → device: the one-launch block copies measured on an H200 (41–48 GB/s; docs/journal/kvstore-2026-12.md,
+#: "Host-tier copies against a pinned copy").
 HOST_PRIOR_BYTES_PER_S = 40e9
-#: A staged store load over the data plane (Python sockets, same host): ~1.4–1.5 GB/s (issue 31, docs/kvstore.md).
+#: A staged store load over the data plane (Python sockets, same host): ~1.4–1.5 GB/s (issue 31; docs/kvstore.md,
+#: "Loading a prefix instead of recomputing it").
 STORE_PRIOR_BYTES_PER_S = 1.5e9
 #: A store get through a same-host shard's shared memory, checksums included: 5.7 GB/s on the CPU bench
-#: (docs/kvstore.md, "Throughput (CPU only)").
+#: (docs/journal/kvstore-2026-12.md, "Throughput (CPU only)").
 STORE_SHM_PRIOR_BYTES_PER_S = 5.7e9
 #: Prompt tokens per second by device type: an 8B model on an H200 in service (~17k tokens/s, docs/kvstore.md),
 #: and the default model on one CPU core (~20 ms a token, deepinfer.engine.chunk_timer). Any other accelerator

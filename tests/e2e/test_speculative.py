@@ -32,6 +32,7 @@ SCHEMA = {
 #: The decode worker's acceptance counters (vLLM's names).
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
+ITL_COUNT = 'deepinfer_gateway_itl_seconds_count{route="chat"}'
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -77,6 +78,7 @@ def test_greedy_text_is_the_plain_run_s_streamed_or_not(client, spec_stack, plai
     want = _offline(plain_llm, REPEAT, max_tokens=64)
     assert TEXT[:20] in want[0]
     before = _accepted(spec_stack)
+    itl_before = metrics(spec_stack, "gateway-0").get(ITL_COUNT, 0.0)
     reply = client.chat.completions.create(
         model=spec_stack.model_name, messages=REPEAT, temperature=0, max_tokens=64
     )
@@ -90,6 +92,11 @@ def test_greedy_text_is_the_plain_run_s_streamed_or_not(client, spec_stack, plai
             text += c.delta.content or ""
             finishes += [c.finish_reason] if c.finish_reason else []
     assert (text, finishes) == (want[0], [want[1]])
+    # The gateway's ITL counts each token after a choice's first delivery once, drafted runs' tokens too (they
+    # arrive together and share their gap): per request at most n - 1 of its n tokens, and at least n - the first
+    # delivery's <= 5 (k + 1) tokens - a few the detokenizer held.
+    itl_observations, num_tokens = metrics(spec_stack, "gateway-0")[ITL_COUNT] - itl_before, want[2]
+    assert 2 * (num_tokens - 8) <= itl_observations <= 2 * (num_tokens - 1)
     # The counters reach /metrics with the worker's next heartbeat. Many of the 2 x 64 tokens came from drafts.
     wait_until(lambda: _accepted(spec_stack)[1] - before[1] > 16, 10, "accepted draft tokens on /metrics")
     drafts, accepted = _accepted(spec_stack)

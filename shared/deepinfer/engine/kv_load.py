@@ -45,7 +45,7 @@ LOAD_CHUNKS = 4
 #: On CUDA: a chunk is also one lease and one DMA of same-host shared-memory slots, whose fixed cost (a lease /
 #: release round trip, two engine-thread calls) 32 MiB chunks did not amortise: `bench/kv/kv_shm.py --device cuda
 #: --blocks 1024` on an H200 gave 22.8 / 36.7 / 41.4 GB/s at 16 / 64 / 128 blocks of 2 MiB a chunk, against 55 GB/s
-#: for a pinned copy_ (docs/kvstore.md). 4 chunks: 512 MiB pinned, and as much device memory once a DMA runs.
+#: for a pinned copy_ (docs/journal/kvstore-2026-12.md, "On a GPU"). 4 chunks: 512 MiB pinned, and as much device memory once a DMA runs.
 LOAD_CHUNK_BYTES_CUDA = 128 << 20
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 #: Query rows per block: 64-256 within noise of each other at 2k-8k keys, 128 ahead at 8k (bench/cpu/cpu_attention.py,
-#: docs/cpu.md).
+#: docs/cpu.md; the runs: docs/journal/cpu-2026-12.md).
 BLOCK_Q = 128
 
 #: Below this many keys per query the flash kernel is as fast (bfloat16, one thread: 0.8x at 64 keys, ~1x at 128,
