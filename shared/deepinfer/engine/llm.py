@@ -41,6 +41,9 @@ class _Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
     stop_checker: StopChecker
+    #: No stop strings: nothing reads the text before the sequence finishes, so it is detokenized then, in one
+    #: batch (`IncrementalDetokenizer.step_each`: the same text as token by token).
+    text_at_end: bool = False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -57,6 +60,8 @@ class LLM:
         self.tokenizer: Tokenizer | None = self.engine.tokenizer
         self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
         self._request_counter = itertools.count()
+        #: token id -> its text alone (the decoded_token of logprobs), decoded once per id.
+        self._decoded_tokens: dict[int, str] = {}
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); a no-op for a single-process engine."""
@@ -156,6 +161,7 @@ class LLM:
         return outputs
 
     def _new_sequence(self, output: RequestOutput, index: int, params: SamplingParams) -> _Sequence:
+        stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         return _Sequence(
             index=index,
             request_id=f"{output.request_id}-{index}",
@@ -163,7 +169,8 @@ class LLM:
             detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, output.prompt_token_ids, params.skip_special_tokens
             ),
-            stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
+            stop_checker=stop_checker,
+            text_at_end=not stop_checker.stop,
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -200,6 +207,8 @@ class LLM:
         """Fold one step's output into a sequence; True when the sequence finished. Several tokens (a step that
         verified drafts) are folded one at a time, so a stop string ends the text and the token ids exactly where
         one token per step would."""
+        if seq.text_at_end:
+            return self._apply_text_at_end(seq, out, request_output)
         if len(out.new_token_ids) > 1:
             return self._apply_each(seq, out, request_output)
         if seq.index == 0:
@@ -231,6 +240,30 @@ class LLM:
         )
         return True
 
+    def _apply_text_at_end(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+        """`_apply` for a sequence without stop strings: only the engine ends it, so its tokens (all of a step's at
+        once) and logprobs are kept as they come and the text is made once it finished, exactly as token by token
+        (a stop checker without stop strings passes every delta through and holds nothing back)."""
+        if seq.index == 0:
+            request_output.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
+                                                                            out.prompt_logprobs)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
+        finish_reason = out.finish_reason
+        if finish_reason is None:
+            return False
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            seq.text = detokenizer.step_each(seq.token_ids) + detokenizer.flush()
+        seq.finish_reason, seq.stop_reason = finish_reason, out.stop_reason
+        request_output.outputs.append(
+            CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, out.stop_reason)
+        )
+        return True
+
     def _apply_each(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
         last = len(out.new_token_ids) - 1
         for i, token_id in enumerate(out.new_token_ids):
@@ -259,14 +292,20 @@ class LLM:
         return dicts
 
     def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text alone (special tokens kept), decoded once per id."""
+        if self.tokenizer is None:
+            return None
+        text = self._decoded_tokens.get(token_id)
+        if text is None:
+            text = self._decoded_tokens[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _logprobs_entry(self, sampled) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
+        decoded, decode_one = self._decoded_tokens, self._decode_one
         for rank, (token_id, logprob) in enumerate(sampled.top_logprobs or (), start=1):
-            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+            text = decoded.get(token_id)
+            entry[token_id] = Logprob(logprob, rank, text if text is not None else decode_one(token_id))
         if sampled.token_id not in entry:
-            entry[sampled.token_id] = Logprob(
-                sampled.logprob, None, self.tokenizer.decode([sampled.token_id], skip_special_tokens=False)
-            )
+            entry[sampled.token_id] = Logprob(sampled.logprob, None, self._decode_one(sampled.token_id))
         return entry
