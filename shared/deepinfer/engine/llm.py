@@ -189,24 +189,52 @@ class LLM:
             remaining[id(output)] += 1
             if not seq.submitted:
                 siblings.setdefault(f"{output.request_id}-0", []).append((output, seq))
+        def apply(seq: _Sequence, engine_output: EngineOutput, output: RequestOutput, delta: str | None) -> None:
+            if self._apply(seq, engine_output, output, delta):
+                remaining[id(output)] -= 1
+                if remaining[id(output)] == 0:
+                    output.outputs = sorted(output.outputs, key=lambda c: c.index)
+                    output.finished = True
+                    bar.update(1)
+
         while self.engine.has_unfinished_requests():
+            # Sequences with stop strings and one new token: their text windows are decoded together, below.
+            batched: list[tuple[_Sequence, EngineOutput, RequestOutput]] = []
             for engine_output in self.engine.step():
                 output, seq = sequences[engine_output.request_id]
                 if siblings and engine_output.new_token_ids:
                     for entry in siblings.pop(engine_output.request_id, ()):
                         self._submit(entry)
-                if self._apply(seq, engine_output, output):
-                    remaining[id(output)] -= 1
-                    if remaining[id(output)] == 0:
-                        output.outputs = sorted(output.outputs, key=lambda c: c.index)
-                        output.finished = True
-                        bar.update(1)
+                if not seq.text_at_end and seq.detokenizer is not None and len(engine_output.new_token_ids) == 1:
+                    batched.append((seq, engine_output, output))
+                else:
+                    apply(seq, engine_output, output, None)
+            if batched:
+                for (seq, engine_output, output), delta in zip(batched, self._detokenize(batched), strict=True):
+                    apply(seq, engine_output, output, delta)
         bar.close()
 
-    def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+    def _detokenize(self, batched: list[tuple[_Sequence, EngineOutput, RequestOutput]]) -> list[str]:
+        """Each sequence's `detokenizer.step(new_token_ids)`, with every window decoded in one `decode_batch`
+        call per skip_special_tokens setting (the same text as one decode per window)."""
+        windows: dict[bool, list[list[int]]] = {}
+        for seq, engine_output, _ in batched:
+            detokenizer = seq.detokenizer
+            windows.setdefault(detokenizer.skip_special_tokens, []).extend(
+                detokenizer.next_windows(engine_output.new_token_ids))
+        texts = {skip: iter(self.tokenizer.decode_batch(ids, skip_special_tokens=skip)) for skip, ids in windows.items()}
+        deltas = []
+        for seq, _, _ in batched:
+            detokenizer = seq.detokenizer
+            decoded = texts[detokenizer.skip_special_tokens]
+            prefix_text = next(decoded)
+            deltas.append(detokenizer.take_windows(prefix_text, next(decoded)))
+        return deltas
+
+    def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput, delta: str | None = None) -> bool:
         """Fold one step's output into a sequence; True when the sequence finished. Several tokens (a step that
         verified drafts) are folded one at a time, so a stop string ends the text and the token ids exactly where
-        one token per step would."""
+        one token per step would. `delta`: the detokenizer's step already taken (`_detokenize`)."""
         if seq.text_at_end:
             return self._apply_text_at_end(seq, out, request_output)
         if len(out.new_token_ids) > 1:
@@ -219,7 +247,8 @@ class LLM:
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs:
             seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
-        delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
+        if delta is None:
+            delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
         text, stopped = seq.stop_checker.step(delta)
         seq.text += text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason

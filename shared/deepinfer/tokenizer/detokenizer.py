@@ -45,8 +45,20 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append new output ids; return the text they completed ("" while a character is incomplete)."""
-        self.output_token_ids.extend(new_token_ids)
-        prefix_text, window_text = self._decode_window()
+        skip = self.skip_special_tokens
+        prefix_ids, window_ids = self.next_windows(new_token_ids)
+        return self.take_windows(self.tokenizer.decode(prefix_ids, skip_special_tokens=skip),
+                                 self.tokenizer.decode(window_ids, skip_special_tokens=skip))
+
+    def next_windows(self, new_token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """`step`'s first half: append the ids; the two id windows it decodes (prefix, window). Callers that
+        detokenize many sequences at once decode every sequence's windows in one `Tokenizer.decode_batch`."""
+        ids = self.output_token_ids
+        ids.extend(new_token_ids)
+        return ids[self._prefix_offset : self._read_offset], ids[self._prefix_offset :]
+
+    def take_windows(self, prefix_text: str, window_text: str) -> str:
+        """`step`'s second half, given the windows of `next_windows` decoded: the text completed."""
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""
         return self._advance(window_text[len(prefix_text) :])
