@@ -85,7 +85,7 @@ def measure(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
     scheduler, runner = build(batch, context, block_size, max_tokens=4 * steps + 32, temperature=TEMPERATURE)
     timer = PhaseTimer()
     timer.wrap(scheduler, "schedule", "schedule")
-    timer.wrap(scheduler, "update", "update")
+    timer.wrap(scheduler, "update_sampled", "update")
     timer.wrap(runner, "execute", "execute")
     timer.wrap(runner, "prepare_batch", "prepare")
     timer.wrap(runner.stager, "stage", "stage")
@@ -133,7 +133,7 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16, gr
     runner = core.runner
     timer = PhaseTimer()
     timer.wrap(core.scheduler, "schedule", "schedule")
-    timer.wrap(core.scheduler, "update", "update")
+    timer.wrap(core.scheduler, "update_sampled", "update")
     timer.wrap(runner, "execute_async", "execute_async")
     timer.wrap(runner, "prepare_batch", "prepare")
     timer.wrap(runner.graphs, "run", "graph_run")

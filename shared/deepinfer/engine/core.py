@@ -34,7 +34,7 @@ from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
-from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.spec_config import SpeculativeConfig
 from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
@@ -325,8 +325,7 @@ class EngineCore:
         if verifies:
             outputs = self._update_verified(scheduled, sampled)
         else:
-            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-            outputs = _engine_outputs(updates, sampled)
+            outputs = self.scheduler.update_sampled(scheduled, sampled)
         if self.draft_controller is not None:
             self._observe_acceptance(scheduled, sampled, outputs)
         if self.drafter is not None:
@@ -431,9 +430,7 @@ class EngineCore:
     def finish_in_flight(self) -> list[EngineOutput]:
         scheduled, pending = self._in_flight
         self._in_flight = None
-        sampled = pending.result()
-        updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-        return _engine_outputs(updates, sampled)
+        return self.scheduler.update_sampled(scheduled, pending.result())
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def _make_chunk_timer(self) -> ChunkTimer | None:
@@ -543,13 +540,3 @@ class EngineCore:
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
         return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
-
-def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
-    """The scheduler's updates (EngineOutputs without logprobs) with each one's sampled token attached."""
-    get_sampled = sampled.get
-    for u in updates:
-        if u.new_token_ids:
-            token = get_sampled(u.request_id)
-            if token is not None:
-                u.new_logprobs = [token]
-    return updates
