@@ -10,7 +10,8 @@ stand-in's `step()` (process CPU time, which other processes on a shared machine
 LLM's loop adds to every engine step in series with it. `--stop` gives every request two stop strings that never
 match (the stop checks run, the text is never cut); `--logprobs k` asks top-k logprobs (their decoded tokens).
 Prints ms per step and one JSON line, with a digest of every output (text, token ids, finish and stop reasons,
-logprobs) so runs of two commits can be checked for identical outputs.
+logprobs) so runs of two commits can be checked for identical outputs. The stand-in engine goes in through
+`LLM.from_engine` (commits before it: this file as of e1b3d3c, which set the LLM's private fields itself).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import itertools
 import json
 import statistics
 import time
@@ -90,13 +90,8 @@ class ReplayEngine:
 
 def make_llm(tokenizer: Tokenizer, logprobs: int | None) -> tuple[LLM, ReplayEngine]:
     """An LLM over the stand-in engine (no model load)."""
-    llm = LLM.__new__(LLM)
-    llm.engine = engine = ReplayEngine(tokenizer, logprobs)
-    llm.tokenizer = tokenizer
-    llm.default_sampling_params = SamplingParams()
-    llm._request_counter = itertools.count()
-    llm._decoded_tokens = {}  # what LLM.__init__ sets (older commits ignore it)
-    return llm, engine
+    engine = ReplayEngine(tokenizer, logprobs)
+    return LLM.from_engine(engine), engine
 
 
 def digest(outputs) -> str:

@@ -56,9 +56,20 @@ class LLM:
     """An engine in this process: load a model once, then generate for batches of prompts."""
 
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
-        self.engine = Engine(EngineArgs(model=model, **engine_args))
-        self.tokenizer: Tokenizer | None = self.engine.tokenizer
-        self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
+        self._attach(Engine(EngineArgs(model=model, **engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """An LLM over an engine already built, or over anything with an `Engine`'s face (`tokenizer`,
+        `generation_config`, `add_request`, `step`, ...): a bench's stand-in that replays tokens, for one."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.default_sampling_params = SamplingParams.from_generation_config(engine.generation_config)
         self._request_counter = itertools.count()
         #: token id -> its text alone (the decoded_token of logprobs), decoded once per id.
         self._decoded_tokens: dict[int, str] = {}
