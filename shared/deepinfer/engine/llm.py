@@ -251,14 +251,7 @@ class LLM:
             return self._apply_text_at_end(seq, out, request_output)
         if len(out.new_token_ids) > 1:
             return self._apply_each(seq, out, request_output)
-        if seq.index == 0:
-            request_output.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
-                                                                            out.prompt_logprobs)
-        seq.token_ids.extend(out.new_token_ids)
-        if seq.logprobs is not None and out.new_logprobs:
-            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
+        self._keep_tokens(seq, out, request_output)
         if delta is None:
             delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
         text, stopped = seq.stop_checker.step(delta)
@@ -285,14 +278,7 @@ class LLM:
         """`_apply` for a sequence without stop strings: only the engine ends it, so its tokens (all of a step's at
         once) and logprobs are kept as they come and the text is made once it finished, exactly as token by token
         (a stop checker without stop strings passes every delta through and holds nothing back)."""
-        if seq.index == 0:
-            request_output.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
-                                                                            out.prompt_logprobs)
-        seq.token_ids.extend(out.new_token_ids)
-        if seq.logprobs is not None and out.new_logprobs:
-            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
+        self._keep_tokens(seq, out, request_output)
         finish_reason = out.finish_reason
         if finish_reason is None:
             return False
@@ -304,6 +290,18 @@ class LLM:
             CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, out.stop_reason)
         )
         return True
+
+    def _keep_tokens(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> None:
+        """A step's tokens and their logprobs into the sequence (and, from the first choice, the prompt's cache
+        count and logprobs into the request's output)."""
+        if seq.index == 0:
+            request_output.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
+                                                                            out.prompt_logprobs)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
 
     def _apply_each(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
         last = len(out.new_token_ids) - 1
