@@ -1,8 +1,9 @@
 """The CPU's faster ops, with the torch twins' signatures and semantics (the twins stay the reference).
 
-Attention goes through torch's fused SDPA kernels (sdpa_paged, sdpa_varlen). The KV write and RoPE below are the
-twins with fewer torch calls: at decode every layer runs them on a few rows, where each call's dispatch costs more
-than its arithmetic. Every other op stays its twin.
+Attention goes through torch's fused SDPA kernels (sdpa_paged, sdpa_varlen); float32 linears (the logits here, the
+model's nn.Linear modules through `cpu_linear.install`) through oneDNN (cpu_linear). The KV write and RoPE below are
+the twins with fewer torch calls: at decode every layer runs them on a few rows, where each call's dispatch costs
+more than its arithmetic. Every other op stays its twin.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.kernels import torch_ops
+from deepinfer.kernels import cpu_linear, torch_ops
 from deepinfer.kernels.sdpa_paged import AttentionPlan, mla_paged_attention, paged_attention
 from deepinfer.kernels.sdpa_varlen import varlen_causal_attention
 
@@ -71,4 +72,5 @@ def overrides() -> dict[str, Callable[..., Any]]:
         "attention_plan": AttentionPlan,
         "mla_paged_attention": mla_paged_attention,
         "varlen_causal_attention": varlen_causal_attention,
+        "linear": cpu_linear.linear,
     }

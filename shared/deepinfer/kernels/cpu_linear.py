@@ -1,0 +1,57 @@
+"""The CPU's float32 linear: oneDNN's matmul instead of MKL's sgemm (what F.linear runs for float32 on the CPU).
+
+torch 2.13's F.linear sends float32 to MKL's sgemm (bfloat16 already goes to oneDNN). On this project's AMD EPYC
+(2 threads) oneDNN's float32 matmul through `torch.ops.mkldnn._linear_pointwise` runs the same product faster:
+
+    rows of x (M)   weights               MKL sgemm -> oneDNN
+    1 .. 16         all 30 layers' (cold)  1.5-2.6x: MKL runs a skinny product on one thread and streams the
+                                           weights at ~11 GB/s; oneDNN splits it over both (~19 GB/s)
+    128 .. 512      one layer's (cached)   1.1-1.4x
+    2,048           one layer's            1.07-1.10x
+
+(docs/cpu.md, "float32 linears through oneDNN"). Decode is weight streaming, so it gains the most. Same product in
+float32 (no reduced-precision mode): only the order of the sums differs from MKL's, within float32's rounding.
+
+`install(model)` turns every plain `nn.Linear` of a model into a `CpuLinear` (same parameters, same state dict),
+whose forward is `linear` below; `linear` is also the CPU's `KernelOps.linear` (the logits). Other dtypes, grad
+mode with a trainable weight, and any active TorchFunctionMode (the runner's batch-invariant linear mode, which
+replaces F.linear) go to F.linear as before.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: oneDNN's matmul with no fused op after it.
+_onednn_linear = torch.ops.mkldnn._linear_pointwise
+#: Whether this torch build carries oneDNN (all x86 and aarch64 wheels do).
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): through oneDNN for float32 CPU tensors, else F.linear itself."""
+    if (not _HAS_ONEDNN or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or (weight.requires_grad and torch.is_grad_enabled())
+            or torch._C._is_torch_function_mode_enabled()):
+        return F.linear(x, weight, bias)
+    return _onednn_linear(x, weight, bias, "none", [], "")
+
+
+class CpuLinear(nn.Linear):
+    """nn.Linear whose forward is `linear` (install() turns a model's nn.Linear modules into these)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def install(model: nn.Module) -> int:
+    """Turn every plain nn.Linear of `model` (exactly that class: tensor-parallel linears stay as they are) into a
+    CpuLinear, in place; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = CpuLinear
+            count += 1
+    return count
