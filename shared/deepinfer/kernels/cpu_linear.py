@@ -24,19 +24,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import torch_ops
+
 #: oneDNN's matmul with no fused op after it.
 _onednn_linear = torch.ops.mkldnn._linear_pointwise
 #: Whether this torch build carries oneDNN (all x86 and aarch64 wheels do).
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
 
 
+#: From this many rows on, `silu_and_mul_linear` fuses the activation into the two GEMMs (fewer rows: one GEMM over
+#: the fused weight and the twin's silu_and_mul, the fewer calls).
+FUSED_MLP_MIN_ROWS = 128
+
+
+def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T goes through oneDNN: float32 CPU tensors, no autograd, no TorchFunctionMode active."""
+    return (_HAS_ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and not (weight.requires_grad and torch.is_grad_enabled())
+            and not torch._C._is_torch_function_mode_enabled())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): through oneDNN for float32 CPU tensors, else F.linear itself."""
-    if (not _HAS_ONEDNN or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-            or (weight.requires_grad and torch.is_grad_enabled())
-            or torch._C._is_torch_function_mode_enabled()):
+    if not _on_onednn(x, weight):
         return F.linear(x, weight, bias)
     return _onednn_linear(x, weight, bias, "none", [], "")
+
+
+def silu_and_mul_linear(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """`torch_ops.silu_and_mul(F.linear(x, gate_up_weight))` for x [T, in] and the fused gate/up weight [2I, in]
+    -> [T, I]. From FUSED_MLP_MIN_ROWS rows on (float32, as `linear`), two oneDNN GEMMs with the activation in their
+    epilogues: silu(x @ gate^T) (oneDNN's "swish"), then x @ up^T times it (a binary "mul"); the [T, 2I] product and
+    the two passes over it are never made."""
+    if x.dim() != 2 or x.shape[0] < FUSED_MLP_MIN_ROWS or not _on_onednn(x, gate_up_weight):
+        return torch_ops.silu_and_mul(linear(x, gate_up_weight))
+    half = gate_up_weight.shape[0] // 2
+    gate = _onednn_linear(x, gate_up_weight[:half], None, "swish", [], "")
+    return _onednn_linear.binary(x, gate, gate_up_weight[half:], None, "mul")
 
 
 class CpuLinear(nn.Linear):
