@@ -3,17 +3,18 @@
 torch 2.13's F.linear sends float32 to MKL's sgemm (bfloat16 already goes to oneDNN). On this project's AMD EPYC
 (2 threads) oneDNN's float32 matmul through `torch.ops.mkldnn._linear_pointwise` runs the same product faster:
 
-    rows of x (M)   weights               MKL sgemm -> oneDNN
-    1 .. 16         all 30 layers' (cold)  1.5-2.6x: MKL runs a skinny product on one thread and streams the
-                                           weights at ~11 GB/s; oneDNN splits it over both (~19 GB/s)
-    128 .. 512      one layer's (cached)   1.1-1.4x
-    2,048           one layer's            1.07-1.10x
+    rows of x (M)   weights                  MKL sgemm -> oneDNN (2 threads)
+    1 .. 16         all 30 layers' (cold)    1.45-2.5x: MKL runs a skinny product on one thread (1 thread: 1.1x)
+                                             and streams the weights at ~11 GB/s, oneDNN splits it over both
+    128 .. 512      one layer's (in cache)   1.05-1.4x
+    2,048           one layer's              1.07-1.10x
 
 (docs/cpu.md, "float32 linears through oneDNN"). Decode is weight streaming, so it gains the most. Same product in
 float32 (no reduced-precision mode): only the order of the sums differs from MKL's, within float32's rounding.
 
 `install(model)` turns every plain `nn.Linear` of a model into a `CpuLinear` (same parameters, same state dict),
-whose forward is `linear` below; `linear` is also the CPU's `KernelOps.linear` (the logits). Other dtypes, grad
+whose forward is `linear` below (`deepinfer.models.cpu.install` calls it for every model the engine runs on the CPU,
+and fuses the SwiGLU MLP's activation into its GEMMs: `silu_and_mul_linear`); `linear` is also the CPU's `KernelOps.linear` (the logits). Other dtypes, grad
 mode with a trainable weight, and any active TorchFunctionMode (the runner's batch-invariant linear mode, which
 replaces F.linear) go to F.linear as before.
 """
