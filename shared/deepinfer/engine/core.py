@@ -45,6 +45,7 @@ from deepinfer.kv_rates import MeasuredRates
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import resolve_model
+from deepinfer.models import cpu as cpu_modules
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -96,6 +97,8 @@ class EngineCore:
             model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        if self.device.type == "cpu":  # float32 linears through oneDNN (deepinfer.models.cpu)
+            cpu_modules.install(model)
         progress.begin("planning the KV cache")
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
