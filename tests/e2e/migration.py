@@ -54,3 +54,15 @@ def stream(client: openai.OpenAI, request: dict, fault=None) -> tuple[str, list[
         if fault is not None and received == KILL_AFTER_CHUNKS:
             fault()
     return text, finishes, usages
+
+
+def assert_resumed(pair: Stack, streamed: tuple[str, list[str], list], text: str, max_tokens: int,
+                   reissues_before: float, started_s: float) -> None:
+    """A stream whose worker failed mid-way ended as the fault-free one: `text`, by length, usage counted once, moved
+    once (a migration, not a retry from scratch), within a minute."""
+    got_text, finishes, usages = streamed
+    assert got_text == text
+    assert finishes == ["length"]
+    assert len(usages) == 1 and usages[0].completion_tokens == max_tokens
+    assert reissues(pair) == reissues_before + 1  # it really moved
+    assert time.monotonic() - started_s < 60
