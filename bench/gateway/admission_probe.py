@@ -1,6 +1,7 @@
 """The decode side of bench/gateway/admission_burst.py: a GPU-shaped stand-in for the model runner, and per-request
-timestamps taken by wrapping the real DecodeHandler, EngineLoop, EngineCore and scheduler (nothing in them
-changes: each wrapper calls the original)."""
+timestamps taken through public seams of the real DecodeHandler, EngineLoop, EngineCore and scheduler: the bus the
+bench gives the handler, the EngineLoop's `on_commands` / `on_settled` hooks, and wrappers of public methods
+(nothing in them changes: each wrapper calls the original)."""
 
 from __future__ import annotations
 
@@ -71,19 +72,27 @@ class Probe:
         self.times.setdefault(request_id, {}).setdefault(point, time.monotonic())
 
     def install(self, handler) -> None:
+        """Before handler.start(): its decode subscription's messages are marked as they arrive."""
+        from deepinfer.protocol import DecodeRequest
         from deepinfer.telemetry import current_request_id
 
-        on_decode, decode = handler._on_decode, handler.decode
+        decode, bus_subscribe = handler.decode, handler.bus.subscribe
 
-        async def probed_on_decode(request, msg):
-            self.mark(request.request_id, "received")
-            await on_decode(request, msg)
+        async def probed_subscribe(subject, callback, queue=None, message_type=None):
+            if message_type is DecodeRequest:
+                on_decode = callback
+
+                async def callback(request, msg):
+                    self.mark(request.request_id, "received")
+                    await on_decode(request, msg)
+
+            return await bus_subscribe(subject, callback, queue=queue, message_type=message_type)
 
         async def probed_decode(request):
             self.mark(request.request_id, "started")
             return await decode(request)
 
-        handler._on_decode, handler.decode = probed_on_decode, probed_decode
+        handler.bus.subscribe, handler.decode = probed_subscribe, probed_decode
         bus_reply = handler.bus.reply
 
         async def probed_reply(msg, message, headers=None):
@@ -107,7 +116,7 @@ class Probe:
     def install_engine(self, handler) -> None:
         """After load(): the engine loop, the core and the scheduler."""
         engine, core = handler.runtime.engine_loop, handler.runtime.engine.core
-        call, settle = engine.call, engine._settle
+        call = engine.call
         current = self._current_request_id
 
         async def probed_call(fn):
@@ -119,24 +128,18 @@ class Probe:
                 self.mark(request_id, "resumed")
             return result
 
-        def probed_settle(*args):
+        def on_settled(num_commands: int) -> None:
             settled_s = time.monotonic()
-            settle(*args)
-            # Commands settle in the order they ran: one a call, or (one wakeup per drain) a list of them.
-            for _ in range(len(args[0]) if len(args) == 1 and isinstance(args[0], list) else 1):
+            # Commands settle in the order they ran (one wakeup per batch of them).
+            for _ in range(num_commands):
                 if self._ran:
                     self.times[self._ran.popleft()].setdefault("settled", settled_s)
 
-        run_commands = engine._run_commands
+        def on_commands(num_commands: int, wall_s: float, cpu_s: float) -> None:
+            self.command_cpu_s += cpu_s
+            self.command_wall_s += wall_s
 
-        def probed_run_commands(block):
-            cpu_s, wall_s = time.thread_time(), time.perf_counter()
-            run_commands(block)
-            if not block:  # an idle engine's blocking wait is not work
-                self.command_cpu_s += time.thread_time() - cpu_s
-                self.command_wall_s += time.perf_counter() - wall_s
-
-        engine.call, engine._settle, engine._run_commands = probed_call, probed_settle, probed_run_commands
+        engine.call, engine.on_settled, engine.on_commands = probed_call, on_settled, on_commands
         add_request = core.add_request
 
         def probed_add_request(request_id, *args, **kwargs):

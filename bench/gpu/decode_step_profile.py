@@ -73,7 +73,7 @@ def host_phases(engine, rng, batch: int, steps: int) -> dict:
                                  (runner.graphs, "run", "graph_run"), (runner.model, "compute_logits", "logits"),
                                  (runner.sampling_metadata, "build", "sampling_metadata"),
                                  (runner.sampler, "forward", "sampler"), (runner.sampled_tokens, "record", "record"),
-                                 (engine, "_finish_in_flight", "finish_in_flight")):
+                                 (engine, "finish_in_flight", "finish_in_flight")):
         timer.wrap(owner, method, phase)
     try:
         ids = gpu_decode.start_decodes(engine, rng, batch, steps + 16)

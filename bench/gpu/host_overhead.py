@@ -10,7 +10,7 @@ host arrays), the sampler's host work on a small vocabulary, and update(). Print
 
 `--async`: EngineCore.step itself with async scheduling, as on one CUDA device: AsyncScheduler, execute_async
 (decode steps through CudaGraphRunner.run over host buffers: GraphInputs.fill, the input copy as a CPU copy, a
-no-op replay), _finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
+no-op replay), finish_in_flight and the host tier's per-step offload check. "without sampling" leaves out
 the runner's SamplingMetadataBuilder.build and the sampler. Both modes gc.freeze() the start-up objects first, as the worker does.
 The fake model and the CPU graph runner: deepinfer.testing.cpu_graph_engine (tests/unit/test_cpu_graph_engine.py).
 """
@@ -85,7 +85,7 @@ def measure(batch: int, context: int, steps: int, block_size: int = 16) -> dict:
     scheduler, runner = build(batch, context, block_size, max_tokens=4 * steps + 32, temperature=TEMPERATURE)
     timer = PhaseTimer()
     timer.wrap(scheduler, "schedule", "schedule")
-    timer.wrap(scheduler, "update", "update")
+    timer.wrap(scheduler, "update_sampled", "update")
     timer.wrap(runner, "execute", "execute")
     timer.wrap(runner, "prepare_batch", "prepare")
     timer.wrap(runner.stager, "stage", "stage")
@@ -133,14 +133,14 @@ def measure_async(batch: int, context: int, steps: int, block_size: int = 16, gr
     runner = core.runner
     timer = PhaseTimer()
     timer.wrap(core.scheduler, "schedule", "schedule")
-    timer.wrap(core.scheduler, "update", "update")
+    timer.wrap(core.scheduler, "update_sampled", "update")
     timer.wrap(runner, "execute_async", "execute_async")
     timer.wrap(runner, "prepare_batch", "prepare")
     timer.wrap(runner.graphs, "run", "graph_run")
     timer.wrap(runner.graphs.inputs, "fill", "graph_fill")
     timer.wrap(runner.sampling_metadata, "build", "sampling_metadata")
     timer.wrap(runner, "sampler", "sampler")
-    timer.wrap(core, "_finish_in_flight", "finish_in_flight")
+    timer.wrap(core, "finish_in_flight", "finish_in_flight")
     timer.wrap(core.host_tier, "offload", "host_tier_offload")
     try:
         for _ in range(3):

@@ -175,7 +175,7 @@ async def _run_gpu(args, address: str, shard_host_id: str) -> tuple[dict[str, li
     pool = StagingPool(block_bytes, chunk, LOAD_CHUNKS, pin=True)  # the worker's pool: 4 chunks
     engine = _EngineThread(device)
     rows = torch.empty((args.blocks, block_bytes), dtype=torch.uint8, device=device)
-    region = next(iter(client.shared_memory._regions.values())).registered.result()  # the bench's one region
+    region = client.shared_memory.registered_regions()[0]  # the bench's one region
 
     def to_device(staging, positions):
         return ChunkSlotCopies(engine, pool, staging, positions)

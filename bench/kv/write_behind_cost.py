@@ -76,18 +76,15 @@ class FakeRunner:
 
 
 class CommandClock:
-    """Wraps EngineLoop._run_commands: wall and thread-CPU seconds of each batch of commands, by step index."""
+    """EngineLoop.on_commands: wall and thread-CPU seconds of each batch of commands, by step index."""
 
     def __init__(self, engine, clock: StepClock) -> None:
         self.spans: list[tuple[int, float, float]] = []
-        run = engine._run_commands
 
-        def timed(block: bool) -> None:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            run(block)
-            self.spans.append((len(clock.starts), time.perf_counter() - wall, time.thread_time() - cpu))
+        def timed(num_commands: int, wall_s: float, cpu_s: float) -> None:
+            self.spans.append((len(clock.starts), wall_s, cpu_s))
 
-        engine._run_commands = timed
+        engine.on_commands = timed
 
     def window(self, first: int, last: int) -> tuple[float, float]:
         spans = [(w, c) for step, w, c in self.spans if first <= step < last]
@@ -172,7 +169,7 @@ async def measure(server, shard_pid: int, model_dir: Path, cache_dir: Path, run:
         assert all(b == concurrency for b in clock.batches[first:first + steps]), "batch changed in the window"
         periods = [clock.starts[k + 1] - clock.starts[k] for k in range(first, first + steps)]
         engine_wall, engine_cpu = commands.window(first, first + steps)
-        while handler._streams:
+        while handler.num_streams:
             await asyncio.sleep(0.02)
         await store.flush(30)
         dropped = {reason: _metric(handler, "worker_store_write_dropped_blocks_total", reason=reason)

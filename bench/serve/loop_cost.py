@@ -129,7 +129,7 @@ async def measure_service(server, model_dir: Path, cache_dir: Path, concurrency:
         loop_user_us, loop_sys_us = (1e6 * (end - start) / steps
                                      for start, end in zip(loop_cpu_start, loop_cpu_end, strict=True))
         result.update(loop_cpu_us=loop_user_us + loop_sys_us, loop_sys_us=loop_sys_us)
-        while handler._streams:
+        while handler.num_streams:
             await asyncio.sleep(0.02)
     finally:
         await handler.close()

@@ -138,6 +138,11 @@ class DecodeHandler:
         """Model loaded and registered."""
         return self.runtime.is_ready()
 
+    @property
+    def num_streams(self) -> int:
+        """Requests whose tokens this worker still streams to a gateway."""
+        return len(self._streams)
+
     def not_ready_reason(self) -> str:
         """Why not ready."""
         return self.runtime.not_ready_reason()

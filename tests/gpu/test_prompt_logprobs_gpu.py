@@ -32,15 +32,15 @@ def scores(model_dir, mode: str, async_scheduling: bool, max_num_batched_tokens:
     """Each prompt's prompt logprobs (vLLM's dicts), None for the prompts that did not ask."""
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", execution_mode=mode, async_scheduling=async_scheduling,
-              max_num_seqs=8, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
-              batch_invariant=batch_invariant, kv_cache_bytes=64 << 20, progress=False,
-              kv_host_cache_bytes=0)  # no host tier: each LLM would pin its default 8 GiB, and the engines of
-    # earlier cases in this process are not always collected yet (CUDA out of memory pinning it, 2026-12-04)
     plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     scored = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
     params = [scored if p in (SCORED, LONG) else plain for p in prompts]
-    return [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)]
+    # Closed at the end: its default host tier pins 8 GiB, and this file builds one engine per case (uncollected
+    # engines' pools ran CUDA out of pinned memory before LLM.close freed them, 2026-12-04).
+    with LLM(str(model_dir), dtype="float32", execution_mode=mode, async_scheduling=async_scheduling,
+             max_num_seqs=8, max_model_len=256, max_num_batched_tokens=max_num_batched_tokens,
+             batch_invariant=batch_invariant, kv_cache_bytes=64 << 20, progress=False) as llm:
+        return [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")

@@ -228,6 +228,7 @@ async def test_a_device_get_copies_slots_to_the_device_rows_and_not_the_host_row
     try:
         await client.put(LAYOUT, HASHES, PAYLOADS)
         assert await client.prepare_shared_memory(LAYOUT) == 1  # mapped and registered before any load
+        assert len(client.shared_memory.registered_regions()) == 1
         rows = np.zeros((len(HASHES), SIZE), np.uint8)
         device = _DeviceRows(len(HASHES))
         await client.get(LAYOUT, HASHES, into=[memoryview(row) for row in rows], device=device)

@@ -317,3 +317,41 @@ def test_a_request_finishing_on_its_first_token_still_caches_its_prompt(tiny_dir
 def test_async_scheduling_auto_resolves_per_device(setting, device, tp, expected):
     args = EngineArgs(model="m", async_scheduling=setting, tensor_parallel_size=tp)
     assert args.resolve_async_scheduling(torch.device(device)) is expected
+
+
+@pytest.mark.parametrize("scheduler_class", ["sync", "async"])
+def test_update_sampled_equals_update_with_the_tokens_attached(scheduler_class):
+    # EngineCore's update_sampled must give the EngineOutputs update() gave once each one's SampledToken was attached
+    # (what EngineCore did after update()): same requests, same tokens, stops (eos, max_tokens) at the same steps.
+    from deepinfer.engine.outputs import SampledToken
+    from deepinfer.engine.scheduler import Scheduler
+
+    cls = AsyncScheduler if scheduler_class == "async" else Scheduler
+
+    def run(sampled_api: bool) -> list:
+        scheduler = cls(EngineConfig(num_blocks=64, max_model_len=64, block_size=4, max_num_seqs=8,
+                                     max_num_batched_tokens=32))
+        for i, prompt in enumerate(PROMPTS):
+            params = SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=i == 0)
+            scheduler.add_request(Request(f"r{i}", prompt, params, eos_token_ids=(1,)))
+        history, step = [], 0
+        while scheduler.has_unfinished_requests() and step < 60:
+            output = scheduler.schedule()
+            sampled = {s.request_id: SampledToken(1 if (step + int(s.request_id[1:])) % 7 == 6 else 2 + step,
+                                                  -0.5 - step, [(3, -1.0)] if step % 2 else None)
+                       for s in output.scheduled if s.sample}
+            if sampled_api:
+                outs = scheduler.update_sampled(output, sampled)
+            else:
+                outs = scheduler.update(output, {rid: [t.token_id] for rid, t in sampled.items()})
+                for u in outs:
+                    if u.new_token_ids and u.request_id in sampled:
+                        u.new_logprobs = [sampled[u.request_id]]
+            history.append([(u.request_id, u.new_token_ids, u.new_logprobs, u.finish_reason, u.stop_reason,
+                             u.num_cached_tokens) for u in outs])
+            step += 1
+        return history
+
+    expected = run(False)
+    assert any(any(u[3] is not None for u in outs) for outs in expected)  # some requests did finish
+    assert run(True) == expected

@@ -64,3 +64,20 @@ def test_bench_modules_import_each_other_without_a_cycle():
         for name, path in modules.items()
     }
     assert cycles(graph) == [], "move what both sides need into a module both import (as bench/gpu/harness.py)"
+
+
+def private_attributes(path: Path) -> list[str]:
+    """`obj._name` read or written in `path` where obj is not self / cls (dunders aside): what a probe would patch."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_probes_use_public_hooks_not_private_attributes():
+    """Issue #37: a probe times or reads the engine, the workers and the gateway through their public methods and
+    hooks (EngineLoop.on_commands / on_settled / on_step_time, EngineCore.install_drafter, a bus it injects), never
+    by patching or reading another object's private attributes, which change without notice."""
+    assert [hit for path in sorted(BENCH.rglob("*.py")) for hit in private_attributes(path)] == []

@@ -325,6 +325,9 @@ def test_the_decode_worker_speculates_from_one_json_setting(monkeypatch):
     args = engine_args(load_settings(DecodeSettings))
     assert args.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                                                         prompt_lookup_min=4, prompt_lookup_max=4)
+    suffix = engine_args(DecodeSettings(speculative_config='{"method": "suffix", "suffix_decoding_max_tree_depth": 16}'))
+    assert suffix.speculative_config == SpeculativeConfig(method="suffix", num_speculative_tokens=16,
+                                                          suffix_decoding_max_tree_depth=16)
     monkeypatch.delenv("DEEPINFER_DECODE_SPECULATIVE_CONFIG")
     assert engine_args(DecodeSettings()).speculative_config is None
     assert engine_args(PrefillSettings()).speculative_config is None  # one token per request: nothing to draft

@@ -34,7 +34,7 @@ def counted_steps(graph_sampling: bool, steps: int) -> Counter:
     """Calls of each part of the step over `steps` async decode steps (the parts host_overhead.py times)."""
     core = build_async_engine(batch=4, context=40, block_size=16, max_tokens=4 * steps, graph_sampling=graph_sampling)
     runner, calls = core.runner, Counter()
-    parts = {"schedule": (core.scheduler, "schedule"), "update": (core.scheduler, "update"),
+    parts = {"schedule": (core.scheduler, "schedule"), "update": (core.scheduler, "update_sampled"),
              "prepare": (runner, "prepare_batch"), "graph_run": (runner.graphs, "run"),
              "graph_fill": (runner.graphs.inputs, "fill"), "sampling_metadata": (runner.sampling_metadata, "build"),
              "sampler": (runner, "sampler"), "host_tier_offload": (core.host_tier, "offload")}

@@ -121,6 +121,26 @@ def test_stop_strings_and_stop_tokens(llm):
     assert len(out.token_ids) < len(base.token_ids)
 
 
+def test_texts_in_a_mixed_batch_are_those_of_one_token_at_a_time(llm):
+    # Sequences without stop strings are detokenized once finished, those with stop strings step by step with
+    # every window of a step in one batch (per skip_special_tokens): both must give the token-by-token text.
+    from deepinfer.tokenizer import IncrementalDetokenizer, StopChecker
+
+    never = ["@@never@@", "\x00\x01"]
+    params = [greedy(max_tokens=24), greedy(max_tokens=24, stop=never),
+              greedy(max_tokens=24, stop=never, skip_special_tokens=False),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=20, skip_special_tokens=False),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=20, stop=never, n=2)]
+    outputs = llm.generate(PROMPTS + [PROMPTS[0]], params, use_tqdm=False)
+    for output, p in zip(outputs, params, strict=True):
+        for c in output.outputs:
+            detokenizer = IncrementalDetokenizer(llm.tokenizer, output.prompt_token_ids, p.skip_special_tokens)
+            checker = StopChecker(p.stop, p.include_stop_str_in_output)
+            text = "".join(checker.step(detokenizer.step([t]))[0] for t in c.token_ids)
+            text += checker.step(detokenizer.flush())[0] + checker.flush()
+            assert c.text == text and c.finish_reason == "length"
+
+
 def test_eos_and_min_tokens(tiny_dir):
     llm = LLM(str(tiny_dir), block_size=4, progress=False)
     base = llm.generate([PROMPTS[1]], greedy(max_tokens=8), use_tqdm=False)[0].outputs[0]

@@ -251,3 +251,21 @@ def test_offloads_wait_for_a_batch_or_an_age_or_the_engine_going_idle(tiny_dir, 
     core.add_request("p", P, GREEDY)  # 4 full blocks in its first step
     run(core)  # the last step, with nothing left to run, flushes what waits
     assert tier.stats.offloaded_blocks >= 2 + 4 and not tier._pending
+
+
+def test_close_lets_the_host_pool_go_now(tiny_dir, block_bytes):
+    """EngineCore.close (LLM.close, `with LLM(...)`) frees the host tier's pool without waiting for the engine to be
+    collected: on a GPU it is pinned memory, and a process that builds several engines runs out of it."""
+    import gc
+    import weakref
+
+    core = engine(tiny_dir, block_bytes)
+    core.add_request("p0", P, GREEDY)
+    run(core)
+    pool = weakref.ref(core.host_tier.host)
+    gc.disable()  # only the references close drops may free it, not a collection of the engine's cycles
+    try:
+        core.close()
+        assert core.host_tier is None and pool() is None
+    finally:
+        gc.enable()

@@ -1,16 +1,18 @@
-"""The CPU's ops (kernels.cpu_ops, kernels.sdpa_paged, kernels.blocked_attention) against the torch twins on random
-inputs: attention over cold prompts, prefix hits, chunked prefill, ragged decode batches, empty and padding rows, GQA,
-sliding windows, MLA, the step's gather plan shared by the layers, bfloat16's blocked prefill; the KV write and
-RoPE."""
+"""The CPU's ops (kernels.cpu_ops, kernels.sdpa_paged, kernels.blocked_attention, kernels.cpu_linear) against the
+torch twins on random inputs: attention over cold prompts, prefix hits, chunked prefill, ragged decode batches, empty
+and padding rows, GQA, sliding windows, MLA, the step's gather plan shared by the layers, bfloat16's blocked prefill;
+the KV write, RoPE and the float32 linear through oneDNN."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from deepinfer.kernels import (
     blocked_attention,
     build_attention_metadata,
+    cpu_linear,
     cpu_ops,
     get_ops,
     sdpa_paged,
@@ -235,11 +237,18 @@ def test_rotary_embedding_equals_the_twin(is_neox, head_dim, rotary_dim, dtype):
     g = torch.Generator().manual_seed(12)
     cos_sin_cache = torch.randn(300, rotary_dim, generator=g)
     positions = torch.randint(0, 300, (9,), generator=g)
-    qkv = torch.randn(9, 6 * head_dim, generator=g).to(dtype)
-    query, key = qkv[:, : 4 * head_dim].view(9, 4, head_dim), qkv[:, 4 * head_dim :].view(9, 2, head_dim)  # views
-    for got, want in zip(cpu_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox),
-                         torch_ops.rotary_embedding(positions, query, key, cos_sin_cache, is_neox), strict=True):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    qkv = torch.randn(9, 8 * head_dim, generator=g).to(dtype)
+    # q and k as the fused QKV projection's split leaves them (k's heads right after q's: rotated in one pass), and
+    # as separate tensors
+    query, key = qkv[:, : 4 * head_dim].view(9, 4, head_dim), qkv[:, 4 * head_dim : 6 * head_dim].view(9, 2, head_dim)
+    assert cpu_ops._side_by_side(query, key) is not None
+    apart = (query.clone(), key.clone())
+    assert cpu_ops._side_by_side(*apart) is None
+    assert cpu_ops._side_by_side(query, qkv[:, 6 * head_dim :].view(9, 2, head_dim)) is None  # not right after q
+    for q, k in ((query, key), apart):
+        for got, want in zip(cpu_ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox),
+                             torch_ops.rotary_embedding(positions, q, k, cos_sin_cache, is_neox), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_get_ops_cpu_takes_the_cpu_ops():
@@ -249,4 +258,89 @@ def test_get_ops_cpu_takes_the_cpu_ops():
     assert ops.mla_paged_attention is sdpa_paged.mla_paged_attention
     assert ops.varlen_causal_attention is cpu_ops.varlen_causal_attention
     assert ops.reshape_and_cache is cpu_ops.reshape_and_cache and ops.rotary_embedding is cpu_ops.rotary_embedding
-    assert ops.rms_norm is torch_ops.rms_norm  # the rest stay the twins
+    assert ops.linear is cpu_linear.linear
+    assert ops.rms_norm is cpu_ops.rms_norm and ops.fused_add_rms_norm is cpu_ops.fused_add_rms_norm
+    assert ops.silu_and_mul is torch_ops.silu_and_mul  # the rest stay the twins
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_the_twin(rows, dtype):
+    """Bit for bit, with and without the residual (float32: torch's F.rms_norm; bfloat16: the twin itself)."""
+    g = torch.Generator().manual_seed(16)
+    x, residual = (torch.randn(2, rows, 96, generator=g) * 3).to(dtype)
+    weight = torch.randn(96, generator=g).to(dtype)
+    got, want = cpu_ops.rms_norm(x, weight, 1e-6), torch_ops.rms_norm(x, weight, 1e-6)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for g_out, w_out in zip(cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-6),
+                            torch_ops.fused_add_rms_norm(x, residual, weight, 1e-6), strict=True):
+        assert g_out.dtype == w_out.dtype and torch.equal(g_out, w_out)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_the_twin(rows, bias, dtype):
+    """Decode-sized and prompt-sized rows, with and without a bias, the input a strided view (the MLP's gate half)."""
+    g = torch.Generator().manual_seed(13)
+    weight = (torch.randn(96, 160, generator=g) / 160**0.5).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 320, generator=g).to(dtype)[:, :160]
+    got, want = cpu_linear.linear(x, weight, b), torch_ops.linear(x, weight, b)
+    assert got.dtype == want.dtype and got.shape == (rows, 96)
+    if dtype == torch.bfloat16:  # F.linear itself: only float32 goes through oneDNN
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    x3 = x[: min(rows, 2)].reshape(1, -1, 160)  # batched rows [1, N, in] as nn.Linear takes them
+    torch.testing.assert_close(cpu_linear.linear(x3, weight, b), torch_ops.linear(x3, weight, b), atol=2e-5, rtol=2e-5)
+
+
+def test_install_turns_plain_linears_into_cpu_linears_with_the_same_parameters():
+    g = torch.Generator().manual_seed(14)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=g)
+    x = torch.randn(5, 16, generator=g)
+    with torch.inference_mode():
+        expected = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert cpu_linear.install(model) == 2
+    assert all(isinstance(m, cpu_linear.CpuLinear) for m in (model[0], model[2]))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, atol=2e-5, rtol=2e-5)
+    assert cpu_linear.install(model) == 0  # already CpuLinear: nothing left to turn
+
+
+@pytest.mark.parametrize("rows", [1, 8, 127, 128, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_linear_matches_the_twin(rows, dtype):
+    """Below FUSED_MLP_MIN_ROWS one GEMM and the twin's activation; from it on the activation fused into two GEMMs."""
+    g = torch.Generator().manual_seed(15)
+    weight = (torch.randn(2 * 48, 160, generator=g) / 160**0.5).to(dtype)
+    x = (torch.randn(rows, 160, generator=g) * 2).to(dtype)
+    got = cpu_linear.silu_and_mul_linear(x, weight)
+    want = torch_ops.silu_and_mul(torch_ops.linear(x, weight))
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_linear_defers_to_f_linear_under_a_torch_function_mode():
+    """The runner's batch-invariant mode replaces F.linear through a TorchFunctionMode: it must still see the call."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, weight = torch.randn(3, 8), torch.randn(4, 8)
+    with Spy():
+        cpu_linear.linear(x, weight)
+    assert torch.nn.functional.linear in seen

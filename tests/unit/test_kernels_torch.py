@@ -211,12 +211,12 @@ def test_gelu_tanh_and_mul_is_transformers_gelu_pytorch_tanh():
 def test_get_ops_falls_back_to_twins(accelerator):
     ops = get_ops(accelerator)
     assert isinstance(ops, KernelOps) and ops.accelerator == accelerator
-    if accelerator == "cpu":  # the twins but for attention, KV write and RoPE (tests/unit/test_kernels_cpu.py)
-        assert ops.rms_norm is torch_ops.rms_norm and ops.silu_and_mul is torch_ops.silu_and_mul
+    if accelerator == "cpu":  # the twins but for attention, KV write, RoPE, RMSNorm, linear (test_kernels_cpu.py)
+        assert ops.silu_and_mul is torch_ops.silu_and_mul and ops.gelu_tanh_and_mul is torch_ops.gelu_tanh_and_mul
     assert set(ops.implementations()) == {
         "reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
         "gelu_tanh_and_mul", "fused_moe", "attention_plan", "mla_paged_attention", "mla_cache_write", "varlen_causal_attention",
-        "gather_blocks", "scatter_blocks",
+        "gather_blocks", "scatter_blocks", "linear",
     }
 
 

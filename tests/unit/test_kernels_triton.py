@@ -222,4 +222,5 @@ def test_cuda_ops_are_the_triton_kernels(ops):
     cuda_ops = get_ops("cuda")
     for name, fn in ops.triton_ops.overrides().items():
         assert getattr(cuda_ops, name) is fn, name
-    assert get_ops("cpu").rms_norm is torch_ops.rms_norm  # the CPU keeps the twins (and its own SDPA attention)
+    # The CPU keeps the twins where it has no op of its own (it has its SDPA attention, RMSNorm and RoPE)
+    assert get_ops("cpu").silu_and_mul is torch_ops.silu_and_mul

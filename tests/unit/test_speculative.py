@@ -58,6 +58,28 @@ def test_ngram_drafts_greedy_equal_plain_on_a_ragged_batch(plain, spec):
     assert stats.num_drafts > before.num_drafts  # the repetitive prompts were drafted from
 
 
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_suffix_drafts_greedy_equal_plain_and_draft_a_batch_sent_again(tiny_dir, plain, k):
+    """Suffix decoding on the ragged batch: the plain tokens (from the repetitive prompts, mostly rejected by the
+    random model); the same batch sent again drafts the first run's outputs from the global tree, and keeps them."""
+    reference = run(plain, greedy())
+    llm = LLM(str(tiny_dir), block_size=4, progress=False,
+              speculative_config={**SUFFIX, "num_speculative_tokens": k})
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    first = llm.engine.spec_decode_stats()
+    assert first.num_drafts > 0
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    stats = llm.engine.spec_decode_stats()
+    drafted, accepted = (stats.num_draft_tokens - first.num_draft_tokens,
+                         stats.num_accepted_tokens - first.num_accepted_tokens)
+    assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)
+    # The first run's requests retired when the second's came; the second's as they finish (swept while others run).
+    assert len(PROMPTS) <= llm.engine.core.drafter.num_cached_requests <= 2 * len(PROMPTS)
+
+
 @pytest.mark.parametrize("wrong_every", [0, 3])
 def test_scripted_drafts_give_the_plain_tokens_and_logprobs(plain, spec, wrong_every):
     params = greedy(logprobs=2)

@@ -201,6 +201,46 @@ def test_incremental_detokenizer_skips_special_tokens_and_flushes(ours):
     assert streamed + detokenizer.flush() == ours.decode(truncated)
 
 
+def test_step_each_equals_one_step_per_token(ours):
+    import random
+
+    rng = random.Random(0)
+    streams = [ours.encode("".join(STREAM_TEXTS), add_special_tokens=False),
+               [*ours.encode("Paris 🇫🇷", add_special_tokens=False), ours.eos_token_id, *ours.encode(" ok 😀")[:-1]],
+               [rng.randrange(ours.vocab_size) for _ in range(300)]]  # random ids: broken characters, specials
+    for ids in streams:
+        for skip in (True, False):
+            one = IncrementalDetokenizer(ours, [], skip_special_tokens=skip)
+            expected = [one.step([t]) for t in ids]
+            for cut in (0, 1, 17, len(ids) // 2, len(ids)):  # token by token up to `cut`, then the rest at once
+                each = IncrementalDetokenizer(ours, [], skip_special_tokens=skip)
+                head = "".join(each.step([t]) for t in ids[:cut])
+                assert head + each.step_each(ids[cut:]) == "".join(expected)
+                assert (each._prefix_offset, each._read_offset) == (one._prefix_offset, one._read_offset)
+                assert each.output_text == one.output_text and each.output_token_ids == one.output_token_ids
+            assert each.flush() == one.flush()
+
+
+def test_stop_checker_partial_suffix_equals_every_length_tried():
+    import random
+
+    def reference(stops, buffer):  # the scan before the by-last-character table
+        longest = 0
+        for stop in stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(0, 3))]
+        buffer = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 8)))
+        checker = StopChecker(stops)
+        assert checker._partial_suffix_len(buffer) == reference(checker.stop, buffer), (stops, buffer)
+
+
 def _run_stop(chunks, stop, include=False):
     checker = StopChecker(stop, include_stop_str_in_output=include)
     emitted, stopped = [], False

@@ -198,6 +198,9 @@ async def test_commands_queued_together_are_answered_behind_one_wakeup_in_order(
     engine._loop = SimpleNamespace(create_future=loop.create_future, call_soon_threadsafe=lambda fn, *args: (
         wakeups.append(fn), loop.call_soon_threadsafe(fn, *args)))
     engine.after_command = lambda: after.append(engine.stats.num_waiting)
+    batches, settled = [], []
+    engine.on_commands = lambda n, wall_s, cpu_s: batches.append((n, wall_s >= 0 and cpu_s >= 0))
+    engine.on_settled = settled.append
     ran = []
 
     @dataclass(frozen=True)
@@ -221,6 +224,7 @@ async def test_commands_queued_together_are_answered_behind_one_wakeup_in_order(
     assert [r if isinstance(r, int) else str(r) for r in results] == [0, 10, 20, "bad request 3", 40, 50, 60, 70]
     assert wakeups == [engine._settle]
     assert after == [7]  # the load-change check once, with the load the last command left
+    assert batches == [(8, True)] and settled == [8]  # the hooks: one batch of 8 run, 8 answered
     await engine.stop()
 
 

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import Request, RequestStatus, append_sampled_token, hand_out_prompt_logprobs
 from deepinfer.engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, _Step
 
@@ -117,6 +118,15 @@ class AsyncScheduler(Scheduler):
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
     ) -> list[RequestUpdate]:
         """Apply the oldest in-flight step's tokens: resolve placeholders, cache full blocks, finish, discard."""
+        return self._update(output, sampled_token_ids, False)
+
+    def update_sampled(self, output: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[EngineOutput]:
+        """update() with each sampled request's one token as the runner returns it (`PendingSample.result()`):
+        the same updates, each carrying its token as `new_logprobs`, without a list of ids per request first."""
+        return self._update(output, sampled, True)
+
+    def _update(self, output: SchedulerOutput, sampled_token_ids: Mapping, with_tokens: bool) -> list[RequestUpdate]:
+        """update(); with_tokens: the mapping's values are SampledTokens (update_sampled)."""
         if not self._in_flight or self._in_flight[0][0] is not output:
             raise ValueError("update() must take the oldest scheduled step that has not been updated")
         get_tokens = sampled_token_ids.get
@@ -132,6 +142,7 @@ class AsyncScheduler(Scheduler):
         caching = kv_manager.block_pool.enable_caching
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         updates, finished = [], []
+        new_logprobs = None
         for scheduled, request, token_ids in zip(output.scheduled, scheduled_requests, step_tokens, strict=True):
             request_id = request.request_id
             if live.get(request_id) is not request:
@@ -140,7 +151,12 @@ class AsyncScheduler(Scheduler):
             sample = scheduled.sample
             if sample:
                 placeholders[request_id] -= 1
-                if len(token_ids) == 1:  # the decode step's case
+                if with_tokens:  # one SampledToken
+                    new_logprobs = [token_ids]
+                    token_id = token_ids.token_id
+                    new_token_ids = [token_id]
+                    stopped = append_sampled_token(request, token_id, max_model_len)
+                elif len(token_ids) == 1:  # the decode step's case
                     token_id = token_ids[0]
                     new_token_ids = [token_id]
                     stopped = append_sampled_token(request, token_id, max_model_len)
@@ -161,7 +177,7 @@ class AsyncScheduler(Scheduler):
                 finished.append((request, status is preempted))  # preempted while its step was in flight?
             updates.append(
                 RequestUpdate(
-                    request_id, new_token_ids, None, request.finish_reason, request.stop_reason,
+                    request_id, new_token_ids, new_logprobs, request.finish_reason, request.stop_reason,
                     request.num_cached_tokens, request.first_scheduled_time, request.num_store_cached_tokens,
                     request.num_host_cached_tokens,
                 )

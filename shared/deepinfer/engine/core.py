@@ -34,7 +34,7 @@ from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, warm_up_query_lens
-from deepinfer.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.spec_config import SpeculativeConfig
 from deepinfer.engine.spec_decode_stats import SpecDecodeStats
 from deepinfer.engine.start_progress import StartProgress
@@ -45,6 +45,7 @@ from deepinfer.kv_rates import MeasuredRates
 from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import resolve_model
+from deepinfer.models import cpu as cpu_modules
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -96,6 +97,8 @@ class EngineCore:
             model = load_dummy_model(self.model_dir, self.dtype, self.device, self.ops, seed=args.dummy_seed)
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.ops, progress=args.progress)
+        if self.device.type == "cpu":  # float32 linears through oneDNN (deepinfer.models.cpu)
+            cpu_modules.install(model)
         progress.begin("planning the KV cache")
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
@@ -269,7 +272,12 @@ class EngineCore:
         self.scheduler.abort_requests(list(request_ids))
 
     def close(self) -> None:
-        """Release what outlives the object: the tensor-parallel worker processes (no-op otherwise)."""
+        """Release what should not wait for the garbage collector: the host tier's pinned memory (a process that
+        builds several engines would run out of it) and the tensor-parallel worker processes. The engine cannot
+        step after."""
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
@@ -320,8 +328,7 @@ class EngineCore:
         if verifies:
             outputs = self._update_verified(scheduled, sampled)
         else:
-            updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-            outputs = _engine_outputs(updates, sampled)
+            outputs = self.scheduler.update_sampled(scheduled, sampled)
         if self.draft_controller is not None:
             self._observe_acceptance(scheduled, sampled, outputs)
         if self.drafter is not None:
@@ -411,24 +418,22 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         waited = self._in_flight  # this call waits for it: its kind names the call's time (else the launched one)
         if self._in_flight is not None and self._in_flight[1].needs_sync:
-            outputs = self._finish_in_flight()  # its tokens feed the next step's penalties on the host
+            outputs = self.finish_in_flight()  # its tokens feed the next step's penalties on the host
         scheduled = self.scheduler.schedule()
         timed = waited[0] if waited is not None else scheduled
         self.last_step_kind, self.last_step_tokens = timed.kind, timed.num_batched_tokens
         launched = (scheduled, self.runner.execute_async(scheduled, self.scheduler.requests))
         if self._in_flight is not None:
-            outputs += self._finish_in_flight()
+            outputs += self.finish_in_flight()
         self._in_flight = launched
         if not self.scheduler.has_unfinished_requests():
-            outputs += self._finish_in_flight()
+            outputs += self.finish_in_flight()
         return outputs
 
-    def _finish_in_flight(self) -> list[EngineOutput]:
+    def finish_in_flight(self) -> list[EngineOutput]:
         scheduled, pending = self._in_flight
         self._in_flight = None
-        sampled = pending.result()
-        updates = self.scheduler.update(scheduled, {rid: [s.token_id] for rid, s in sampled.items()})
-        return _engine_outputs(updates, sampled)
+        return self.scheduler.update_sampled(scheduled, pending.result())
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def _make_chunk_timer(self) -> ChunkTimer | None:
@@ -538,13 +543,3 @@ class EngineCore:
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
         return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
-
-def _engine_outputs(updates: list[RequestUpdate], sampled: dict[str, SampledToken]) -> list[EngineOutput]:
-    """The scheduler's updates (EngineOutputs without logprobs) with each one's sampled token attached."""
-    get_sampled = sampled.get
-    for u in updates:
-        if u.new_token_ids:
-            token = get_sampled(u.request_id)
-            if token is not None:
-                u.new_logprobs = [token]
-    return updates

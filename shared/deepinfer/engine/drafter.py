@@ -4,7 +4,8 @@ One protocol, `Drafter.propose(request, num_tokens) -> Draft`, called by EngineC
 every running request that decodes next; the scheduler feeds the draft with the request's last token in its next
 step (k + 1 query positions) and the runner verifies it (deepinfer.sampling.rejection). A drafter that has a
 distribution (a draft model, MTP) returns it as `Draft.probs`; one that has none (n-gram lookup) leaves it None and
-is treated as one-hot. Suffix decoding, MTP and a draft model are to come behind the same protocol.
+is treated as one-hot. Suffix decoding is `SuffixDrafter` (engine/suffix_drafter.py); MTP and a draft model are to
+come behind the same protocol.
 """
 
 from __future__ import annotations
@@ -84,4 +85,9 @@ def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter a validated config names."""
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        from deepinfer.engine.suffix_drafter import SuffixDrafter  # it imports this module's Draft
+
+        return SuffixDrafter(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                             config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
     raise ValueError(f"speculative_config.method={config.method!r} has no drafter yet")

@@ -170,6 +170,17 @@ class HostTier:
         """True while a copy is in flight (the engine keeps polling)."""
         return bool(self._loads or self._offloads)
 
+    def close(self) -> None:
+        """Wait for the copies in flight and let the pool go: its pinned memory is freed now, or when the last
+        write-behind view of a slot is dropped (a view keeps its buffer alive). The tier is unusable after."""
+        if self.cuda:
+            self.stream.synchronize()
+            self._staging = None
+        self._offloads.clear()
+        self._loads.clear()
+        self._pending.clear()
+        self.host = self._host_bytes = None
+
     def holds_device_block(self, block_id: int) -> bool:
         """True while an offload copies from this device block (tests: never reused meanwhile)."""
         return any(block.block_id == block_id for copy in self._offloads for block in copy.blocks)

@@ -173,9 +173,13 @@ def build_host_batch(
     """Apply the requests' new block ids to `block_table` and flatten them into host lists (no tensors). With
     `requests`, the rows that score prompt tokens for prompt logprobs are listed too."""
     batch = HostBatch()
-    input_ids, positions, slot_mapping = batch.input_ids, batch.positions, batch.slot_mapping
-    query_lens, seq_lens, table_rows = batch.query_lens, batch.seq_lens, batch.block_table_rows
-    logits_indices, sampled, sampled_rows = batch.logits_indices, batch.sampled, batch.sampled_rows
+    input_ids = batch.input_ids
+    # Bound appends: a decode row appends to eight lists, and every step has a row per running request.
+    add_position, add_slot, add_query_len = batch.positions.append, batch.slot_mapping.append, batch.query_lens.append
+    add_seq_len, add_table_row = batch.seq_lens.append, batch.block_table_rows.append
+    add_logits_index, add_sampled, add_sampled_row = (batch.logits_indices.append, batch.sampled.append,
+                                                      batch.sampled_rows.append)
+    add_placeholder_index, add_placeholder_row = batch.placeholder_indices.append, batch.placeholder_rows.append
     update, rows, all_block_ids, max_num_blocks = block_table.update, block_table.rows, block_table.block_ids, 0
     for s in scheduled:
         # A running request without new blocks keeps its row as it is (update()'s every-step case, inline).
@@ -185,32 +189,32 @@ def build_host_batch(
         input_ids += token_ids
         if len(token_ids) < num_new:  # an output placeholder: the last token, sampled by the step in flight
             assert len(token_ids) == num_new - 1, (s.request_id, len(token_ids), num_new)
-            batch.placeholder_indices.append(len(input_ids))
-            batch.placeholder_rows.append(row)
+            add_placeholder_index(len(input_ids))
+            add_placeholder_row(row)
             input_ids.append(0)
         if num_new == 1:
-            positions.append(start)
-            slot_mapping.append(block_ids[start // block_size] * block_size + start % block_size)
+            add_position(start)
+            add_slot(block_ids[start // block_size] * block_size + start % block_size)
         else:
-            positions.extend(range(start, start + num_new))
-            slot_mapping.extend(block_slots(block_ids, start, start + num_new, block_size))
-        query_lens.append(num_new)
-        seq_lens.append(start + num_new)
-        table_rows.append(row)
+            batch.positions.extend(range(start, start + num_new))
+            batch.slot_mapping.extend(block_slots(block_ids, start, start + num_new, block_size))
+        add_query_len(num_new)
+        add_seq_len(start + num_new)
+        add_table_row(row)
         if len(block_ids) > max_num_blocks:
             max_num_blocks = len(block_ids)
         if s.sample:
             num_drafts = s.num_draft_tokens
             if num_drafts:  # the last token's row and each draft's: k + 1 rows to verify
-                logits_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
+                batch.logits_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
                 batch.num_draft_tokens += num_drafts
             else:
-                logits_indices.append(len(input_ids) - 1)
-            sampled.append(s)
-            sampled_rows.append(row)
+                add_logits_index(len(input_ids) - 1)
+            add_sampled(s)
+            add_sampled_row(row)
     batch.max_num_blocks = max_num_blocks
     # Only a prompt chunk scores prompt tokens: a step of sampled one-token rows (every decode step) skips this.
-    if requests is not None and (len(input_ids) > len(seq_lens) or len(sampled) < len(seq_lens)):
+    if requests is not None and (len(input_ids) > len(batch.seq_lens) or len(batch.sampled) < len(batch.seq_lens)):
         _add_prompt_rows(batch, scheduled, requests)
     return batch
 

@@ -41,6 +41,9 @@ class _Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
     stop_checker: StopChecker
+    #: No stop strings: nothing reads the text before the sequence finishes, so it is detokenized then, in one
+    #: batch (`IncrementalDetokenizer.step_each`: the same text as token by token).
+    text_at_end: bool = False
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -53,13 +56,27 @@ class LLM:
     """An engine in this process: load a model once, then generate for batches of prompts."""
 
     def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
-        self.engine = Engine(EngineArgs(model=model, **engine_args))
-        self.tokenizer: Tokenizer | None = self.engine.tokenizer
-        self.default_sampling_params = SamplingParams.from_generation_config(self.engine.generation_config)
+        self._attach(Engine(EngineArgs(model=model, **engine_args)))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """An LLM over an engine already built, or over anything with an `Engine`'s face (`tokenizer`,
+        `generation_config`, `add_request`, `step`, ...): a bench's stand-in that replays tokens, for one."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.default_sampling_params = SamplingParams.from_generation_config(engine.generation_config)
         self._request_counter = itertools.count()
+        #: token id -> its text alone (the decoded_token of logprobs), decoded once per id.
+        self._decoded_tokens: dict[int, str] = {}
 
     def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); a no-op for a single-process engine."""
+        """Free the host tier's pinned memory and stop the engine's worker processes (tensor parallelism) now,
+        not when the object is collected; `with LLM(...) as llm:` closes it at the block's end."""
         self.engine.close()
 
     def __enter__(self) -> LLM:
@@ -156,6 +173,7 @@ class LLM:
         return outputs
 
     def _new_sequence(self, output: RequestOutput, index: int, params: SamplingParams) -> _Sequence:
+        stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         return _Sequence(
             index=index,
             request_id=f"{output.request_id}-{index}",
@@ -163,7 +181,8 @@ class LLM:
             detokenizer=None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, output.prompt_token_ids, params.skip_special_tokens
             ),
-            stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
+            stop_checker=stop_checker,
+            text_at_end=not stop_checker.stop,
             logprobs=[] if params.logprobs is not None else None,
         )
 
@@ -182,35 +201,59 @@ class LLM:
             remaining[id(output)] += 1
             if not seq.submitted:
                 siblings.setdefault(f"{output.request_id}-0", []).append((output, seq))
+        def apply(seq: _Sequence, engine_output: EngineOutput, output: RequestOutput, delta: str | None) -> None:
+            if self._apply(seq, engine_output, output, delta):
+                remaining[id(output)] -= 1
+                if remaining[id(output)] == 0:
+                    output.outputs = sorted(output.outputs, key=lambda c: c.index)
+                    output.finished = True
+                    bar.update(1)
+
         while self.engine.has_unfinished_requests():
+            # Sequences with stop strings and one new token: their text windows are decoded together, below.
+            batched: list[tuple[_Sequence, EngineOutput, RequestOutput]] = []
             for engine_output in self.engine.step():
                 output, seq = sequences[engine_output.request_id]
                 if siblings and engine_output.new_token_ids:
                     for entry in siblings.pop(engine_output.request_id, ()):
                         self._submit(entry)
-                if self._apply(seq, engine_output, output):
-                    remaining[id(output)] -= 1
-                    if remaining[id(output)] == 0:
-                        output.outputs = sorted(output.outputs, key=lambda c: c.index)
-                        output.finished = True
-                        bar.update(1)
+                if not seq.text_at_end and seq.detokenizer is not None and len(engine_output.new_token_ids) == 1:
+                    batched.append((seq, engine_output, output))
+                else:
+                    apply(seq, engine_output, output, None)
+            if batched:
+                for (seq, engine_output, output), delta in zip(batched, self._detokenize(batched), strict=True):
+                    apply(seq, engine_output, output, delta)
         bar.close()
 
-    def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+    def _detokenize(self, batched: list[tuple[_Sequence, EngineOutput, RequestOutput]]) -> list[str]:
+        """Each sequence's `detokenizer.step(new_token_ids)`, with every window decoded in one `decode_batch`
+        call per skip_special_tokens setting (the same text as one decode per window)."""
+        windows: dict[bool, list[list[int]]] = {}
+        for seq, engine_output, _ in batched:
+            detokenizer = seq.detokenizer
+            windows.setdefault(detokenizer.skip_special_tokens, []).extend(
+                detokenizer.next_windows(engine_output.new_token_ids))
+        texts = {skip: iter(self.tokenizer.decode_batch(ids, skip_special_tokens=skip)) for skip, ids in windows.items()}
+        deltas = []
+        for seq, _, _ in batched:
+            detokenizer = seq.detokenizer
+            decoded = texts[detokenizer.skip_special_tokens]
+            prefix_text = next(decoded)
+            deltas.append(detokenizer.take_windows(prefix_text, next(decoded)))
+        return deltas
+
+    def _apply(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput, delta: str | None = None) -> bool:
         """Fold one step's output into a sequence; True when the sequence finished. Several tokens (a step that
         verified drafts) are folded one at a time, so a stop string ends the text and the token ids exactly where
-        one token per step would."""
+        one token per step would. `delta`: the detokenizer's step already taken (`_detokenize`)."""
+        if seq.text_at_end:
+            return self._apply_text_at_end(seq, out, request_output)
         if len(out.new_token_ids) > 1:
             return self._apply_each(seq, out, request_output)
-        if seq.index == 0:
-            request_output.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
-                                                                            out.prompt_logprobs)
-        seq.token_ids.extend(out.new_token_ids)
-        if seq.logprobs is not None and out.new_logprobs:
-            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
-        delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
+        self._keep_tokens(seq, out, request_output)
+        if delta is None:
+            delta = seq.detokenizer.step(out.new_token_ids) if seq.detokenizer is not None else ""
         text, stopped = seq.stop_checker.step(delta)
         seq.text += text
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -230,6 +273,35 @@ class LLM:
             CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, stop_reason)
         )
         return True
+
+    def _apply_text_at_end(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
+        """`_apply` for a sequence without stop strings: only the engine ends it, so its tokens (all of a step's at
+        once) and logprobs are kept as they come and the text is made once it finished, exactly as token by token
+        (a stop checker without stop strings passes every delta through and holds nothing back)."""
+        self._keep_tokens(seq, out, request_output)
+        finish_reason = out.finish_reason
+        if finish_reason is None:
+            return False
+        detokenizer = seq.detokenizer
+        if detokenizer is not None:
+            seq.text = detokenizer.step_each(seq.token_ids) + detokenizer.flush()
+        seq.finish_reason, seq.stop_reason = finish_reason, out.stop_reason
+        request_output.outputs.append(
+            CompletionOutput(seq.index, seq.text, seq.token_ids, seq.logprobs, finish_reason, out.stop_reason)
+        )
+        return True
+
+    def _keep_tokens(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> None:
+        """A step's tokens and their logprobs into the sequence (and, from the first choice, the prompt's cache
+        count and logprobs into the request's output)."""
+        if seq.index == 0:
+            request_output.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                request_output.prompt_logprobs = self._prompt_logprob_dicts(request_output.prompt_token_ids,
+                                                                            out.prompt_logprobs)
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs:
+            seq.logprobs.extend(self._logprobs_entry(s) for s in out.new_logprobs)
 
     def _apply_each(self, seq: _Sequence, out: EngineOutput, request_output: RequestOutput) -> bool:
         last = len(out.new_token_ids) - 1
@@ -259,14 +331,20 @@ class LLM:
         return dicts
 
     def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text alone (special tokens kept), decoded once per id."""
+        if self.tokenizer is None:
+            return None
+        text = self._decoded_tokens.get(token_id)
+        if text is None:
+            text = self._decoded_tokens[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _logprobs_entry(self, sampled) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
+        decoded, decode_one = self._decoded_tokens, self._decode_one
         for rank, (token_id, logprob) in enumerate(sampled.top_logprobs or (), start=1):
-            entry[token_id] = Logprob(logprob, rank, self.tokenizer.decode([token_id], skip_special_tokens=False))
+            text = decoded.get(token_id)
+            entry[token_id] = Logprob(logprob, rank, text if text is not None else decode_one(token_id))
         if sampled.token_id not in entry:
-            entry[sampled.token_id] = Logprob(
-                sampled.logprob, None, self.tokenizer.decode([sampled.token_id], skip_special_tokens=False)
-            )
+            entry[sampled.token_id] = Logprob(sampled.logprob, None, self._decode_one(sampled.token_id))
         return entry

@@ -36,6 +36,7 @@ from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import (
     Request,
     RequestStatus,
@@ -227,6 +228,15 @@ class Scheduler(LoadingRequests):
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
     ) -> list[RequestUpdate]:
         """Apply a step's results: advance KV progress, append sampled tokens, cache full blocks, finish."""
+        return self._update(output, sampled_token_ids, False)
+
+    def update_sampled(self, output: SchedulerOutput, sampled: Mapping[str, SampledToken]) -> list[EngineOutput]:
+        """update() with each sampled request's one token as the runner returns it (a step without drafts): the
+        same updates, each carrying its token as `new_logprobs`, without a list of ids per request first."""
+        return self._update(output, sampled, True)
+
+    def _update(self, output: SchedulerOutput, sampled_token_ids: Mapping, with_tokens: bool) -> list[RequestUpdate]:
+        """update(); with_tokens: the mapping's values are SampledTokens (update_sampled)."""
         missing = [
             s.request_id for s in output.scheduled if s.sample and not sampled_token_ids.get(s.request_id)
         ]
@@ -243,6 +253,7 @@ class Scheduler(LoadingRequests):
             num_computed = scheduled.num_computed_tokens
             assert request.num_computed_tokens == num_computed, "update() without schedule()"
             if scheduled.num_draft_tokens:
+                assert not with_tokens, "a step that verified drafts is updated with every emitted token"
                 update = self._update_verified(request, scheduled, sampled_token_ids[scheduled.request_id])
                 updates.append(update)
                 if request.status is not running_status:
@@ -254,12 +265,17 @@ class Scheduler(LoadingRequests):
             if not scheduled.sample:
                 continue
             token_ids = sampled_token_ids[scheduled.request_id]
-            new_token_ids = self._append_sampled(request, token_ids, max_model_len)
+            if with_tokens:  # one SampledToken
+                new_logprobs = [token_ids]
+                new_token_ids = [token_ids.token_id]
+                append_sampled_token(request, new_token_ids[0], max_model_len)
+            else:
+                new_logprobs, new_token_ids = None, self._append_sampled(request, token_ids, max_model_len)
             if request.status is not running_status:
                 finished.append(request)
             updates.append(
                 RequestUpdate(
-                    request.request_id, new_token_ids, None, request.finish_reason, request.stop_reason,
+                    request.request_id, new_token_ids, new_logprobs, request.finish_reason, request.stop_reason,
                     request.num_cached_tokens, request.first_scheduled_time, request.num_store_cached_tokens,
                     request.num_host_cached_tokens,
                 )

@@ -3,8 +3,10 @@
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 5})
 
-Unset (None) = no speculation, the engine exactly as without it. Only `ngram` is implemented; the other methods
-of issue #32 (suffix, mtp, draft_model) are refused by name until they are (deepinfer.engine.drafter).
+    LLM(model, speculative_config={"method": "suffix", "num_speculative_tokens": 8})   # vLLM's suffix_decoding_*
+
+Unset (None) = no speculation, the engine exactly as without it. `ngram` and `suffix` are implemented; the other
+methods of issue #32 (mtp, draft_model) are refused by name until they are (deepinfer.engine.drafter).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 #: Methods a config may name (vLLM's names), and those this build can run.
 KNOWN_METHODS = ("ngram", "suffix", "mtp", "draft_model")
-IMPLEMENTED_METHODS = ("ngram",)
+IMPLEMENTED_METHODS = ("ngram", "suffix")
 #: `num_speculative_tokens: "auto"`: the most draft tokens a request proposes (the controller verifies fewer).
 AUTO_MAX_DRAFT_TOKENS = 8
 
@@ -27,11 +29,20 @@ class SpeculativeConfig:
     method: str
     #: Draft tokens verified per step: an int k (always the drafter's whole draft, up to k: a step feeds k + 1
     #: query positions), or "auto" (up to AUTO_MAX_DRAFT_TOKENS, as many as pay: engine/draft_controller.py).
-    num_speculative_tokens: int | str
+    #: ("suffix" only: unset = suffix_decoding_max_tree_depth, as vLLM.)
+    num_speculative_tokens: int | str | None = None
     #: n-gram prompt lookup: the shortest and longest suffix n-gram matched against the context (vLLM: both
     #: default to 5 when neither is given, and either one to the other when only one is).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    #: Suffix decoding (engine/suffix_drafter.py), vLLM's names and defaults: the suffix trees' depth (a match and
+    #: its draft together), retired requests kept in the global tree (0 = none; 1,000 rather than vLLM's 10,000:
+    #: our Python tree holds ~700 bytes a token, so 10,000 requests of ~300 tokens would be ~2 GB of host memory),
+    #: the most draft tokens per matched token, and the probability below which a draft stops.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in KNOWN_METHODS:
@@ -40,7 +51,11 @@ class SpeculativeConfig:
         if self.method not in IMPLEMENTED_METHODS:
             raise ValueError(f"speculative_config.method={self.method!r} is not implemented yet "
                              f"(implemented: {', '.join(IMPLEMENTED_METHODS)})")
+        _check_suffix_decoding(self)
         k = self.num_speculative_tokens
+        if k is None and self.method == "suffix":
+            k = self.suffix_decoding_max_tree_depth
+            object.__setattr__(self, "num_speculative_tokens", k)
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1 or \"auto\", got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -77,7 +92,24 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} (known: {', '.join(sorted(known))})")
-        missing = [name for name in ("method", "num_speculative_tokens") if name not in value]
+        required = ("method",) if value.get("method") == "suffix" else ("method", "num_speculative_tokens")
+        missing = [name for name in required if name not in value]
         if missing:
             raise ValueError(f"speculative_config: missing {', '.join(missing)}")
         return cls(**value)
+
+
+
+def _check_suffix_decoding(config: SpeculativeConfig) -> None:
+    """ValueError naming the first suffix_decoding_* setting out of range (checked whatever the method)."""
+    checks = (
+        ("suffix_decoding_max_tree_depth", "an int >= 1", True, lambda v: v >= 1),
+        ("suffix_decoding_max_cached_requests", "an int >= 0", True, lambda v: v >= 0),
+        ("suffix_decoding_max_spec_factor", "a number > 0", False, lambda v: v > 0),
+        ("suffix_decoding_min_token_prob", "a number in [0, 1]", False, lambda v: 0 <= v <= 1),
+    )
+    for name, what, integral, in_range in checks:
+        value = getattr(config, name)
+        kind_ok = isinstance(value, int) if integral else isinstance(value, int | float)
+        if isinstance(value, bool) or not kind_ok or not in_range(value):
+            raise ValueError(f"speculative_config.{name} must be {what}, got {value!r}")

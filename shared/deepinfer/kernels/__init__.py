@@ -64,6 +64,8 @@ class KernelOps:
     varlen_causal_attention: Callable[..., Any] = torch_mla.varlen_causal_attention
     gather_blocks: Callable[..., None] = torch_block_copy.gather_blocks
     scatter_blocks: Callable[..., None] = torch_block_copy.scatter_blocks
+    #: F.linear for the logits (the model's nn.Linear modules are the CPU's `cpu_linear.install`'s business)
+    linear: Callable[..., Any] = torch_ops.linear
 
     def implementations(self) -> dict[str, str]:
         """Op name -> 'module.function' that implements it (for logs and start-up banners)."""
@@ -91,6 +93,7 @@ def _torch_twins(accelerator: str) -> KernelOps:
         varlen_causal_attention=torch_mla.varlen_causal_attention,
         gather_blocks=torch_block_copy.gather_blocks,
         scatter_blocks=torch_block_copy.scatter_blocks,
+        linear=torch_ops.linear,
     )
 
 

@@ -218,6 +218,11 @@ def check_rotary_call(
     assert cos_sin_cache.shape[1] <= query.shape[2], "rotary_dim exceeds head_dim"
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias [out]): F.linear."""
+    return F.linear(x, weight, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [T, 2I], got {tuple(x.shape)}"

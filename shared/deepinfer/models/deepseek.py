@@ -95,7 +95,7 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
     @property
     def num_mtp_layers(self) -> int:

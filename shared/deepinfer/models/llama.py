@@ -78,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp.world_size > 1:
             return parallel_logits(hidden, weight, self.tp, self.config.vocab_size)
-        return nn.functional.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
     def fused_shards(self) -> FusedShards:
         """Our fused projections and the HF tensors stacked into each, in row order."""

@@ -76,8 +76,7 @@ def build(
 def step(scheduler: Scheduler, runner: ModelRunner) -> None:
     """One engine step as EngineCore.step runs it."""
     output = scheduler.schedule()
-    sampled = runner.execute(output, scheduler.requests)
-    scheduler.update(output, {rid: [s.token_id] for rid, s in sampled.items()})
+    scheduler.update_sampled(output, runner.execute(output, scheduler.requests))
 
 
 class _NoOpGraph:

@@ -45,11 +45,58 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append new output ids; return the text they completed ("" while a character is incomplete)."""
-        self.output_token_ids.extend(new_token_ids)
-        prefix_text, window_text = self._decode_window()
+        skip = self.skip_special_tokens
+        prefix_ids, window_ids = self.next_windows(new_token_ids)
+        return self.take_windows(self.tokenizer.decode(prefix_ids, skip_special_tokens=skip),
+                                 self.tokenizer.decode(window_ids, skip_special_tokens=skip))
+
+    def next_windows(self, new_token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """`step`'s first half: append the ids; the two id windows it decodes (prefix, window). Callers that
+        detokenize many sequences at once decode every sequence's windows in one `Tokenizer.decode_batch`."""
+        ids = self.output_token_ids
+        ids.extend(new_token_ids)
+        return ids[self._prefix_offset : self._read_offset], ids[self._prefix_offset :]
+
+    def take_windows(self, prefix_text: str, window_text: str) -> str:
+        """`step`'s second half, given the windows of `next_windows` decoded: the text completed."""
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""
         return self._advance(window_text[len(prefix_text) :])
+
+    def step_each(self, new_token_ids: list[int]) -> str:
+        """`step([t])` for each of `new_token_ids` in turn, the deltas joined (same text, same end state), with the
+        windows decoded in one `Tokenizer.decode_batch` call: it speculates that every step completes its text
+        (the common case: windows of the last two tokens); a window the speculation missed is decoded alone.
+        The offline LLM detokenizes a sequence without stop strings this way once it has finished."""
+        ids = self.output_token_ids
+        first = len(ids)
+        ids.extend(new_token_ids)
+        end = len(ids)
+        if end == first:
+            return ""
+        prefix_offset, read_offset = self._prefix_offset, self._read_offset
+        keys = {(prefix_offset, read_offset): None, (prefix_offset, first + 1): None}
+        for n in range(first + 2, end + 1):
+            keys[(max(n - 2, 0), n - 1)] = None
+            keys[(max(n - 2, 0), n)] = None
+        skip = self.skip_special_tokens
+        texts = dict(zip(keys, self.tokenizer.decode_batch([ids[a:b] for a, b in keys], skip_special_tokens=skip),
+                         strict=True))
+        decode, parts = self.tokenizer.decode, []
+        for n in range(first + 1, end + 1):
+            prefix_text = texts.get((prefix_offset, read_offset))
+            if prefix_text is None:
+                prefix_text = decode(ids[prefix_offset:read_offset], skip_special_tokens=skip)
+            window_text = texts.get((prefix_offset, n))
+            if window_text is None:
+                window_text = decode(ids[prefix_offset:n], skip_special_tokens=skip)
+            if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
+                continue
+            parts.append(window_text[len(prefix_text) :])
+            prefix_offset, read_offset = read_offset, n
+        self._prefix_offset, self._read_offset = prefix_offset, read_offset
+        self._text_parts.extend(parts)
+        return "".join(parts)
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (an incomplete sequence decodes as U+FFFD)."""

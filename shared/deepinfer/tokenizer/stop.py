@@ -16,6 +16,14 @@ class StopChecker:
         self.stopped = False
         self.matched_stop: str | None = None
         self._held = ""
+        #: Per last character: the proper prefixes of the stop strings that end in it, longest first. A suffix of
+        #: the text that is such a prefix ends in the text's last character, so only these are tried (a step
+        #: tried every length of every stop string).
+        prefixes: dict[str, list[str]] = {}
+        for stop in self.stop:
+            for size in range(1, len(stop)):
+                prefixes.setdefault(stop[size - 1], []).append(stop[:size])
+        self._prefixes_by_last = {char: sorted(set(p), key=len, reverse=True) for char, p in prefixes.items()}
 
     def step(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was reached)."""
@@ -47,10 +55,9 @@ class StopChecker:
 
     def _partial_suffix_len(self, buffer: str) -> int:
         # Longest suffix of the buffer that is a proper prefix of some stop string.
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+        if not buffer:
+            return 0
+        for prefix in self._prefixes_by_last.get(buffer[-1], ()):  # longest first
+            if buffer.endswith(prefix):
+                return len(prefix)
+        return 0

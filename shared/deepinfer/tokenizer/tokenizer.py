@@ -118,6 +118,13 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
+    def decode_batch(self, token_id_lists: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each list, in one call into the tokenizer library (which releases the GIL for it)."""
+        texts = self.backend.decode_batch(token_id_lists, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
+            texts = [_clean_up_tokenization(text) for text in texts]
+        return texts
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string, or None."""
         return self.backend.token_to_id(token)

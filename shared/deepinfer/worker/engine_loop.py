@@ -88,6 +88,11 @@ class EngineLoop:
         self.after_command: Callable[[], None] | None = None
         #: Called on the engine thread after each step with (`Engine.last_step_kind`, the step's seconds).
         self.on_step_time: Callable[[str, float], None] | None = None
+        #: Called on the engine thread after each batch of commands with (how many ran, their wall seconds, this
+        #: thread's CPU seconds): time in series with the device that no step accounts for (bench probes).
+        self.on_commands: Callable[[int, float, float], None] | None = None
+        #: Called on the event loop after a batch of commands was answered, with how many (in the order they ran).
+        self.on_settled: Callable[[int], None] | None = None
 
     def start(self) -> None:
         """Start the engine thread (call on the event loop)."""
@@ -193,6 +198,9 @@ class EngineLoop:
             item = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        on_commands = self.on_commands
+        if on_commands is not None:
+            started_s, started_cpu_s = time.perf_counter(), time.thread_time()
         settled: list[tuple[Callable[[asyncio.Future[Any], Any], None], asyncio.Future[Any], Any]] = []
         try:
             while item is not None:
@@ -207,6 +215,8 @@ class EngineLoop:
                     break
         finally:  # even past a fatal error: the commands that ran are answered
             self._update_load()  # the callers resume with the load their commands made
+            if on_commands is not None:
+                on_commands(len(settled), time.perf_counter() - started_s, time.thread_time() - started_cpu_s)
             if settled:
                 self._loop.call_soon_threadsafe(self._settle, settled)
 
@@ -214,6 +224,8 @@ class EngineLoop:
                                           Any]]) -> None:
         for settle, future, outcome in settled:
             settle(future, outcome)
+        if self.on_settled is not None:
+            self.on_settled(len(settled))
         if self.after_command is not None:
             self.after_command()
 

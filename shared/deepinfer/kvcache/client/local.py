@@ -171,6 +171,12 @@ class SharedMemoryReads:
             with contextlib.suppress(Exception):  # a lease not released ends by time on the shard
                 await client.release_lease(lease.lease_id)
 
+    def registered_regions(self) -> list[RegisteredRegion]:
+        """The regions mapped and registered with the device so far (what a SlotDestination copies from)."""
+        return [r.registered.result() for r in self._regions.values()
+                if r.registered is not None and r.registered.done() and not r.registered.cancelled()
+                and r.registered.exception() is None and r.registered.result() is not None]
+
     def close(self) -> None:
         """Unregister and unmap every region (one a copy still reads: when that copy ends)."""
         regions, self._regions = list(self._regions.values()), {}
