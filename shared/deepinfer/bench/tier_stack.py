@@ -34,7 +34,10 @@ from deepinfer.config import DecodeSettings, KvCacheSettings, PrefillSettings, W
 
 #: The worker setting of the host tier (bytes of host memory; 0 = off), in main once the host tier is.
 HOST_FIELD = "kv_host_cache_bytes"
-STORE_MODES, HOST_MODES, SHM_MODES = ("store", "store-shm", "tiers-on"), ("host", "tiers-on", "tiers-host"), ("store-shm",)
+#: The modes with the store on, with the host tier on, with the shard's RAM tier in shared memory.
+STORE_MODES = ("store", "store-shm", "tiers-on")
+HOST_MODES = ("host", "tiers-on", "tiers-host")
+SHM_MODES = ("store-shm",)
 _SAMPLE = re.compile(r"^(\w+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
 
