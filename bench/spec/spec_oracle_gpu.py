@@ -225,10 +225,10 @@ def measure(
 
 def make_engine(
     model_dir: Path, device: str, dtype: str, speculative: bool, max_model_len: int, permutation: list[int],
-    residual_scale: float,
+    residual_scale: float, execution_mode: str | None = None,
 ) -> EngineCore:
     """An engine over the config alone (load_format="dummy", the same seed: every engine holds one model), its
-    model made the successor model of `permutation`."""
+    model made the successor model of `permutation` (execution_mode None: the default)."""
     args = EngineArgs(
         model=model_dir,
         load_format="dummy",
@@ -243,6 +243,7 @@ def make_engine(
         gpu_memory_utilization=0.9,
         kv_host_cache_bytes=0,
         speculative_config=BUILT_FOR if speculative else None,
+        **({} if execution_mode is None else {"execution_mode": execution_mode}),
     )
     engine = EngineCore(args)
     make_successor(engine, permutation, residual_scale)

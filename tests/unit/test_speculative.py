@@ -235,28 +235,37 @@ def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
         LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, async_scheduling=True)
 
 
-def test_steps_with_drafts_run_eagerly_beside_prompt_graphs(tiny_dir, plain):
-    """With a (CPU, uncaptured) full-graph runner for prompt steps, a step verifying drafts still runs eagerly:
-    the full graphs keep one sampled row per sequence, the verify step needs k + 1."""
+def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(tiny_dir, plain):
+    """With a (CPU, uncaptured) full-graph runner of 8 sequence slots, a step verifying drafts runs the graph when
+    its k + 1 rows a sequence fit the slots (one prompt: 5 rows) and eagerly when they do not (four prompts: 20
+    rows), with the plain tokens either way."""
     from deepinfer.engine.full_graphs import FullGraphRunner
 
     reference = run(plain, greedy())
     llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
     runner, core = llm.engine.core.runner, llm.engine.core
-    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
-                                         runner.device, use_graphs=False, logits=runner.model.compute_logits)
-    graph_steps = []
-    graph_run = runner.full_graphs.run
+    runner.full_graphs = graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
+                                                  runner.device, use_graphs=False, logits=runner.model.compute_logits)
+    graph_verifies, verifies = [], []
+    graph_run, execute_verify = graphs.run, runner.execute_verify
 
     def run_and_count(input_ids, positions, meta, logits_indices):
-        assert len(logits_indices) <= meta.num_seqs  # never a step with drafts
-        graph_steps.append(meta.num_seqs)
+        assert len(logits_indices) <= 8
+        if len(logits_indices) > meta.num_seqs:
+            graph_verifies.append(len(logits_indices))
         return graph_run(input_ids, positions, meta, logits_indices)
 
-    runner.full_graphs.run = run_and_count
+    def verify_and_count(output, requests):
+        verifies.append(sum(s.num_draft_tokens + 1 for s in output.scheduled if s.sample))
+        return execute_verify(output, requests)
+
+    graphs.run, runner.execute_verify = run_and_count, verify_and_count
     scripted(llm, reference, wrong_every=3)
     assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
-    assert graph_steps and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
+    assert graph_verifies and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    assert any(n > 8 for n in verifies)  # steps whose rows did not fit ran eagerly, with the same tokens
+    assert len(graph_verifies) == sum(n <= 8 for n in verifies)
 
 
 def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):

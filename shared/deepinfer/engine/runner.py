@@ -15,7 +15,8 @@ Llama-family model one graph per token bucket with attention inside (`full_graph
 attention, `piecewise_graphs`); every other step, and every step on the CPU or in eager mode, runs eagerly.
 
 Speculative decoding: a decode that carries k draft tokens feeds them after its last token and is sampled at
-all k + 1 rows (`execute_verify`, always eager); it emits the target's tokens up to the first draft it disagrees
+all k + 1 rows (`execute_verify`: through the full graphs while its rows fit a bucket's sequence slots, else the
+piecewise graphs or eagerly); it emits the target's tokens up to the first draft it disagrees
 with (deepinfer.sampling.rejection).
 
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
@@ -188,7 +189,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_verify(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
-        """`execute` for a step whose decodes carry draft tokens (speculative decoding), always eager: every
+        """`execute` for a step whose decodes carry draft tokens (speculative decoding): every
         sampled request's emitted tokens. A request with k drafts is sampled at its k + 1 rows as a step without
         drafts would sample each (same processing, same noise for its seed and position), and emits the target's
         tokens of its first m + 1 rows, m = the drafts equal to the target's (deepinfer.sampling.rejection)."""
@@ -246,7 +247,7 @@ class ModelRunner:
         if not sampled:
             return None
         if num_draft_tokens:
-            return self._sample_with_drafts(forward.hidden, sampled, requests)
+            return self._sample_with_drafts(forward, sampled, requests)
         chosen = [requests[s.request_id] for s in sampled]
         params = [r.sampling_params for r in chosen]
         graph_step, num_sampled = forward.graph_step, len(sampled)
@@ -280,14 +281,17 @@ class ModelRunner:
         return _Sampled(self.sampler(logits, meta), chosen, sampled, needs_sync, forward.staged_sampled_rows)
 
     def _sample_with_drafts(
-        self, hidden: torch.Tensor, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
+        self, forward: ForwardResult, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
     ) -> _Sampled:
         """Sample every verified row: row j of a request with k drafts samples the token at position
         num_computed_tokens + j + 1 after its output and drafts 0 .. j-1 (what penalties and min_tokens read)."""
         rows = [(requests[s.request_id], s, j) for s in sampled for j in range(s.num_draft_tokens + 1)]
         chosen = [r for r, _, _ in rows]
-        with self._linear_mode():
-            logits = self.model.compute_logits(hidden)  # [sum(k + 1), V]
+        if forward.graph_step is not None:  # the full graph computed every verified row's logits
+            logits = forward.graph_step.logits[: len(rows)]
+        else:
+            with self._linear_mode():
+                logits = self.model.compute_logits(forward.hidden)  # [sum(k + 1), V]
         meta = self.sampling_metadata.build(
             [r.sampling_params for r in chosen],
             positions=[s.num_computed_tokens + j + 1 for _, s, j in rows],
@@ -343,10 +347,11 @@ class ModelRunner:
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
         staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
-        # A step verifying drafts runs eagerly in every mode: the prompt graphs keep one sampled row per sequence.
-        if not batch.is_decode_only and not batch.num_draft_tokens:
+        # A step verifying drafts (k + 1 rows to sample a sequence) runs the full graphs while its rows fit the
+        # bucket's sequence slots, else the piecewise graphs (every row's hidden states) or eagerly.
+        if not batch.is_decode_only:
             if (self.full_graphs is not None and not batch.prompt_logits_indices
-                    and self.full_graphs.can_run(batch.num_tokens)):
+                    and self.full_graphs.can_run(batch.num_tokens, len(batch.logits_indices))):
                 step = self.full_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
                 return ForwardResult(step.hidden, step if step.logits is not None else None, staged_rows)
             if self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
