@@ -242,7 +242,7 @@ def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(ti
     from deepinfer.engine.full_graphs import FullGraphRunner
 
     reference = run(plain, greedy())
-    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM | {"num_speculative_tokens": "auto"})
     runner, core = llm.engine.core.runner, llm.engine.core
     runner.full_graphs = graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
                                                   runner.device, use_graphs=False, logits=runner.model.compute_logits)
@@ -260,12 +260,19 @@ def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(ti
         return execute_verify(output, requests)
 
     graphs.run, runner.execute_verify = run_and_count, verify_and_count
-    scripted(llm, reference, wrong_every=3)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(continuations, 3), 4)
     assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
     assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
     assert graph_verifies and llm.engine.spec_decode_stats().num_accepted_tokens > 0
     assert any(n > 8 for n in verifies)  # steps whose rows did not fit ran eagerly, with the same tokens
     assert len(graph_verifies) == sum(n <= 8 for n in verifies)
+    # "auto" keeps every verify step within the graphs' 8 rows (the draft controller's cap), tokens unchanged.
+    assert runner.max_graphed_verify_tokens == 8
+    verifies.clear()
+    llm.engine.install_drafter(ScriptedDrafter(continuations), "auto")
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert verifies and max(verifies) <= 8
 
 
 def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):

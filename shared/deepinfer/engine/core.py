@@ -375,7 +375,7 @@ class EngineCore:
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every running request that decodes next (with a grammar,
         each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
-        the draft controller finds worth verifying."""
+        the draft controller finds worth verifying, rows and drafts within what the runner's graphs verify."""
         drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
         proposed: dict[str, list[int]] = {}
         for request in self.scheduler.running:
@@ -389,7 +389,8 @@ class EngineCore:
             for request in self.scheduler.running:
                 request.draft_token_ids = proposed.get(request.request_id, ())
             return
-        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()})
+        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()},
+                                                      self.runner.max_graphed_verify_tokens)
         self._unverified_drafts = {rid: d[0] for rid, d in proposed.items() if d and lengths[rid] == 0}
         for request in self.scheduler.running:
             if lengths.get(request.request_id):

@@ -4,7 +4,7 @@ carries, from the request's running acceptance and the measured cost of verify s
     controller.observe_step(num_rows, num_query_tokens, seconds)   # after every pure decode step
     controller.observe_draft(request_id, proposed, accepted)        # after a request's draft was verified
     controller.observe_unverified(request_id, draft_token, token)   # a draft not verified, scored for free
-    lengths = controller.draft_lengths({request_id: draft_len})     # before the next step: tokens to verify each
+    lengths = controller.draft_lengths({request_id: draft_len}, max_query_tokens)  # before the next step
 
 Per request: `acceptance` is a moving ratio of accepted to tried draft positions (decay DECAY per observation,
 starting from PRIOR_ACCEPTED / PRIOR_TRIED). A draft of d tokens with m accepted tried min(m + 1, d) positions
@@ -17,13 +17,19 @@ Per step: `StepCostTable` holds the measured seconds of decode steps by (rows, q
 tokens chosen, the step emits B + sum of the chosen positions' expected tokens in cost(B, B + D) seconds. Draft
 positions are taken in order of expected tokens (highest first, a request's positions in order) and D is the prefix
 that maximises tokens per second; D = 0 (no speculation) when no prefix beats the plain step. A cell never measured
-costs what the nearest measured cell with fewer tokens of the same rows costs (optimistic: drafts are tried, their
-steps measured, and kept only if they pay). So under load, where an extra query row costs about what a sequence
-does, drafts stop by themselves; at batch 1 on a memory-bound device they are nearly free.
+costs the straight line between the nearest measured cells of the same rows with fewer and with more tokens, or,
+above the largest measured, what that one costs (optimistic: drafts are tried, their steps measured, and kept only
+if they pay; the line makes one measurement of a long step price every shorter one, so a batch does not try each
+length in turn: on an H200 the first version, which priced every unmeasured cell as the one below, kept trying
+longer steps at c=64 and ran 0.2-0.4x of no speculation). So under load, where an extra query row costs about what
+a sequence does, drafts stop by themselves; at batch 1 on a memory-bound device they are nearly free.
+`max_query_tokens` caps a step's query tokens (rows + drafts) where the runner's graphs end (the full graphs sample
+at most max_num_seqs rows a step; a verify step past that runs eagerly, several times slower).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -42,6 +48,8 @@ class StepCostTable:
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, int], float] = {}
+        #: rows -> the query tokens measured with them, ascending
+        self._by_rows: dict[int, list[int]] = {}
 
     def observe(self, num_rows: int, num_query_tokens: int, seconds: float) -> None:
         """A decode step of `num_rows` sequences and `num_query_tokens` tokens took `seconds`."""
@@ -49,16 +57,27 @@ class StepCostTable:
             return
         key = (num_rows, num_query_tokens)
         old = self.seconds.get(key)
+        if old is None:
+            bisect.insort(self._by_rows.setdefault(num_rows, []), num_query_tokens)
         self.seconds[key] = seconds if old is None else COST_EMA_WEIGHT * seconds + (1 - COST_EMA_WEIGHT) * old
 
     def cost(self, num_rows: int, num_query_tokens: int) -> float | None:
-        """Seconds of such a step: its cell, else the nearest measured one of the same rows with fewer tokens;
-        None when no step of these rows was measured with at most that many tokens."""
-        for tokens in range(num_query_tokens, num_rows - 1, -1):
-            seconds = self.seconds.get((num_rows, tokens))
-            if seconds is not None:
-                return seconds
-        return None
+        """Seconds of such a step: its cell, else the line between the nearest measured cells of the same rows
+        below and above it, else the one below (module docstring); None when no step of these rows was measured
+        with at most that many tokens."""
+        measured = self._by_rows.get(num_rows)
+        if not measured:
+            return None
+        i = bisect.bisect_right(measured, num_query_tokens)
+        if i == 0:
+            return None
+        below = measured[i - 1]
+        low = self.seconds[(num_rows, below)]
+        if below == num_query_tokens or i == len(measured):
+            return low
+        above = measured[i]
+        high = self.seconds[(num_rows, above)]
+        return low + (high - low) * (num_query_tokens - below) / (above - below)
 
 
 @dataclass(slots=True)
@@ -105,9 +124,10 @@ class DraftController:
         if len(self._acceptance) > len(live_request_ids):
             self._acceptance = {rid: a for rid, a in self._acceptance.items() if rid in live_request_ids}
 
-    def draft_lengths(self, proposed: dict[str, int]) -> dict[str, int]:
+    def draft_lengths(self, proposed: dict[str, int], max_query_tokens: int | None = None) -> dict[str, int]:
         """How many leading tokens of each request's proposed draft (request_id -> its length) the next step
-        verifies; every request of the step's decodes is a key (0 for one without a draft)."""
+        verifies, its rows and drafts together at most `max_query_tokens` (None: no cap); every request of the
+        step's decodes is a key (0 for one without a draft)."""
         num_rows = len(proposed)
         lengths = dict.fromkeys(proposed, 0)
         plain_s = self.costs.cost(num_rows, num_rows)
@@ -118,7 +138,8 @@ class DraftController:
             key=lambda p: -p[0])  # stable: a request's positions stay in order (their values decrease anyway)
         best_rate, best_count = num_rows / plain_s, 0
         emitted = float(num_rows)
-        for count, (expected, _) in enumerate(positions, start=1):
+        max_drafts = len(positions) if max_query_tokens is None else max(0, max_query_tokens - num_rows)
+        for count, (expected, _) in enumerate(positions[:max_drafts], start=1):
             if expected < MIN_EXPECTED_TOKENS:
                 break
             emitted += expected

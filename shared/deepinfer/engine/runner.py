@@ -332,6 +332,17 @@ class ModelRunner:
             self.block_table.free_stale(lambda rid: getattr(requests.get(rid), "status", None) is running)
         return output
 
+    @property
+    def max_graphed_verify_tokens(self) -> int | None:
+        """The most query tokens (rows and draft tokens) a decode step verifying drafts may have and still replay
+        graphs: the full graphs sample at most a bucket's sequence slots (max_num_seqs), the piecewise graphs any
+        row of their largest bucket; None when verify steps run eagerly whatever their size (no graphs for them)."""
+        if self.full_graphs is not None:
+            return min(self.full_graphs.attention.max_seqs, self.full_graphs.buckets[-1])
+        if self.piecewise is not None:
+            return self.piecewise.buckets[-1]
+        return None
+
     # -- the forward: one dispatcher over the mode's graphs ------------------------------------------------------
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> ForwardResult:
         """The step's sampled rows: a decode graph replay when one fits the batch; for a step with prompt rows the
