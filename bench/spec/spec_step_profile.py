@@ -6,7 +6,7 @@ steps per execution mode, with and without drafts, and profiles one batch of eac
 
   mode     the engine's execution_mode: full (the default: decode graphs + full prompt graphs, which verify steps
            run since they fit a bucket's slots), decode (decode graphs only: verify steps eager), eager
-  drafts   none (the speculating engine, no drafter installed: plain steps) or k=K (the oracle at --alpha)
+  drafts   none (the speculating engine, no drafter installed: plain steps) or kK (the oracle at --alpha, K = --k)
 
 For every (mode, drafts, concurrency): decode steps' wall time (median, p90), tokens a step, the share of the step in
 `execute` / `execute_verify` (the runner) and in the drafter's propose, and tok/s per user; for c=1 (and the largest
@@ -152,7 +152,7 @@ def main() -> None:
             engine = make_engine(args.model_dir, device, dtype, True, args.prompt_len + args.max_tokens + 64,
                                  permutation, 1e-4, execution_mode=mode)
             clock = StepClock(engine)
-            for drafts in ("none", f"k={args.k}"):
+            for drafts in ("none", f"k{args.k}"):
                 if drafts == "none":
                     engine.install_drafter(None)
                 else:
