@@ -27,7 +27,8 @@ total: all output tokens / the batch's wall time (prefill included).
                                     [--alphas 0.6,0.8,0.9] [--k 3] [--prompt-len 128] [--max-tokens 128] [--out F]
     PYTHONPATH=shared:. python bench/spec/spec_oracle_gpu.py --quick [--dtype bfloat16]   # a tiny model on the CPU: the code paths in seconds
 
-Prints progress, then a table; writes JSON to --out (default $OUT/spec-oracle-gpu.json when OUT is set).
+Prints progress, then a table; writes JSON to --out (default $OUT/spec-oracle-gpu.json when OUT is set), its commit
+GIT_COMMIT when set (the device copy's git may not know the tree's), else git's HEAD.
 """
 
 from __future__ import annotations
@@ -312,12 +313,16 @@ def main() -> None:
     modes = [args.k, "auto"]
     out = args.out or (Path(os.environ["OUT"]) / "spec-oracle-gpu.json" if os.environ.get("OUT") else None)
     started = time.perf_counter()
-    try:  # the device machine's copy of the tree may have no git
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    # GIT_COMMIT first (as scripts/gpu_tests.sh): the device machine's copy of the tree may have no git, or a
+    # repository whose HEAD is not the tree's (two H200 runs of 2026-12-04 recorded c77db6b for 62c4d98 and f5b85b1).
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     res: dict = {
         "bench": "spec_oracle_gpu",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
