@@ -275,6 +275,27 @@ def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(ti
     assert verifies and max(verifies) <= 8
 
 
+def test_auto_proposes_no_draft_while_the_decodes_fill_the_graphs_rows(tiny_dir, plain):
+    """With "auto" and graphs that verify at most 2 rows a step, a step whose 4 decodes fill them asks the drafter
+    for nothing (no draft could be verified: its lookups would be host time for nothing); one decode alone drafts."""
+    from deepinfer.engine.full_graphs import FullGraphRunner
+
+    reference = run(plain, greedy())
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM | {"num_speculative_tokens": "auto"})
+    runner, core = llm.engine.core.runner, llm.engine.core
+    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 2, core.max_model_len, 4, runner.device,
+                                         use_graphs=False, logits=runner.model.compute_logits)
+    assert runner.max_graphed_verify_tokens == 2
+    drafter = ScriptedDrafter({tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)})
+    proposals, propose = [], drafter.propose
+    drafter.propose = lambda request, k: proposals.append(request.request_id) or propose(request, k)
+    llm.engine.install_drafter(drafter, "auto")
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert proposals == []
+    assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
+    assert proposals and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
 def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
     # 16 blocks of 4 tokens cannot hold four 22+20-token sequences at once: requests are preempted (and resumed
     # from the prefix cache) between steps that verify drafts; the drafts never preempt by themselves.

@@ -375,22 +375,28 @@ class EngineCore:
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every running request that decodes next (with a grammar,
         each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
-        the draft controller finds worth verifying, rows and drafts within what the runner's graphs verify."""
+        the draft controller finds worth verifying, rows and drafts within what the runner's graphs verify. With
+        "auto", when the decodes alone fill the graphs' rows no draft could be verified: none is proposed (n-gram
+        lookups cost 0.1-0.4 ms a request on the dev VM, bench/spec/suffix_cost.py: 256 of them, a step or more)."""
         drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
-        proposed: dict[str, list[int]] = {}
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         for request in self.scheduler.running:
             request.draft_token_ids = ()
-            if request.num_tokens - request.num_computed_tokens == 1:
-                draft = drafter.propose(request, k).token_ids
-                if draft and request.grammar is not None:  # cut at the first token the grammar forbids
-                    draft = draft[: request.grammar.num_allowed(draft)]
-                proposed[request.request_id] = draft
+        max_query_tokens = self.runner.max_graphed_verify_tokens
+        if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
+            self._unverified_drafts = {}
+            return
+        proposed: dict[str, list[int]] = {}
+        for request in decodes:
+            draft = drafter.propose(request, k).token_ids
+            if draft and request.grammar is not None:  # cut at the first token the grammar forbids
+                draft = draft[: request.grammar.num_allowed(draft)]
+            proposed[request.request_id] = draft
         if self.draft_controller is None:
             for request in self.scheduler.running:
                 request.draft_token_ids = proposed.get(request.request_id, ())
             return
-        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()},
-                                                      self.runner.max_graphed_verify_tokens)
+        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()}, max_query_tokens)
         self._unverified_drafts = {rid: d[0] for rid, d in proposed.items() if d and lengths[rid] == 0}
         for request in self.scheduler.running:
             if lengths.get(request.request_id):
