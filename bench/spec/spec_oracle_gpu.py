@@ -15,7 +15,8 @@ hook (`EngineCore.install_drafter`) on an engine built with n-gram drafting.
 
 In one run, greedy, every request a ~128-token random prompt and exactly --max-tokens output tokens:
   none        a plain engine (async scheduling on, as users get it on CUDA): the reference tokens, per concurrency
-  none-sync   the speculating engine with no drafter installed (synchronous scheduling, what speculation runs on)
+  none-sync   the speculating engine with no drafter installed (its plain steps: synchronous before its async
+              scheduling with drafts, docs/speculative.md "Async scheduling"; the name kept for comparisons)
   k=K         the oracle's drafts, K tokens verified every step, at each alpha
   auto        the oracle's drafts of up to 8 tokens, the draft controller choosing how many (engine/draft_controller.py)
 at concurrency c in --concurrency (all c requests added at once). Per user: the mean over requests of

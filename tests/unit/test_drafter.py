@@ -59,16 +59,17 @@ def test_bad_configs_name_what_is_wrong(config, message):
         SpeculativeConfig.of(config)
 
 
-def test_engine_args_validate_and_turn_off_async_scheduling():
+def test_engine_args_validate_and_keep_async_scheduling():
     import torch
 
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert isinstance(args.speculative_config, SpeculativeConfig)
-    assert args.resolve_async_scheduling(torch.device("cuda")) is False  # auto: off beside speculation
+    # auto: on for one CUDA device beside speculation too (verify steps run synchronously between async ones)
+    assert args.resolve_async_scheduling(torch.device("cuda")) is True
+    assert args.resolve_async_scheduling(torch.device("cpu")) is False
     assert EngineArgs().speculative_config is None
     assert EngineArgs().resolve_async_scheduling(torch.device("cuda")) is True
     for kwargs, message in (({"batch_invariant": True}, "batch_invariant=True"),
-                            ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
-                            ({"async_scheduling": True}, "async_scheduling=True")):
+                            ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kwargs)

@@ -231,8 +231,8 @@ def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
     for message, config in cases.items():
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_dir), progress=False, speculative_config=config)
-    with pytest.raises(ValueError, match="async_scheduling=True"):
-        LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, batch_invariant=True)
 
 
 def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(tiny_dir, plain):
@@ -294,6 +294,41 @@ def test_auto_proposes_no_draft_while_the_decodes_fill_the_graphs_rows(tiny_dir,
     assert proposals == []
     assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
     assert proposals and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_async_scheduling_with_drafts_gives_the_plain_tokens(tiny_dir, plain, k):
+    """With async scheduling, steps with drafts run synchronously between asynchronous ones (auto: the engine
+    steps asynchronously until drafting may pay, then proposes): the plain tokens and logprobs, greedy and seeded,
+    both kinds of step taken, the block pool as after a plain run."""
+    reference = run(plain, greedy(logprobs=2))
+    seeded = run(plain, SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True))
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, async_scheduling=True,
+              speculative_config=NGRAM | {"num_speculative_tokens": k if k == "auto" else 4})
+    core = llm.engine.core
+    assert core.async_scheduling
+    counts = {"execute_async": 0, "execute_verify": 0}
+    for name in counts:
+        method = getattr(core.runner, name)
+
+        def counted(*args, _method=method, _name=name):
+            counts[_name] += 1
+            return _method(*args)
+
+        setattr(core.runner, name, counted)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(continuations, 3), k)
+    outs = run(llm, greedy(logprobs=2))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert [[sorted(p) for p in o.logprobs] for o in outs] == [[sorted(p) for p in o.logprobs] for o in reference]
+    assert counts["execute_async"] > 0 and counts["execute_verify"] > 0
+    assert llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    seeded_continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, seeded, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(seeded_continuations, 2), k)
+    again = run(llm, SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in again] == [o.token_ids for o in seeded]
+    pool = core.scheduler.block_pool
+    assert pool.num_free_blocks == plain.engine.core.scheduler.block_pool.num_free_blocks
 
 
 def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):

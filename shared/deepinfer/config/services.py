@@ -432,8 +432,8 @@ class DecodeSettings(WorkerSettings):
         None, description="Speculative decoding as vLLM's speculative_config, a JSON object (docs/speculative.md), "
         'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
         '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs); '
-        "checked when the engine is built (a bad one stops the start). Unset = off. Needs synchronous scheduling "
-        "(unset async_scheduling resolves to off with it).",
+        "checked when the engine is built (a bad one stops the start). Unset = off. With async scheduling, steps "
+        "that verify drafts run synchronously between asynchronous ones.",
     )
 
     @field_validator("speculative_config")

@@ -123,8 +123,9 @@ class EngineArgs:
     prefill_chunk_s: float | None = None
     #: Speculative decoding, vLLM's dict (deepinfer.engine.spec_config; docs/speculative.md), e.g.
     #: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; held as a
-    #: validated SpeculativeConfig once built. None = off. Runs with synchronous scheduling (async_scheduling
-    #: None resolves to off), its verify steps eagerly; not with batch_invariant or tensor parallelism yet.
+    #: validated SpeculativeConfig once built. None = off. With async scheduling, steps run asynchronously while no
+    #: request carries a draft and synchronously when some do (EngineCore._step_speculative); not with
+    #: batch_invariant or tensor parallelism yet.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -150,10 +151,8 @@ class EngineArgs:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
-            for name, value, refused in (("async_scheduling", self.async_scheduling, True),
-                                         ("batch_invariant", self.batch_invariant, True)):
-                if value == refused:
-                    raise ValueError(f"speculative_config does not run with {name}={value} yet")
+            if self.batch_invariant:
+                raise ValueError("speculative_config does not run with batch_invariant=True yet")
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
 
@@ -167,7 +166,7 @@ class EngineArgs:
         """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
+        return device.type == "cuda" and self.tensor_parallel_size == 1
 
     def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
         """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring

@@ -62,6 +62,10 @@ CUDA_CONTEXT_BYTES = 512 << 20
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
+#: Async scheduling with "auto" drafts: asynchronous steps between two checks whether drafting may pay (the check
+#: sorts every running request's k draft positions: ~0.3 ms at 64 requests x 8 in Python, too much for every step).
+WORTH_DRAFTING_EVERY = 8
+
 #: How long an engine with only host-tier copies in flight sleeps between polls.
 HOST_COPY_POLL_S = 0.0002
 
@@ -139,6 +143,10 @@ class EngineCore:
         self._auto_controller = self.draft_controller  # kept while install_drafter switches to a fixed k and back
         #: (auto) request_id -> first token of a draft the controller did not verify: scored against the step's token.
         self._unverified_drafts: dict[str, int] = {}
+        #: Some running request carries draft tokens for the next step (it then runs synchronously).
+        self._drafts_scheduled = False
+        #: (async scheduling, auto) asynchronous steps left before the next `_worth_drafting` check.
+        self._steps_until_worth_check = 1
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         #: Measured prefill and load rates (deepinfer.kv_rates): load-or-recompute at admission, the heartbeat.
@@ -303,7 +311,12 @@ class EngineCore:
                 self.last_step_kind = "empty"
                 return []
         started_s = time.monotonic()
-        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if not self.async_scheduling:
+            outputs = self._step_sync()
+        elif self.drafter is None:
+            outputs = self._step_async()
+        else:
+            outputs = self._step_speculative()
         if self.last_step_kind in ("prefill", "mixed"):  # async: the call's time is mostly its wait for that step
             self.rates.observe_step(self.last_step_tokens, time.monotonic() - started_s, self.args.block_size)
         if host_tier is not None:
@@ -335,11 +348,51 @@ class EngineCore:
             self._propose_drafts()
         return outputs
 
+    def _step_speculative(self) -> list[EngineOutput]:
+        """Async scheduling with a drafter: asynchronous steps while no request carries a draft; a step whose
+        requests carry drafts runs synchronously (`_step_sync`: verify, update, propose), after the step in flight
+        is finished. After an asynchronous step the engine finishes it and proposes drafts when drafting may pay
+        (`_worth_drafting`), so the next step verifies them (docs/speculative.md, "Async scheduling")."""
+        if self._drafts_scheduled:
+            outputs = self.finish_in_flight() if self._in_flight is not None else []
+            return outputs + self._step_sync()
+        waited, started_s = self._in_flight, time.monotonic()
+        outputs = self._step_async()
+        controller = self.draft_controller
+        if controller is not None and waited is not None and waited[0].kind == "decode":
+            # A plain step's period with the host work hidden: what a verify step must beat.
+            controller.observe_step(len(waited[0].scheduled), waited[0].num_batched_tokens,
+                                    time.monotonic() - started_s)
+        if self._in_flight is not None and self._worth_drafting():
+            outputs += self.finish_in_flight()
+            self._propose_drafts()
+        return outputs
+
+    def _worth_drafting(self) -> bool:
+        """Whether to stop stepping asynchronously and propose drafts: always with a fixed k (every draft is
+        verified); with "auto", when the draft controller would verify a draft of the full length from every
+        running request (checked every WORTH_DRAFTING_EVERY steps, and never while the decodes fill the graphs'
+        verify rows)."""
+        controller = self.draft_controller
+        if controller is None:
+            return True
+        running = self.scheduler.running
+        max_query_tokens = self.runner.max_graphed_verify_tokens
+        if max_query_tokens is not None and len(running) >= max_query_tokens:
+            return False
+        self._steps_until_worth_check -= 1
+        if self._steps_until_worth_check > 0:
+            return False
+        self._steps_until_worth_check = WORTH_DRAFTING_EVERY
+        k = self.spec_config.max_num_draft_tokens
+        lengths = controller.draft_lengths({r.request_id: k for r in running}, max_query_tokens)
+        return any(lengths.values())
+
     def _update_verified(
         self, scheduled: SchedulerOutput, verified: dict[str, list[SampledToken]]
     ) -> list[EngineOutput]:
-        """Update after a step whose decodes carried draft tokens (speculative decoding, synchronous scheduling
-        only) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
+        """Update after a step whose decodes carried draft tokens (speculative decoding, a synchronous step
+        always) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
         updates = self.scheduler.update(scheduled, {rid: [t.token_id for t in ts] for rid, ts in verified.items()})
         for s in scheduled.scheduled:
             if s.num_draft_tokens and s.request_id in verified:
@@ -354,7 +407,7 @@ class EngineCore:
         """Replace the drafter `speculative_config.method` made with one no method names (the GPU bench's oracle,
         deepinfer.testing's ScriptedDrafter), optionally with another draft length (an int k, or "auto"); None
         stops drafting (plain steps) until another is installed. Only on an engine built with a speculative_config
-        (its logits budget and synchronous scheduling are that config's), never with more draft tokens than it
+        (its logits budget is that config's), never with more draft tokens than it
         sized for; from the next step's drafts on. The draft controller's measured step costs outlive a change."""
         built = self.args.speculative_config
         if built is None:
@@ -369,6 +422,7 @@ class EngineCore:
             self._auto_controller = DraftController()
         self.draft_controller = self._auto_controller if auto else None
         self._unverified_drafts = {}
+        self._drafts_scheduled = False
         for request in self.scheduler.running:
             request.draft_token_ids = ()
 
@@ -382,6 +436,7 @@ class EngineCore:
         decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         for request in self.scheduler.running:
             request.draft_token_ids = ()
+        self._drafts_scheduled = False
         max_query_tokens = self.runner.max_graphed_verify_tokens
         if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
             self._unverified_drafts = {}
@@ -393,14 +448,16 @@ class EngineCore:
                 draft = draft[: request.grammar.num_allowed(draft)]
             proposed[request.request_id] = draft
         if self.draft_controller is None:
-            for request in self.scheduler.running:
-                request.draft_token_ids = proposed.get(request.request_id, ())
+            for request in decodes:
+                request.draft_token_ids = proposed[request.request_id]
+            self._drafts_scheduled = any(proposed.values())
             return
         lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()}, max_query_tokens)
         self._unverified_drafts = {rid: d[0] for rid, d in proposed.items() if d and lengths[rid] == 0}
-        for request in self.scheduler.running:
-            if lengths.get(request.request_id):
+        for request in decodes:
+            if lengths[request.request_id]:
                 request.draft_token_ids = proposed[request.request_id][: lengths[request.request_id]]
+        self._drafts_scheduled = any(lengths.values())
 
     def _observe_acceptance(self, scheduled: SchedulerOutput, sampled: dict, outputs: list[EngineOutput]) -> None:
         """(auto) Feed the draft controller this step's verified drafts, its unverified drafts' first tokens
