@@ -29,9 +29,11 @@ def plain(tiny_dir):
     return LLM(str(tiny_dir), block_size=4, progress=False)
 
 
-@pytest.fixture(scope="module")
-def spec(tiny_dir):
-    return LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def spec(tiny_dir, request):
+    """Drafting by n-gram (k=4) on the synchronous engine, and on the asynchronous one (its steps with drafts
+    synchronous between asynchronous ones: EngineCore._step_speculative)."""
+    return LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM, async_scheduling=request.param)
 
 
 def greedy(max_tokens=24, **kw):
@@ -331,14 +333,15 @@ def test_async_scheduling_with_drafts_gives_the_plain_tokens(tiny_dir, plain, k)
     assert pool.num_free_blocks == plain.engine.core.scheduler.block_pool.num_free_blocks
 
 
-def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain, async_scheduling):
     # 16 blocks of 4 tokens cannot hold four 22+20-token sequences at once: requests are preempted (and resumed
     # from the prefix cache) between steps that verify drafts; the drafts never preempt by themselves.
     prompts = [{"prompt_token_ids": list(range(40, 60)) + [40, 41 + i]} for i in range(4)]
     reference = run(plain, greedy(max_tokens=20), prompts)
     bytes_per_block = plain.engine.core.kv_plan.bytes_per_block
     small = LLM(str(tiny_dir), block_size=4, kv_cache_bytes=16 * bytes_per_block, max_model_len=48, progress=False,
-                speculative_config=NGRAM)
+                speculative_config=NGRAM, async_scheduling=async_scheduling)
     scripted(small, reference, prompts, wrong_every=3)
     scheduler, preempted = small.engine.core.scheduler, []
     preempt = scheduler._preempt
