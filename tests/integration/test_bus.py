@@ -104,8 +104,8 @@ async def test_request_without_responder_raises_no_responders(bus: Bus) -> None:
     subject = unique_subject("nobody")
     started = time.monotonic()
     with pytest.raises(NoResponders, match=subject):
-        await bus.request(subject, Ping(n=1), Pong, timeout_s=5.0)
-    assert time.monotonic() - started < 1.0  # the server answers at once; no waiting for the timeout
+        await bus.request(subject, Ping(n=1), Pong, timeout_s=60.0)
+    assert time.monotonic() - started < 30.0  # the server answers at once: not the 60 s timeout, however loaded
 
 
 async def test_slow_responder_raises_bus_timeout(bus: Bus, publisher: Bus) -> None:
@@ -113,7 +113,7 @@ async def test_slow_responder_raises_bus_timeout(bus: Bus, publisher: Bus) -> No
     release = asyncio.Event()
 
     async def slow(ping: Ping, msg: IncomingMsg) -> None:
-        await asyncio.wait_for(release.wait(), timeout=5.0)
+        await asyncio.wait_for(release.wait(), timeout=60.0)
 
     await bus.subscribe(subject, slow, message_type=Ping)
     started = time.monotonic()
@@ -122,7 +122,7 @@ async def test_slow_responder_raises_bus_timeout(bus: Bus, publisher: Bus) -> No
     elapsed = time.monotonic() - started
     release.set()
     assert isinstance(caught.value, TimeoutError)
-    assert 0.2 <= elapsed < 1.0
+    assert 0.2 <= elapsed < 30.0  # never before its 0.2 s; the responder's 60 s never waited for
 
 
 async def test_trace_context_reaches_handler(bus: Bus, publisher: Bus) -> None:
@@ -154,10 +154,10 @@ async def test_trace_context_reaches_handler(bus: Bus, publisher: Bus) -> None:
 async def test_wrong_token_is_refused(nats_server: NatsServer) -> None:
     started = time.monotonic()
     with pytest.raises(BusAuthError, match=nats_server.url):
-        await Bus.connect(nats_server.url, name="intruder", token="not-the-token", connect_timeout_s=5.0)
+        await Bus.connect(nats_server.url, name="intruder", token="not-the-token", connect_timeout_s=60.0)
     with pytest.raises(BusAuthError):
-        await Bus.connect(nats_server.url, name="anonymous", connect_timeout_s=5.0)
-    assert time.monotonic() - started < 2.0  # refused at once, not retried until the timeout
+        await Bus.connect(nats_server.url, name="anonymous", connect_timeout_s=60.0)
+    assert time.monotonic() - started < 30.0  # refused at once, not retried until the 60 s timeout
 
 
 async def test_subscriber_survives_server_restart(caplog: pytest.LogCaptureFixture) -> None:

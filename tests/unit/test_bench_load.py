@@ -70,7 +70,10 @@ def test_an_open_loop_sends_on_schedule_and_keeps_when_it_meant_to():
     records = play(OpenLoop(bodies, (0.0, 0.1, 0.05)), fake_server(sent), start_s)
     assert [b["prompt"] for b in sent] == ["p0", "p2", "p1"]  # in offset order
     assert [round(r.scheduled_s - start_s, 3) for r in records] == [0.0, 0.05, 0.1]
-    assert all(0 <= r.sent_s - r.scheduled_s < 0.5 for r in records)  # never early (late only when loaded)
+    # never early: each send waits for its own scheduled time. How late it goes is the machine's load (a busy CI
+    # host may hold the loop for a while), so the late bound is only a generous one: it catches a schedule off by
+    # seconds (offsets mis-scaled), never scheduling latency
+    assert all(0 <= r.sent_s - r.scheduled_s < 5.0 for r in records)
 
 
 def test_each_turn_resends_the_history_with_the_answer_it_streamed():

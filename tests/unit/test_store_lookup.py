@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from deepinfer.config import WorkerSettings
 from deepinfer.engine import ComputeKv, EngineRequest, StoredKv
@@ -104,21 +103,44 @@ def test_a_failed_or_late_lookup_is_a_miss_for_every_request_in_it_never_an_erro
         assert count(registry, "worker_store_lookups", result="miss") == 0
 
 
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on a controlled clock: `time()` only moves when nothing is ready to run, and then jumps to
+    the next timer. Timeouts and sleeps take no wall time, and what a test reads from `loop.time()` is exactly
+    what the code scheduled, however loaded the machine (no I/O here: nothing else wakes the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = 0.0
+
+    def time(self) -> float:
+        return self._now
+
+    def _run_once(self) -> None:
+        if not self._ready and self._scheduled:
+            self._now = max(self._now, self._scheduled[0].when())
+        super()._run_once()
+
+
 def test_a_request_arriving_during_a_stalled_lookup_waits_the_timeout_in_all_not_twice():
     store = Store(held=blocks(1, 2), delay_s=10)
     finder, registry = lookups(store, timeout_s=1.0)
 
     async def behind_a_stalled_lookup():
+        loop = asyncio.get_running_loop()
         first = asyncio.create_task(finder.leading(blocks(1, 2)))
         await asyncio.sleep(0.02)  # the first lookup is in flight, and stalls
-        started_s = time.monotonic()
+        started_s = loop.time()
         second = await finder.leading(blocks(1, 2))
-        return await first, second, time.monotonic() - started_s
+        return await first, second, loop.time() - started_s
 
-    first, second, waited_s = asyncio.run(behind_a_stalled_lookup())
+    with asyncio.Runner(loop_factory=VirtualClockLoop) as runner:
+        first, second, waited_s = runner.run(behind_a_stalled_lookup())
     assert (first, second) == (0, 0)
-    assert waited_s < 1.5  # its timeout (1 s), not the first's remaining 0.98 s and then 1 s more
-    assert count(registry, "worker_store_lookups", result="error") == 2
+    assert len(store.asked) == 2  # the second went in a lookup of its own, after the first's ended
+    # on the controlled clock: its timeout (1 s) from its arrival, i.e. the first's remaining 0.98 s and then
+    # what is left of its own (0.02 s), not 1 s more (1.98 s); the store's 10 s never elapse
+    assert abs(waited_s - 1.0) < 1e-6
+    assert count(registry, "worker_store_lookups", result="error") == 2  # both answered by the timeout
 
 
 def test_close_answers_waiting_requests_with_misses():

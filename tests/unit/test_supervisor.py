@@ -200,7 +200,7 @@ def test_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path)
     started = time.monotonic()
     sup.stop()
     took_s = time.monotonic() - started
-    assert 0.45 <= took_s < 3.0
+    assert 0.45 <= took_s < 30.0  # the grace (0.5 s), then SIGKILL: never the child's 60 s sleep
     assert pid is not None and not alive(pid)
 
 

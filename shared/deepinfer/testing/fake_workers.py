@@ -71,6 +71,9 @@ class FakeWorkers:
     step_delay_s: float = 0.0
     #: How long the prefill worker takes before it answers.
     prefill_delay_s: float = 0.0
+    #: Set: the prefill worker answers only once this event is set too (a test holds it: a prefill that has not
+    #: answered for as long as the test says, however slow the machine).
+    prefill_gate: asyncio.Event | None = None
     use_prefill: bool = True
     num_cached_tokens: int = 0
     overloaded: bool = False
@@ -146,6 +149,8 @@ class FakeWorkers:
     async def _prefill(self, request: PrefillRequest, msg: IncomingMsg) -> None:
         self.prefill_requests.append(request)
         await asyncio.sleep(self.prefill_delay_s)
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         ids, finish = self.script(request.sampling)
         result = PrefillResult(
             request_id=request.request_id,
