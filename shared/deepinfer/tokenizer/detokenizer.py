@@ -45,10 +45,7 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append new output ids; return the text they completed ("" while a character is incomplete)."""
-        skip = self.skip_special_tokens
-        prefix_ids, window_ids = self.next_windows(new_token_ids)
-        return self.take_windows(self.tokenizer.decode(prefix_ids, skip_special_tokens=skip),
-                                 self.tokenizer.decode(window_ids, skip_special_tokens=skip))
+        return self.take_windows(*self._decode(*self.next_windows(new_token_ids)))
 
     def next_windows(self, new_token_ids: list[int]) -> tuple[list[int], list[int]]:
         """`step`'s first half: append the ids; the two id windows it decodes (prefix, window). Callers that
@@ -100,16 +97,16 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (an incomplete sequence decodes as U+FFFD)."""
-        prefix_text, window_text = self._decode_window()
+        prefix_text, window_text = self._decode(*self.next_windows([]))
         if len(window_text) <= len(prefix_text):
             return ""
         return self._advance(window_text[len(prefix_text) :])
 
-    def _decode_window(self) -> tuple[str, str]:
-        ids, skip = self.output_token_ids, self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
-        window_text = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip)
-        return prefix_text, window_text
+    def _decode(self, prefix_ids: list[int], window_ids: list[int]) -> tuple[str, str]:
+        """The texts of `next_windows`' two id windows."""
+        skip = self.skip_special_tokens
+        return (self.tokenizer.decode(prefix_ids, skip_special_tokens=skip),
+                self.tokenizer.decode(window_ids, skip_special_tokens=skip))
 
     def _advance(self, delta: str) -> str:
         self._prefix_offset = self._read_offset

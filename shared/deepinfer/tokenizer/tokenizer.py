@@ -113,17 +113,17 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`, as transformers' `decode` gives it."""
         text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        # transformers never cleans up BPE output (it would corrupt it); only WordPiece-style models.
-        if self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
-            text = _clean_up_tokenization(text)
-        return text
+        return _clean_up_tokenization(text) if self._cleans_up() else text
 
     def decode_batch(self, token_id_lists: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each list, in one call into the tokenizer library (which releases the GIL for it)."""
         texts = self.backend.decode_batch(token_id_lists, skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
-            texts = [_clean_up_tokenization(text) for text in texts]
-        return texts
+        return [_clean_up_tokenization(text) for text in texts] if self._cleans_up() else texts
+
+    def _cleans_up(self) -> bool:
+        """Whether decoded text gets transformers' clean-up of spaces: never for BPE output (it would corrupt it),
+        only for WordPiece-style models that ask for it."""
+        return self.clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE"
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string, or None."""
