@@ -18,7 +18,7 @@ from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.draft_controller import DraftController
-from deepinfer.engine.drafter import Drafter, make_drafter
+from deepinfer.engine.drafter import Drafter, make_drafter, propose_drafts
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import HostTier
@@ -107,6 +107,11 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
         self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
+        #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
+        #: its draft length) and the drafter (None = off). A draft model is built before the KV plan: on CUDA
+        #: its weights and KV are then this engine's allocations, which the target's KV budget leaves out.
+        self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
+        self.drafter: Drafter | None = self._make_drafter(progress)
         self.kv_plan = self._plan_kv_cache(model)
         if self.tokenizer is not None:
             self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -133,10 +138,7 @@ class EngineCore:
                 admission_window_s=args.admission_window_s,
             )
         )
-        #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
-        #: its draft length), the drafter (None = off) and its counters.
-        self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
-        self.drafter: Drafter | None = None if spec is None else make_drafter(spec)
+        #: Speculative decoding's counters.
         self.spec_decode_stats = SpecDecodeStats()
         #: num_speculative_tokens="auto": chooses each step's draft lengths; with an int every draft is verified.
         self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
@@ -286,9 +288,10 @@ class EngineCore:
         if self.host_tier is not None:
             self.host_tier.close()
             self.host_tier = None
-        close = getattr(self.runner.model, "close", None)
-        if close is not None:
-            close()
+        for part in (self.runner.model, self.drafter):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is running or waiting, or a host-tier copy is in flight (steps poll it)."""
@@ -441,12 +444,11 @@ class EngineCore:
         if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
             self._unverified_drafts = {}
             return
-        proposed: dict[str, list[int]] = {}
+        proposed = propose_drafts(drafter, decodes, k)
         for request in decodes:
-            draft = drafter.propose(request, k).token_ids
+            draft = proposed[request.request_id]
             if draft and request.grammar is not None:  # cut at the first token the grammar forbids
-                draft = draft[: request.grammar.num_allowed(draft)]
-            proposed[request.request_id] = draft
+                proposed[request.request_id] = draft[: request.grammar.num_allowed(draft)]
         if self.draft_controller is None:
             for request in decodes:
                 request.draft_token_ids = proposed[request.request_id]
@@ -508,6 +510,46 @@ class EngineCore:
         timer = ChunkTimer(target_s, self.args.block_size, self.args.max_num_batched_tokens)
         self.scheduler.max_prefill_tokens = timer.max_prefill_tokens
         return timer
+
+    def _make_drafter(self, progress: StartProgress) -> Drafter | None:
+        """The drafter `speculative_config.method` names (None without a config); a draft model is loaded here,
+        into an engine of its own (engine/draft_model.py) with its own KV (`_draft_kv_tokens`)."""
+        spec = self.spec_config
+        if spec is None:
+            return None
+        if spec.method != "draft_model":
+            return make_drafter(spec)
+        from deepinfer.engine.draft_model import DraftModelDrafter
+
+        progress.begin("loading the draft model")
+        args = self.args
+        draft_dir = resolve_model(spec.model, args.model_cache_dir or default_model_cache_dir(), progress=args.progress)
+        draft_config = load_model_config(draft_dir)
+        block_size = args.block_size
+        draft_bytes_per_token = draft_config.kv_bytes_per_token(self.dtype)
+        # The target's tokens, then per sequence a draft past them and the partial block a round recomputes.
+        num_blocks = (-(-self._draft_kv_tokens(draft_bytes_per_token) // block_size) + 1
+                      + args.max_num_seqs * (-(-spec.max_num_draft_tokens // block_size) + 1))
+        return DraftModelDrafter.build(
+            draft_dir, args, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+            kv_cache_bytes=num_blocks * block_size * draft_bytes_per_token,
+            target_vocab_size=self.model_config.vocab_size, target_tokenizer=self.tokenizer,
+        )
+
+    def _draft_kv_tokens(self, draft_bytes_per_token: int) -> int:
+        """Tokens a draft model's KV pool holds beside the target's: as many as the target's pool (a round then
+        never waits for draft blocks while the target holds its requests' KV), at most max_num_seqs full-length
+        sequences. On CUDA without kv_cache_bytes the two pools split the device budget so both hold that many;
+        otherwise the target's budget is its own and the draft's comes on top."""
+        target_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        budget = self.args.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            num_tokens = self._device_kv_budget() // (target_bytes_per_token + draft_bytes_per_token)
+        else:
+            if budget is None:
+                budget = self._cpu_kv_budget(target_bytes_per_token * self.args.block_size)
+            num_tokens = budget // target_bytes_per_token
+        return max(0, min(num_tokens, self.args.max_num_seqs * self.max_model_len))
 
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
