@@ -247,15 +247,20 @@ def _port(text: str) -> int:
 
 
 def _speculative_config(text: str) -> str:
-    """The flag's JSON, checked as the engine will check it (a bad one stops `up` before anything starts)."""
+    """The flag's JSON, checked as the engine will check it (a bad one stops `up` before anything starts); a
+    draft_model's `model` that names an existing path made absolute, as --model is (children may run elsewhere)."""
     from deepinfer.engine.spec_config import SpeculativeConfig
+    from deepinfer.up.stack import absolute_if_path
 
     try:
-        SpeculativeConfig.of(json.loads(text))
+        value = json.loads(text)
+        config = SpeculativeConfig.of(value)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if config is not None and config.method == "draft_model" and absolute_if_path(config.model) != config.model:
+        return json.dumps({**value, "model": absolute_if_path(config.model)})
     return text
 
 
