@@ -434,7 +434,9 @@ class EngineCore:
         each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
         the draft controller finds worth verifying, rows and drafts within what the runner's graphs verify. With
         "auto", when the decodes alone fill the graphs' rows no draft could be verified: none is proposed (n-gram
-        lookups cost 0.1-0.4 ms a request on the dev VM, bench/spec/suffix_cost.py: 256 of them, a step or more)."""
+        lookups cost 0.1-0.4 ms a request on the dev VM, bench/spec/suffix_cost.py: 256 of them, a step or more).
+        A drafter with `propose_batch` (a draft model) is called once for all decodes; with "auto", asked for as many
+        tokens as the controller would verify at most."""
         drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
         decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         for request in self.scheduler.running:
@@ -444,6 +446,12 @@ class EngineCore:
         if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
             self._unverified_drafts = {}
             return
+        if self.draft_controller is not None and getattr(drafter, "propose_batch", None) is not None:
+            # A model drafter pays a forward a draft position: ask it for no more than the controller would verify
+            # of full-length drafts, and for one token at least (an unverified first token still scores acceptance).
+            planned = self.draft_controller.draft_lengths(dict.fromkeys([r.request_id for r in decodes], k),
+                                                          max_query_tokens)
+            k = max(1, max(planned.values(), default=0))
         proposed = propose_drafts(drafter, decodes, k)
         for request in decodes:
             draft = proposed[request.request_id]
