@@ -195,10 +195,15 @@ def test_bad_draft_model_configs_are_refused(tiny_dir, config, message):
         LLM(str(tiny_dir), progress=False, speculative_config=config)
 
 
-def test_every_draft_is_the_draft_model_s_greedy_continuation_after_rejections(tiny_dir, near_dir):
+def test_every_draft_is_the_draft_model_s_greedy_continuation_after_rejections(tiny_dir, near_dir, monkeypatch):
     """The draft side trusts no KV of a rejected draft: each round's drafts (after partial accepts at every
     position) equal the draft model's own greedy continuation of the target's tokens, computed afresh by a plain
-    engine over the draft model."""
+    engine over the draft model. Mirrors adopt the block hashes of the round before (not hashed again)."""
+    from deepinfer.engine.request import Request
+
+    adopted, adopt = [], Request.adopt_block_hashes
+    monkeypatch.setattr(Request, "adopt_block_hashes", lambda self, hashes: adopted.append(len(hashes)) or adopt(
+        self, hashes))
     llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=draft_model(near_dir, 4))
     drafter, rounds = llm.engine.core.drafter, []
     propose_batch = drafter.propose_batch
@@ -215,7 +220,7 @@ def test_every_draft_is_the_draft_model_s_greedy_continuation_after_rejections(t
     fresh = LLM(str(near_dir), block_size=4, progress=False, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": tokens} for tokens, _ in rounds]
     outputs = [o.outputs[0] for o in fresh.generate(prompts, greedy(max_tokens=4), use_tqdm=False)]
-    assert len(rounds) > 20
+    assert len(rounds) > 20 and len(adopted) == len(rounds) - len(PROMPTS) and sum(adopted) > 0
     assert [draft for _, draft in rounds] == [o.token_ids[: len(d)] for o, (_, d) in zip(outputs, rounds, strict=True)]
 
 

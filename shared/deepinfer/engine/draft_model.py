@@ -67,6 +67,10 @@ class DraftModelDrafter:
         self.target_max_model_len = target_max_model_len
         #: Greedy params by draft length (a round builds one mirror per request: no validation per mirror).
         self._params: dict[int, SamplingParams] = {}
+        #: request_id -> (the target's Request, the block hashes of its tokens as the last round saw them): a
+        #: running request's tokens only grow, so its next mirror adopts them instead of hashing its whole context
+        #: again. Only the last round's requests are kept (no state outlives a request by more than a round).
+        self._block_hashes: dict[str, tuple[Request, list[bytes]]] = {}
 
     @classmethod
     def build(cls, draft_dir: Path, target_args: EngineArgs, *, device: torch.device, dtype: torch.dtype,
@@ -114,8 +118,9 @@ class DraftModelDrafter:
 
     def propose_batch(self, requests: Sequence[Request], num_tokens: int) -> dict[str, Draft]:
         """Greedy drafts of up to `num_tokens` tokens for every request, one draft-model forward a position."""
-        scheduler = self.core.scheduler
-        mirrors: list[Request] = []
+        scheduler, block_size = self.core.scheduler, self.core.args.block_size
+        hashed, self._block_hashes = self._block_hashes, {}
+        mirrors: list[tuple[Request, Request]] = []  # (target request, its mirror)
         for request in requests:
             num_draft_tokens = self._num_draft_tokens(request, num_tokens)
             if num_draft_tokens <= 0:
@@ -123,10 +128,19 @@ class DraftModelDrafter:
             mirror = Request(request.request_id, request.all_token_ids, self._greedy(num_draft_tokens),
                              cache_salt=request.cache_salt)
             scheduler.add_request(mirror)
-            mirrors.append(mirror)
+            previous = hashed.get(request.request_id)
+            if previous is not None and previous[0] is request:
+                mirror.adopt_block_hashes(previous[1])
+            mirrors.append((request, mirror))
         while scheduler.has_unfinished_requests():
             self.core.step()
-        return {m.request_id: Draft(self._in_target_vocab(m.output_token_ids)) for m in mirrors}
+        drafts = {}
+        for request, mirror in mirrors:
+            drafts[request.request_id] = Draft(self._in_target_vocab(mirror.output_token_ids))
+            # The blocks within the target's tokens (a mirror's later blocks hold its drafts).
+            self._block_hashes[request.request_id] = (
+                request, mirror.block_hashes[: mirror.num_prompt_tokens // block_size])
+        return drafts
 
     def _num_draft_tokens(self, request: Request, num_tokens: int) -> int:
         """num_tokens cut as the target's scheduler cuts a draft (max_model_len, max_tokens) and to the draft
