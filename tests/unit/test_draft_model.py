@@ -235,3 +235,17 @@ def test_auto_asks_the_draft_model_for_no_more_tokens_than_the_controller_would_
     assert [o.token_ids for o in run(llm, greedy(max_tokens=30))] == [o.token_ids for o in reference]
     assert asked[0] == 1 and max(asked) > 1 and max(asked) <= 8
     assert llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+def test_requests_with_a_grammar_draft_from_the_model_and_give_the_plain_tokens(tiny_dir, near_dir, plain):
+    """The draft model knows no grammar: its drafts are cut before the first token the grammar forbids (as every
+    drafter's), and the tokens are the plain run's."""
+    from deepinfer.structured import json_object_grammar
+
+    params = [SamplingParams(temperature=0, max_tokens=20, grammar=json_object_grammar()), greedy(max_tokens=20)]
+    prompts = PROMPTS[:2]
+    reference = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=draft_model(near_dir, 4))
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in reference]
+    assert llm.engine.spec_decode_stats().num_draft_tokens > 0
