@@ -431,7 +431,9 @@ class DecodeSettings(WorkerSettings):
     speculative_config: str | None = Field(
         None, description="Speculative decoding as vLLM's speculative_config, a JSON object (docs/speculative.md), "
         'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
-        '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs); '
+        '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs), '
+        'or {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4} (a smaller checkpoint '
+        "with the target's tokenizer, loaded beside it); "
         "checked when the engine is built (a bad one stops the start). Unset = off. With async scheduling, steps "
         "that verify drafts run synchronously between asynchronous ones.",
     )
