@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.drafter import NgramDrafter, make_drafter, propose_ngram
+from deepinfer.engine.drafter import Draft, NgramDrafter, make_drafter, propose_drafts, propose_ngram
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec_config import SpeculativeConfig
 
@@ -76,3 +76,26 @@ def test_engine_args_validate_and_keep_async_scheduling():
                             ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kwargs)
+
+
+def test_propose_drafts_calls_a_batch_drafter_once_and_a_plain_one_per_request():
+    requests = [Request("a", [1, 2, 1], sampling_params=None), Request("b", [3, 4, 3], sampling_params=None)]
+
+    class Batched:
+        has_probs = False
+        calls: list = []
+
+        def propose(self, request, num_tokens):
+            raise AssertionError("propose_batch is used")
+
+        def propose_batch(self, batch, num_tokens):
+            self.calls.append(([r.request_id for r in batch], num_tokens))
+            return {"b": Draft([7] * num_tokens)}  # no guess for "a"
+
+    batched = Batched()
+    assert propose_drafts(batched, requests, 2) == {"a": [], "b": [7, 7]}
+    assert batched.calls == [(["a", "b"], 2)]
+    ngram = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=1)
+    assert propose_drafts(ngram, requests, 2) == {"a": [2, 1], "b": [4, 3]}
+    with pytest.raises(ValueError, match="EngineCore builds it"):
+        make_drafter(SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=2))

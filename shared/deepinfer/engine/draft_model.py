@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.drafter import Draft
+from deepinfer.engine.drafter import NO_DRAFT, Draft
 from deepinfer.engine.request import Request
 from deepinfer.loader.hf import load_model_config
 from deepinfer.sampling.params import SamplingParams
@@ -114,7 +114,7 @@ class DraftModelDrafter:
 
     def propose(self, request: Request, num_tokens: int) -> Draft:
         """One request's draft (`propose_batch` of one)."""
-        return self.propose_batch([request], num_tokens).get(request.request_id, Draft([]))
+        return self.propose_batch([request], num_tokens).get(request.request_id, NO_DRAFT)
 
     def propose_batch(self, requests: Sequence[Request], num_tokens: int) -> dict[str, Draft]:
         """Greedy drafts of up to `num_tokens` tokens for every request, one draft-model forward a position."""
