@@ -16,8 +16,9 @@ pool. Each `propose_batch` (EngineCore._propose_drafts, after the target's updat
 Rollback: a mirror lives one round; what outlives it is its full blocks in the draft pool's prefix cache, keyed by
 the hash chain of their tokens. A block holding a draft token the target rejected hashes tokens the target never
 kept, so no later mirror matches it (it ages out of the free queue); the accepted prefix is found again, and a round
-recomputes at most the partial last block (< block_size tokens a request) beyond the target's new tokens. Requests
-that finish or abort leave nothing behind: the drafter keeps no state of a request past the round it drafted in.
+recomputes at most the last block (<= block_size tokens a request: a hit leaves one token to compute) beyond the
+target's new tokens. Requests that finish or abort leave nothing behind: the drafter keeps no state of a request
+past the round it drafted in (the block hashes it carries to the next round are kept for that round's requests).
 
 Exactness: drafts are the draft model's argmax tokens, one-hot (`has_probs = False`). The target keeps a draft token
 iff it samples that token at its row with its own noise: rejection sampling against q = one-hot(d), exact (vLLM V1's
