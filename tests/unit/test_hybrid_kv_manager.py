@@ -22,18 +22,16 @@ def compute(kv: HybridKVCacheManager, request, num_tokens: int) -> list[list[int
     if kv.allocate_slots(request, num_tokens) is None:
         return None
     request.num_computed_tokens += num_tokens
-    kv.cache_blocks(request, request.num_computed_tokens)
-    kv.free_out_of_window(request)
+    kv.cache_blocks(request, request.num_computed_tokens)  # caches, then frees what left the window
     return kv.get_block_ids(request)
 
 
 def admit(kv: HybridKVCacheManager, request, num_tokens: int):
     """Admission with the prefix cache: the hit, then the rest of num_tokens computed in one step."""
-    hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, num_tokens - hit.num_tokens, hit) is not None
+    hit, num_hit_tokens = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, num_tokens - num_hit_tokens, hit) is not None
     request.num_computed_tokens = num_tokens
     kv.cache_blocks(request, num_tokens)
-    kv.free_out_of_window(request)
     return hit
 
 
@@ -64,7 +62,7 @@ def test_local_blocks_are_freed_as_the_window_moves():
     local_keys = [group_block_hash(h, 1) for h in request.block_hashes[:3]]
     assert [kv.block_pool.get_cached_block(k).block_id for k in local_keys] == [5, 6, 7]
     kv.free(request)
-    assert kv.block_pool.num_free_blocks == 19 and kv.req_to_blocks == {}
+    assert kv.block_pool.num_free_blocks == 19 and kv.group_tables == kv.req_to_blocks == {}
 
 
 def test_a_long_chunk_holds_every_local_block_until_the_step_is_computed():
@@ -73,7 +71,7 @@ def test_a_long_chunk_holds_every_local_block_until_the_step_is_computed():
     assert kv.allocate_slots(request, 16) is not None  # the chunk's queries read keys from its first block on
     assert kv.get_block_ids(request) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     request.num_computed_tokens = 16
-    kv.cache_blocks(request, 16)
+    kv._cache(request, 16)
     assert kv.free_out_of_window(request) == 2  # 16 reads 11..16: blocks 2 and 3 of the local group
     assert kv.get_block_ids(request) == [[1, 2, 3, 4], [0, 0, 7, 8]]
 
@@ -82,7 +80,7 @@ def test_allocation_fits_only_when_every_group_fits_and_changes_nothing_otherwis
     kv = manager(num_blocks=6)  # 5 usable blocks
     request = make_request("a", list(range(100, 140)))
     assert kv.allocate_slots(request, 12) is None  # 3 blocks in each of 2 groups
-    assert kv.req_to_blocks == {} and kv.block_pool.num_free_blocks == 5
+    assert kv.group_tables == {} and kv.block_pool.num_free_blocks == 5
     assert kv.allocate_slots(request, 8) is not None
     assert kv.get_block_ids(request) == [[1, 2], [3, 4]]
 
@@ -93,7 +91,7 @@ def test_a_hit_takes_global_blocks_for_the_prefix_and_local_blocks_for_its_windo
     admit(kv, first, 24)
     kv.free(first)
     again = make_request("b", list(range(100, 124)) + [7, 7, 7])  # the same 24 tokens, one more turn
-    hit = kv.get_computed_blocks(again)
+    hit = kv.find_hit(again)
     # 6 full blocks cached; a hit at 24 needs the local window 19..23: blocks 4 and 5.
     assert hit.num_tokens == 24 and hit.num_replay_tokens == 0
     assert [b.block_id for b in hit.blocks[0]] == [1, 2, 3, 4, 5, 6]
@@ -115,7 +113,7 @@ def test_a_hit_whose_window_was_evicted_replays_from_an_earlier_window():
     pool.free_block_queue.remove(evicted)
     pool.free_block_queue.appendleft(evicted)  # ... moved to the head: the next block handed out
     pool.get_new_blocks(1)
-    hit = kv.get_computed_blocks(make_request("b", list(range(100, 124)) + [7]))
+    hit = kv.find_hit(make_request("b", list(range(100, 124)) + [7]))
     # P = 24 and 20 both need block 4 (16..19) in their window; P = 16 reads 11..15: blocks 2, 3 (cached).
     assert hit.num_tokens == 16 and hit.num_replay_tokens == 8
     assert [b.block_id for b in hit.blocks[1]] == [0, 0, 9, 10]
@@ -136,7 +134,7 @@ def test_checkpoint_windows_are_evicted_last_so_a_hit_replays_at_most_n_tokens()
     other = make_request("c", list(range(500, 528)))
     assert kv.allocate_slots(other, 28) is not None
     assert all(b.block_hash is not None for b in (local[2], local[3], local[6], local[7]))
-    hit = kv.get_computed_blocks(make_request("b", list(range(100, 140)) + [7]))
+    hit = kv.find_hit(make_request("b", list(range(100, 140)) + [7]))
     # The global hit is 5 blocks (20 tokens); its window needs local block 4 (evicted): the hit is the checkpoint
     # at 16, replaying 4 tokens.
     assert hit.num_tokens == 16 and hit.num_replay_tokens == 4
@@ -174,7 +172,7 @@ def test_a_plain_model_group_matches_the_single_table_manager():
     assert compute(kv, request, 10) == [[1, 2, 3]]
     kv.free(request)
     again = make_request("b", list(range(100, 120)))
-    hit = kv.get_computed_blocks(again)
+    hit = kv.find_hit(again)
     assert hit.num_tokens == 8 and [b.block_id for b in hit.blocks[0]] == [1, 2]
 
 

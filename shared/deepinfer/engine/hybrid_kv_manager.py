@@ -60,7 +60,10 @@ class HybridKVCacheManager:
         self.groups = list(groups)
         self.checkpoint_tokens = checkpoint_tokens
         self._null = block_pool.null_block
-        self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        #: Per request, one table per group, all the same length; `req_to_blocks` holds group 0's (the same list
+        #: objects: what the scheduler reads for a request's length in blocks).
+        self.group_tables: dict[str, list[list[KVCacheBlock]]] = {}
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         #: Per request and group: leading blocks in the prefix cache, and (local groups) leading blocks freed.
         self.num_cached_blocks: dict[str, list[int]] = {}
         self.num_freed_blocks: dict[str, list[int]] = {}
@@ -72,8 +75,18 @@ class HybridKVCacheManager:
         """Blocks the pool can hand out now."""
         return self.block_pool.num_free_blocks
 
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return self.block_pool.usage
+
     # -- hits ----------------------------------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> HybridHit:
+    def get_computed_blocks(self, request: Request) -> tuple[HybridHit, int]:
+        """KVCacheManager's form of `find_hit`: the hit (for allocate_slots) and the tokens it covers."""
+        hit = self.find_hit(request)
+        return hit, hit.num_tokens
+
+    def find_hit(self, request: Request) -> HybridHit:
         """The longest prefix every group can reuse (at least the last token is left to compute; none for a
         request owing prompt logprobs). Its blocks are not referenced yet: pass the hit to allocate_slots."""
         groups = range(len(self.groups))
@@ -124,7 +137,7 @@ class HybridKVCacheManager:
         when the pool cannot give them all. `hit` (admission only, the request holding no block) is referenced
         here; its free blocks count against the free ones."""
         rid = request.request_id
-        tables = self.req_to_blocks.get(rid)
+        tables = self.group_tables.get(rid)
         hit_blocks = hit.blocks if hit is not None and hit.num_blocks else None
         assert hit_blocks is None or tables is None, "cache hits are only taken at admission"
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit_blocks else 0)
@@ -135,7 +148,8 @@ class HybridKVCacheManager:
         if num_new * len(self.groups) > self.block_pool.num_free_blocks - len(evictable):
             return None
         if tables is None:
-            tables = self.req_to_blocks[rid] = [[] for _ in self.groups]
+            tables = self.group_tables[rid] = [[] for _ in self.groups]
+            self.req_to_blocks[rid] = tables[0]
             self.num_cached_blocks[rid] = [0] * len(self.groups)
             self.num_freed_blocks[rid] = [0] * len(self.groups)
         if hit_blocks:
@@ -153,13 +167,19 @@ class HybridKVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter every group's blocks that are full of computed tokens into the prefix cache (null blocks, freed
-        after they were cached, are skipped)."""
+        after they were cached, are skipped), then free the local blocks no later query reads
+        (`free_out_of_window`): the scheduler calls this whenever a block became full, so a local block goes at
+        most a block's worth of steps after the window left it."""
+        self._cache(request, num_computed_tokens)
+        self.free_out_of_window(request, num_computed_tokens)
+
+    def _cache(self, request: Request, num_computed_tokens: int) -> None:
         if not self.block_pool.enable_caching:
             return
         rid = request.request_id
         num_full = num_computed_tokens // self.block_size
         cached = self.num_cached_blocks[rid]
-        for g, table in enumerate(self.req_to_blocks[rid]):
+        for g, table in enumerate(self.group_tables[rid]):
             if num_full <= cached[g]:
                 continue
             if g == 0:  # the request's own hashes: Stored events name their parents
@@ -170,20 +190,22 @@ class HybridKVCacheManager:
                 self.block_pool.cache_full_blocks(table[start:num_full], hashes, 0, len(hashes), group=g)
             cached[g] = num_full
 
-    def free_out_of_window(self, request: Request) -> int:
-        """Free every local group's blocks that no later query of the request reads (after `cache_blocks` for its
-        computed tokens: they stay cached); how many it freed."""
+    def free_out_of_window(self, request: Request, num_computed_tokens: int | None = None) -> int:
+        """Free every local group's blocks that no query after `num_computed_tokens` (default: the request's)
+        reads; cached ones stay cached (evictable); how many it freed."""
         rid = request.request_id
-        tables, freed = self.req_to_blocks.get(rid), self.num_freed_blocks.get(rid)
+        tables, freed = self.group_tables.get(rid), self.num_freed_blocks.get(rid)
         if tables is None:
             return 0
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
         count = 0
         for g, group in enumerate(self.groups):
             if not group.is_local:
                 continue
-            first_kept = first_needed_token(request.num_computed_tokens, group.sliding_window) // self.block_size
-            first_kept = min(first_kept, self.num_cached_blocks[rid][g] if self.block_pool.enable_caching
-                             else first_kept)
+            first_kept = first_needed_token(num_computed_tokens, group.sliding_window) // self.block_size
+            if self.block_pool.enable_caching:  # never free a full block before it is cached
+                first_kept = min(first_kept, self.num_cached_blocks[rid][g])
             for i in range(freed[g], first_kept):
                 self._release(tables[g], i, group)
                 count += 1
@@ -209,7 +231,7 @@ class HybridKVCacheManager:
     def free_tail(self, request: Request, num_tokens: int) -> int:
         """Drop every group's blocks past the first cdiv(num_tokens, block_size) (rejected drafts' blocks, never
         cached), tail first; how many it dropped."""
-        tables = self.req_to_blocks.get(request.request_id)
+        tables = self.group_tables.get(request.request_id)
         num_kept = -(-num_tokens // self.block_size)
         if tables is None or len(tables[0]) <= num_kept:
             return 0
@@ -223,18 +245,34 @@ class HybridKVCacheManager:
     def free(self, request: Request) -> None:
         """Drop every block reference of the request, each table tail first (checkpoint windows protected)."""
         rid = request.request_id
-        tables = self.req_to_blocks.pop(rid, None)
+        tables = self.group_tables.pop(rid, None)
+        self.req_to_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         self.num_freed_blocks.pop(rid, None)
         for table, group in zip(tables or [[] for _ in self.groups], self.groups, strict=True):
             for i in range(len(table) - 1, -1, -1):
                 self._release(table, i, group)
 
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """A prefill lease hands one block table to a decode worker: not for per-group tables yet."""
+        raise NotImplementedError("KV by layer type (enable_hybrid_kv_cache) does not hand off KV yet: a prefill "
+                                  "lease, the host tier and the store need the all-global layout")
+
     def get_block_ids(self, request: Request) -> list[list[int]]:
         """The request's block table of each group (0 = a freed block: never read)."""
-        return [[b.block_id for b in table] for table in self.req_to_blocks.get(request.request_id, ())]
+        return [[b.block_id for b in table] for table in self.group_tables.get(request.request_id, ())]
+
+    def block_ids_from(self, request_id: str, start: int) -> list[int]:
+        """The ids of every group's blocks from logical block `start` on, interleaved as the runner keeps them
+        (block i of group g at i * num_groups + g; a freed local block is 0)."""
+        tables = self.group_tables.get(request_id, ())
+        return [table[i].block_id for i in range(start, len(tables[0]) if tables else 0) for table in tables]
+
+    def get_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Group 0's blocks (the scheduler's view of a request's length in blocks)."""
+        return self.req_to_blocks.get(request.request_id, [])
 
     def num_held_blocks(self, request: Request) -> int:
         """Pool blocks the request holds across its groups (null blocks excluded)."""
-        tables = self.req_to_blocks.get(request.request_id, ())
+        tables = self.group_tables.get(request.request_id, ())
         return sum(b is not self._null for table in tables for b in table)
