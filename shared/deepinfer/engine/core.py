@@ -22,6 +22,7 @@ from deepinfer.engine.drafter import Drafter, make_drafter, propose_drafts
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import HostTier
+from deepinfer.engine.kv_groups import KVGroup, kv_groups
 from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.memory import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -46,6 +47,7 @@ from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import resolve_model
 from deepinfer.models import cpu as cpu_modules
+from deepinfer.models.layers import Attention
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -107,6 +109,8 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
         self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
+        #: KV by layer type (EngineArgs.enable_hybrid_kv_cache): the model's KV groups; () = one block table.
+        self.kv_groups: tuple[KVGroup, ...] = self._kv_groups(model)
         #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
         #: its draft length) and the drafter (None = off). A draft model is built before the KV plan: on CUDA
         #: its weights and KV are then this engine's allocations, which the target's KV budget leaves out.
@@ -136,6 +140,8 @@ class EngineCore:
                 model_fingerprint=self.fingerprint,
                 enable_kv_events=args.enable_kv_events,
                 admission_window_s=args.admission_window_s,
+                kv_groups=self.kv_groups,
+                hybrid_checkpoint_tokens=args.hybrid_checkpoint_tokens if self.kv_groups else None,
             )
         )
         #: Speculative decoding's counters.
@@ -197,6 +203,7 @@ class EngineCore:
             batch_invariant=args.batch_invariant,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
+            kv_group_of_layer=self._kv_group_of_layer(),
         ))
         if self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1:
             progress.begin("warming up")
@@ -575,13 +582,38 @@ class EngineCore:
         budget = self.args.kv_cache_bytes
         if budget is None:
             budget = self._device_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget(per_block)
+        num_layers = self.model_config.num_hidden_layers
+        group_size = len(self.kv_groups[0].layers) if self.kv_groups else num_layers
         return plan_kv_cache(
             budget_bytes=budget,
-            bytes_per_block=per_block,
+            bytes_per_block=per_block * group_size // num_layers,  # KV groups: a block (page) holds one group
             block_size=self.args.block_size,
             max_model_len=self.max_model_len,
             what=str(self.device),
+            tables_per_sequence=max(1, len(self.kv_groups)),
         )
+
+    def _kv_groups(self, model: torch.nn.Module) -> tuple[KVGroup, ...]:
+        """The model's KV groups by attention window when enable_hybrid_kv_cache is set (ValueError for a model
+        without sliding-window layers or whose layers are not all paged K/V attention), else ()."""
+        if not self.args.enable_hybrid_kv_cache:
+            return ()
+        windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+        if len(windows) != self.model_config.num_hidden_layers or self.model_config.mla is not None:
+            raise ValueError(f"enable_hybrid_kv_cache: {self.model_config.architecture} has layers other than "
+                             "paged K/V attention; KV by layer type is for sliding-window models (Gemma 3, Mistral)")
+        if all(w is None for w in windows):
+            raise ValueError(f"enable_hybrid_kv_cache: {self.model_config.architecture} has no sliding-window "
+                             "layer: every layer keeps every block anyway")
+        groups = tuple(kv_groups(windows))
+        logger.info("KV by layer type: %d groups of %d layers (%s)", len(groups), len(groups[0].layers),
+                    ", ".join("global" if g.sliding_window is None else f"window {g.sliding_window}" for g in groups))
+        return groups
+
+    def _kv_group_of_layer(self) -> tuple[int, ...]:
+        """Each layer's KV group index (() without groups)."""
+        group_of = {layer: g for g, group in enumerate(self.kv_groups) for layer in group.layers}
+        return tuple(group_of[layer] for layer in range(len(group_of)))
 
     def _cpu_kv_budget(self, bytes_per_block: int) -> int:
         """Room for CPU_KV_SEQUENCES full-length sequences, capped at DEFAULT_CPU_KV_CACHE_BYTES: a small model does
@@ -637,8 +669,9 @@ class EngineCore:
             if budget:
                 logger.info("host KV tier off: tensor_parallel_size > 1")
             return None
-        if budget is None:  # unset: on for one CUDA device, sized from the host's memory
-            budget = default_host_tier_bytes(usable_memory()) if self.device.type == "cuda" else 0
+        if budget is None:  # unset: on for one CUDA device, sized from the host's memory (not with KV groups yet)
+            on = self.device.type == "cuda" and not self.kv_groups
+            budget = default_host_tier_bytes(usable_memory()) if on else 0
         if budget == 0 or not self.args.enable_prefix_caching:
             return None
         kv_caches = self.runner.kv_caches
@@ -653,7 +686,13 @@ class EngineCore:
         return tier
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        """One cache per layer; with KV groups one per position in a group, shared by the groups' layers at that
+        position (a page is one block of one group's layers: engine/kv_groups.py)."""
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
-        return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        if not self.kv_groups:
+            return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        slots = [zeroed_kv_cache(shape, self.dtype, self.device) for _ in self.kv_groups[0].layers]
+        position = {layer: j for group in self.kv_groups for j, layer in enumerate(group.layers)}
+        return [slots[position[layer]] for layer in range(cfg.num_hidden_layers)]
 

@@ -30,18 +30,27 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding, sampled_tokens
 from deepinfer.engine.execution import ExecutionMode, RunnerConfig
-from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
+from deepinfer.engine.inputs import (
+    BlockTable,
+    HostBatch,
+    InputStager,
+    ModelInputs,
+    build_host_batch,
+    group_slots,
+)
 from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
+from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rejection import accepted_prefix
@@ -315,8 +324,11 @@ class ModelRunner:
     ) -> HostBatch:
         """Free released rows, apply the new block ids and flatten the step into a HostBatch (host only); with
         `requests`, the rows that score prompt tokens (prompt logprobs) are listed too."""
-        return build_host_batch(self._release_rows(output, requests or {}), self.block_table, self.block_size,
-                                requests or None)
+        scheduled = self._release_rows(output, requests or {})
+        batch = build_host_batch(scheduled, self.block_table, self.block_size, requests or None)
+        if self.config.kv_group_of_layer:
+            group_slots(batch, scheduled, self.block_table, self.block_size, self.config.num_kv_groups)
+        return batch
 
     def _release_rows(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
@@ -357,6 +369,8 @@ class ModelRunner:
         inputs = self.stager.stage(batch, self.block_table)
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
+        if self.config.kv_group_of_layer:
+            inputs.meta.layer_metas = self._layer_metas(batch, inputs.meta)
         staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
         # A step verifying drafts (k + 1 rows to sample a sequence) runs the full graphs while its rows fit the
         # bucket's sequence slots, else the piecewise graphs (every row's hidden states) or eagerly.
@@ -372,6 +386,17 @@ class ModelRunner:
                                      self._prompt_hidden(batch, hidden))
         hidden = self._forward_eager(batch, inputs, invariant_prefill)
         return ForwardResult(hidden[inputs.logits_indices], None, staged_rows, self._prompt_hidden(batch, hidden))
+
+    def _layer_metas(self, batch: HostBatch, meta: AttentionMetadata) -> list[AttentionMetadata]:
+        """KV groups: each layer's metadata, its group's columns of the interleaved block table and its group's
+        slot mapping (eager steps only)."""
+        num_groups = self.config.num_kv_groups
+        groups = [
+            replace(meta, block_tables=meta.block_tables[:, g::num_groups].contiguous(), layer_shared={},
+                    slot_mapping=torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True))
+            for g, slots in enumerate(batch.group_slot_mappings)
+        ]
+        return [groups[g] for g in self.config.kv_group_of_layer]
 
     def _prompt_hidden(self, batch: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """The hidden states of the rows that score prompt tokens, from every row's [T, hidden] (None: no row does)."""
