@@ -1,17 +1,23 @@
 """The P/D handoff through Mooncake Transfer Engine, loopback TCP: a prefill-side provider's export slots
 (deepinfer.worker.handoff_exports, registered with one engine) read by a decode-side reader
 (TransferEngineReads.get_held, another engine) are byte-identical to the data-plane get; a request or block never
-leased gets nothing; leased slots are not reused until release or the request's lease ends.
+leased gets nothing; leased slots are not reused until release or the request's lease ends; then the prefill and
+decode handlers on a real nats-server: the same tokens as one engine through the engine, and through the data plane
+when the engine fails.
 
 Skips, saying why, without the `transfer-engine` extra or libibverbs1 (.ci/run installs both)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 
 import numpy as np
 import pytest
+from opentelemetry.trace import NoOpTracer
 
+from deepinfer.config import DecodeSettings, PrefillSettings
 from deepinfer.dataplane import (
     BlockNotFound,
     DataPlaneAuthError,
@@ -25,13 +31,28 @@ from deepinfer.dataplane.frames import LeaseVia
 from deepinfer.dataplane.transfer_engine import (
     Transfer,
     TransferEngine,
+    TransferFailed,
     availability,
     buffer_address,
 )
 from deepinfer.kvcache.client.remote import TransferEngineReads
 from deepinfer.kvcache.shm.region import TornRead
+from deepinfer.sampling.params import SamplingParams
+from deepinfer.service import ServiceContext
+from deepinfer.telemetry import new_registry
 from deepinfer.testing.dataplane import InMemoryBlockProvider
 from deepinfer.worker.handoff_exports import HandoffExports
+from services.decode.handler import DecodeHandler
+from services.prefill.handler import PrefillHandler
+from tests.integration.test_workers import (  # the data-plane handoff's fixtures and helpers
+    GREEDY,
+    _model_token,  # noqa: F401
+    common,
+    reference,
+    run_request,
+    start,
+    tiny_dir,  # noqa: F401
+)
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +177,77 @@ async def test_leased_slots_are_not_reused_until_release(owner, decode_engine):
             with pytest.raises(TornRead):
                 reads._copy(decode_engine, ended, None)
 
+
+# -- the prefill and decode handlers --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def make_workers(nats_server, tiny_dir, tmp_path, bus):  # noqa: F811
+    """A prefill worker with transfer_engine on and a decode worker with the given kv_transport."""
+    started = []
+
+    async def make(kv_transport: str):
+        shared = common(nats_server, tiny_dir, tmp_path)
+        prefill = PrefillHandler(ServiceContext("prefill", PrefillSettings(
+            common=shared, worker_id="prefill-t", block_size=4, data_plane_port=0, internal_port=0,
+            transfer_engine=True, transfer_engine_export_bytes=1 << 20), bus, new_registry(), NoOpTracer()))
+        decode = DecodeHandler(ServiceContext("decode", DecodeSettings(
+            common=shared, worker_id="decode-t", block_size=4, internal_port=0, kv_transport=kv_transport),
+            bus, new_registry(), NoOpTracer()))
+        await asyncio.gather(start(prefill), start(decode))
+        started.append((prefill, decode))
+        return prefill, decode
+
+    yield make
+    for prefill, decode in started:
+        await asyncio.gather(prefill.close(), decode.close())
+
+
+async def _released(prefill) -> None:
+    for _ in range(100):
+        if not prefill._leases and prefill._exports.num_free_slots == prefill._exports.num_slots:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"still held: {prefill._leases}, {prefill._exports.num_free_slots} export slots free")
+
+
+def _pulls(decode, via: str) -> float:
+    return decode._pulls.labels(via)._value.get()
+
+
+async def test_the_handoff_through_the_engine_equals_one_engine(make_workers, bus, tiny_dir):  # noqa: F811
+    prefill, decode = await make_workers("mooncake")  # one machine standing in for two
+    accepted, tokens = await run_request(bus, "prefill-t", GREEDY, "r-te")
+    assert tokens == reference(tiny_dir, SamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    assert decode._requests.labels("pulled")._value.get() == 1
+    assert _pulls(decode, "transfer_engine") == 1 and _pulls(decode, "data_plane") == 0
+    assert decode._handoff_reads.num_blocks == 6  # 21 prompt tokens in blocks of 4
+    await _released(prefill)
+
+
+async def test_a_failing_engine_falls_back_to_the_data_plane_get(make_workers, bus, tiny_dir, monkeypatch,  # noqa: F811
+                                                                  caplog):
+    prefill, decode = await make_workers("mooncake")
+
+    def broken(self, session_id, transfers):
+        raise TransferFailed("transfer engine: read failed (code -1)")
+
+    monkeypatch.setattr(TransferEngine, "read", broken)
+    want = reference(tiny_dir, SamplingParams(**GREEDY.model_dump(exclude={"v"})))
+    with caplog.at_level(logging.DEBUG, logger="services.decode.handler"):
+        for request_id in ("r-fallback-1", "r-fallback-2"):
+            accepted, tokens = await run_request(bus, "prefill-t", GREEDY, request_id)
+            assert tokens == want
+    assert decode._requests.labels("pulled")._value.get() == 2
+    assert _pulls(decode, "transfer_engine_fallback") == 2 and _pulls(decode, "data_plane") == 2
+    assert _pulls(decode, "transfer_engine") == 0
+    said = [r for r in caplog.records if "through its transfer engine failed" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]  # why, once
+    await _released(prefill)  # the failed reader's export lease was released too
+
+
+async def test_auto_keeps_a_same_host_handoff_on_the_data_plane(make_workers, bus, tiny_dir):  # noqa: F811
+    prefill, decode = await make_workers("auto")
+    accepted, tokens = await run_request(bus, "prefill-t", GREEDY, "r-auto")
+    assert _pulls(decode, "data_plane") == 1 and _pulls(decode, "transfer_engine") == 0
+    await _released(prefill)
