@@ -385,10 +385,12 @@ class WorkerSettings(ServiceSettings):
         "or evicted block; the checksum guards a RAM tier corrupted in place. The CPU path always verifies.",
     )
     kv_transport: Literal["auto", "dataplane", "mooncake"] = Field(
-        "auto", description="How store gets move their bytes: auto = a same-host shard's shared memory, a shard on "
-        "another host through Mooncake Transfer Engine when it serves one and the library loads here, else the "
-        "data plane; dataplane = always the data plane; mooncake = the transfer engine for every shard that "
-        "serves one, this host's too (docs/kvstore.md, \"Worker settings\"). Any failure: the data plane.",
+        "auto", description="How store gets (and a decode worker's pulls of a prefill worker's KV) move their bytes: "
+        "auto = a same-host shard's shared memory, a shard (or prefill worker) on another host through Mooncake "
+        "Transfer Engine when it serves one and the library loads here, else the data plane; dataplane = always the "
+        "data plane; mooncake = the transfer engine for every peer that serves one, this host's too (docs/kvstore.md, "
+        "\"Worker settings\"; docs/dataplane.md, \"P/D handoff through the same transport\"). Any failure: the "
+        "data plane.",
     )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
@@ -413,6 +415,18 @@ class PrefillSettings(WorkerSettings):
     data_plane_port: AnyPort = Field(8103, description="KV data-plane port (0 = any free port).")
     kv_lease_s: float = Field(
         30.0, gt=0, description="How long handed-off KV stays pinned waiting for the decode worker's pull."
+    )
+    transfer_engine: bool = Field(
+        False, description="Lease handed-off KV to decode workers' Mooncake Transfer Engines (this worker's engine "
+        "named data_plane_host, over TCP): a decode worker whose kv_transport takes it reads the blocks with one "
+        "batch instead of the data-plane get. Needs the `transfer-engine` extra and libibverbs1; any process that "
+        "reaches the engine's ports can read the blocks being handed off (docs/dataplane.md, \"P/D handoff through "
+        "the same transport\").",
+    )
+    transfer_engine_export_bytes: ByteSize = Field(
+        ByteSize(1 << 30), ge=1, description="With transfer_engine: host memory of the blocks leased to transfer "
+        "engines at once (mapped and registered whole at start, its pages touched as leases fill them); a lease "
+        "that does not fit takes the data plane.",
     )
 
 
