@@ -156,3 +156,19 @@ def test_a_prefill_lease_is_refused(tiny_dir):
     core = hybrid_llm(tiny_dir).engine.core
     with pytest.raises(ValueError, match="cannot hand KV"):
         core.add_request("lease", prompt(12, seed=1, vocab_size=384), SamplingParams(max_tokens=1), hold_blocks=True)
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_speculative_decoding_frees_rejected_drafts_in_every_group(tiny_dir, hf, k):
+    """n-gram drafts on a prompt that repeats itself (so drafts are proposed, some rejected): transformers' greedy
+    tokens, and every page back in the pool at the end (a rejected tail freed in each group)."""
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = hybrid_llm(tiny_dir, speculative_config=spec)
+    motif = prompt(7, seed=5, vocab_size=384)
+    prompts = [motif * 5, prompt(30, seed=6, vocab_size=384) + motif * 3]
+    for token_ids, out in zip(prompts, generate(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, token_ids)
+    core = llm.engine.core
+    assert core.spec_decode_stats.num_draft_tokens > 0
+    pool = core.scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

@@ -451,6 +451,17 @@ class DecodeSettings(WorkerSettings):
         "checked when the engine is built (a bad one stops the start). Unset = off. With async scheduling, steps "
         "that verify drafts run synchronously between asynchronous ones.",
     )
+    enable_hybrid_kv_cache: bool = Field(
+        False, description="KV by layer type for sliding-window models (Gemma 3; docs/models.md): local layers' "
+        "blocks freed as the window moves, prefix hits replayed from a window checkpoint. For now eager steps and "
+        "no host tier; KV handed over by a prefill worker or loaded from the store is recomputed here (run it with "
+        "no prefill worker: `deepinfer up --prefill 0`).",
+    )
+    hybrid_checkpoint_tokens: int = Field(
+        1024, ge=1, description="With enable_hybrid_kv_cache: the local layers' window before every multiple of this "
+        "many tokens is evicted last, so a prefix hit replays at most about this many tokens (a multiple of "
+        "block_size).",
+    )
 
     @field_validator("speculative_config")
     @classmethod
