@@ -1,8 +1,8 @@
 """The `draft_model` method through `LLM` on tiny random Llamas (CPU, float32): the plain tokens with a draft model.
 
 The target drafting with itself accepts (nearly) every draft; with its own weights slightly moved, some; with another
-random checkpoint of the same vocabulary almost none; the tokens are the plain run's in every case. The draft engine's pool holds no block between
-steps, and the target's ends as after a run without speculation.
+random checkpoint of the same vocabulary almost none; the tokens are the plain run's in every case. The draft
+engine's pool holds no block between steps, and the target's ends as after a run without speculation.
 """
 
 from __future__ import annotations
@@ -13,13 +13,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.engine.args import EngineArgs
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.draft_model import DraftModelDrafter, check_same_vocabulary
-
-PROMPTS = [
-    {"prompt_token_ids": [5, 17, 42, 99, 7] * 5},
-    {"prompt_token_ids": [9, 8, 7, 9, 8]},
-    {"prompt_token_ids": list(range(40, 60)) * 2 + [40, 41]},
-    {"prompt_token_ids": [100, 3, 100, 3, 100, 3, 100]},
-]
+from tests.unit.test_speculative import PROMPTS  # prompts with repeats and without
 
 
 @pytest.fixture(scope="module")
