@@ -96,3 +96,29 @@ def test_the_query_token_cap_bounds_rows_and_drafts_together():
     lengths = controller.draft_lengths({"a": 4, "b": 4, "c": 4, "d": 0}, max_query_tokens=10)
     assert sum(lengths.values()) == 6 and lengths["d"] == 0
     assert controller.draft_lengths({"a": 4, "b": 4, "c": 4, "d": 0}, max_query_tokens=3) == dict.fromkeys("abcd", 0)
+
+
+def test_a_model_drafter_drafts_as_deep_as_pays_its_rounds_included():
+    """draft_depth: acceptance 0.8 (one request), a verify step costs 10 ms whatever its tokens (memory-bound), so
+    drafts are nearly free to verify; the draft model's rounds decide the depth."""
+    controller = controller_with({(1, 1): 0.010, (1, 9): 0.010})
+    for _ in range(20):
+        controller.observe_draft("a", 4, 3)  # 3 of 4 accepted: tried 4, accepted 3
+    rate = controller.acceptance("a")
+    assert DraftController().draft_depth(["a"], 8) == 0  # no plain step measured yet
+    assert controller.draft_depth(["a"], 8) == 8  # rounds never measured cost nothing (optimistic)
+    # A round of depth d costs 1 ms a position: emitted/s = (1 + sum rate^i) / (10 ms + d ms), best at this depth.
+    for depth in range(1, 9):
+        controller.observe_draft_round(1, depth, 0.001 * depth)
+    expected = max(range(1, 9), key=lambda d: (1 + sum(rate**i for i in range(1, d + 1))) / (0.010 + 0.001 * d))
+    assert controller.draft_depth(["a"], 8) == expected < 8
+
+
+def test_a_model_drafter_that_never_pays_drafts_one_probe_in_probe_every_calls():
+    from deepinfer.engine.draft_controller import PROBE_EVERY
+
+    controller = controller_with({(1, 1): 0.010, (1, 9): 0.010})
+    for depth in range(1, 9):
+        controller.observe_draft_round(1, depth, 0.050)  # a round costs five plain steps
+    depths = [controller.draft_depth(["a"], 8) for _ in range(2 * PROBE_EVERY)]
+    assert depths == ([0] * (PROBE_EVERY - 1) + [1]) * 2

@@ -395,6 +395,8 @@ class EngineCore:
             return False
         self._steps_until_worth_check = WORTH_DRAFTING_EVERY
         k = self.spec_config.max_num_draft_tokens
+        if getattr(self.drafter, "propose_batch", None) is not None:  # a model drafter: its rounds' cost counted
+            return controller.draft_depth([r.request_id for r in running], k, max_query_tokens) > 0
         lengths = controller.draft_lengths({r.request_id: k for r in running}, max_query_tokens)
         return any(lengths.values())
 
@@ -453,13 +455,18 @@ class EngineCore:
         if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
             self._unverified_drafts = {}
             return
-        if self.draft_controller is not None and getattr(drafter, "propose_batch", None) is not None:
-            # A model drafter pays a forward a draft position: ask it for no more than the controller would verify
-            # of full-length drafts, and for one token at least (an unverified first token still scores acceptance).
-            planned = self.draft_controller.draft_lengths(dict.fromkeys([r.request_id for r in decodes], k),
-                                                          max_query_tokens)
-            k = max(1, max(planned.values(), default=0))
+        model_round = self.draft_controller is not None and getattr(drafter, "propose_batch", None) is not None
+        if model_round:
+            # A model drafter pays a forward a draft position before the step: as deep as pays, the round's measured
+            # seconds counted (DraftController.draft_depth); no round at all when none does (but a probe now and then).
+            k = self.draft_controller.draft_depth([r.request_id for r in decodes], k, max_query_tokens)
+            if k == 0:
+                self._unverified_drafts = {}
+                return
+        started = time.perf_counter()
         proposed = propose_drafts(drafter, decodes, k)
+        if model_round:
+            self.draft_controller.observe_draft_round(len(decodes), k, time.perf_counter() - started)
         for request in decodes:
             draft = proposed[request.request_id]
             if draft and request.grammar is not None:  # cut at the first token the grammar forbids
