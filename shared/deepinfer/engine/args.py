@@ -155,6 +155,14 @@ class EngineArgs:
                 raise ValueError("speculative_config does not run with batch_invariant=True yet")
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
+            if self._mtp and self.async_scheduling:
+                raise ValueError("speculative_config method 'mtp' does not run with async_scheduling=True yet")
+
+    @property
+    def _mtp(self) -> bool:
+        """Speculative decoding by the model's MTP layer (eager and synchronous steps for now: engine/mtp_drafter.py)."""
+        spec = self.speculative_config
+        return spec is not None and getattr(spec, "method", None) == "mtp"
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on."""
@@ -166,12 +174,13 @@ class EngineArgs:
         """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1
+        return device.type == "cuda" and self.tensor_parallel_size == 1 and not self._mtp
 
     def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
         """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring
         of deepinfer.engine.execution)."""
-        if self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1:
+        if (self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1
+                or self._mtp):
             return ExecutionMode.EAGER
         mode = ExecutionMode(self.execution_mode)
         return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode
