@@ -51,7 +51,7 @@ def test_config_defaults_as_vllm():
     ({"method": "ngram", "num_speculative_tokens": True}, "must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": "automatic"}, "must be an int >= 1 or \"auto\""),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "not implemented yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "one token a step"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required with method 'draft_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "model is only for method 'draft_model'"),

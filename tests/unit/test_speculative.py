@@ -223,7 +223,7 @@ def test_block_pool_after_a_run_is_as_without_speculation(tiny_dir):
 def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
     cases = {
         "method must be one of": {"method": "eagle", "num_speculative_tokens": 2},
-        "not implemented yet": {"method": "mtp", "num_speculative_tokens": 1},
+        "has no MTP layer": {"method": "mtp", "num_speculative_tokens": 1},  # a Llama
         "missing num_speculative_tokens": {"method": "ngram"},
         "num_speculative_tokens must be an int >= 1": {"method": "ngram", "num_speculative_tokens": 0},
         "unknown keys": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup": 3},

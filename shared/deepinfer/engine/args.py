@@ -164,6 +164,8 @@ class EngineArgs:
                 raise ValueError("speculative_config does not run with batch_invariant=True yet")
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
+            if self._mtp and self.async_scheduling:
+                raise ValueError("speculative_config method 'mtp' does not run with async_scheduling=True yet")
         if self.enable_hybrid_kv_cache:
             self._check_hybrid_kv_cache()
 
@@ -179,6 +181,12 @@ class EngineArgs:
             if bad:
                 raise ValueError(f"enable_hybrid_kv_cache does not run with {name} yet")
 
+    @property
+    def _mtp(self) -> bool:
+        """Speculative decoding by the model's MTP layer (eager and synchronous steps for now: engine/mtp_drafter.py)."""
+        spec = self.speculative_config
+        return spec is not None and getattr(spec, "method", None) == "mtp"
+
     def resolve_device(self) -> torch.device:
         """The torch device to run on."""
         if self.device == "auto":
@@ -189,13 +197,14 @@ class EngineArgs:
         """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_hybrid_kv_cache
+        return (device.type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_hybrid_kv_cache
+                and not self._mtp)
 
     def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
         """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring
         of deepinfer.engine.execution)."""
         if (self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1
-                or self.enable_hybrid_kv_cache):
+                or self.enable_hybrid_kv_cache or self._mtp):
             return ExecutionMode.EAGER
         mode = ExecutionMode(self.execution_mode)
         return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode

@@ -31,6 +31,7 @@ from deepinfer.engine.memory import (
     plan_kv_cache,
     zeroed_kv_cache,
 )
+from deepinfer.engine.mtp_drafter import MtpDrafter
 from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
@@ -115,7 +116,7 @@ class EngineCore:
         #: its draft length) and the drafter (None = off). A draft model is built before the KV plan: on CUDA
         #: its weights and KV are then this engine's allocations, which the target's KV budget leaves out.
         self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
-        self.drafter: Drafter | None = self._make_drafter(progress)
+        self.drafter: Drafter | None = self._make_drafter(model, progress)
         self.kv_plan = self._plan_kv_cache(model)
         if self.tokenizer is not None:
             self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -161,6 +162,8 @@ class EngineCore:
         self.rates = MeasuredRates.for_device(self.device.type, always_load=self.args.kv_load_choice == "load")
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model, progress)
+            if spec is not None and spec.method == "mtp":  # it reads the runner's steps and drafts after each
+                self.drafter = MtpDrafter(model, self.runner, self._allocate_mtp_cache(), self.scheduler.requests)
             progress.begin("allocating the host KV tier")
             #: The host-memory KV tier (None = off).
             self.host_tier = self._make_host_tier()
@@ -355,6 +358,9 @@ class EngineCore:
         if self.draft_controller is not None:
             self._observe_acceptance(scheduled, sampled, outputs)
         if self.drafter is not None:
+            observe_step = getattr(self.drafter, "observe_step", None)  # the MTP drafter runs over every step
+            if observe_step is not None:
+                observe_step(scheduled)
             self._propose_drafts()
         return outputs
 
@@ -533,11 +539,17 @@ class EngineCore:
         self.scheduler.max_prefill_tokens = timer.max_prefill_tokens
         return timer
 
-    def _make_drafter(self, progress: StartProgress) -> Drafter | None:
+    def _make_drafter(self, model: torch.nn.Module, progress: StartProgress) -> Drafter | None:
         """The drafter `speculative_config.method` names (None without a config); a draft model is loaded here,
-        into an engine of its own (engine/draft_model.py) with its own KV (`_draft_kv_tokens`)."""
+        into an engine of its own (engine/draft_model.py) with its own KV (`_draft_kv_tokens`); `mtp` is built
+        once the runner is (None here; a model without an MTP layer is refused now)."""
         spec = self.spec_config
         if spec is None:
+            return None
+        if spec.method == "mtp":
+            if getattr(model, "num_mtp_layers", 0) < 1:
+                raise ValueError(f"speculative_config.method='mtp': {self.model_config.architecture} has no MTP layer "
+                                 "(num_nextn_predict_layers in config.json and its tensors in the checkpoint)")
             return None
         if spec.method != "draft_model":
             return make_drafter(spec)
@@ -586,6 +598,8 @@ class EngineCore:
     def _plan_kv_cache(self, model: torch.nn.Module) -> KvCachePlan:
         # The model config says what one token costs: K/V heads, or one latent row per layer for MLA models.
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.args.block_size
+        if self.spec_config is not None and self.spec_config.method == "mtp":  # the MTP layer's cache: one layer more
+            per_block += per_block // self.model_config.num_hidden_layers
         budget = self.args.kv_cache_bytes
         if budget is None:
             budget = self._device_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget(per_block)
@@ -691,6 +705,11 @@ class EngineCore:
         self.scheduler.resume_loader = functools.partial(tier.start_load, self.scheduler)
         logger.info("host KV tier: %d blocks (%.2f GiB)", num_slots, tier.capacity_bytes / (1 << 30))
         return tier
+
+    def _allocate_mtp_cache(self) -> torch.Tensor:
+        """The MTP layer's latent cache: one main layer's shape, under the same block ids (engine/mtp_drafter.py)."""
+        shape = self.model_config.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
+        return zeroed_kv_cache(shape, self.dtype, self.device)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         """One cache per layer; with KV groups one per position in a group, shared by the groups' layers at that

@@ -7,8 +7,8 @@ step (k + 1 query positions) and the runner verifies it (deepinfer.sampling.reje
 all requests together; EngineCore calls it instead of `propose` when a drafter has it (`propose_drafts`). A drafter
 that has a distribution returns it as `Draft.probs`; one that has none (n-gram lookup, a greedy draft model) leaves it
 None and is treated as one-hot. Suffix decoding is `SuffixDrafter` (engine/suffix_drafter.py), the draft model
-`DraftModelDrafter` (engine/draft_model.py, built by EngineCore: it needs the target's device, dtype and KV plan);
-MTP is to come behind the same protocol.
+`DraftModelDrafter` (engine/draft_model.py, built by EngineCore: it needs the target's device, dtype and KV plan),
+the MTP layer `MtpDrafter` (engine/mtp_drafter.py, built by EngineCore beside the runner, whose steps it reads).
 """
 
 from __future__ import annotations

@@ -124,6 +124,10 @@ class ModelRunner:
             self._capture_graphs(mode)
         #: The execution mode that was built (the one asked for, lowered to what this device and model run).
         self.mode = _built_mode(self.graphs, self.full_graphs, self.piecewise)
+        #: True: an eager forward keeps its inputs and every row's hidden states in `last_step` (the MTP drafter
+        #: reads them after the step, engine/mtp_drafter.py); None after a step forwarded otherwise.
+        self.keep_last_step = False
+        self.last_step: tuple[ModelInputs, torch.Tensor] | None = None
 
     def _capture_graphs(self, mode: ExecutionMode) -> None:
         """Capture the mode's graphs: decode graphs, then (piecewise, full) those of steps with prompt rows in
@@ -385,6 +389,8 @@ class ModelRunner:
                 return ForwardResult(hidden[inputs.logits_indices], None, staged_rows,
                                      self._prompt_hidden(batch, hidden))
         hidden = self._forward_eager(batch, inputs, invariant_prefill)
+        if self.keep_last_step:
+            self.last_step = (inputs, hidden)
         return ForwardResult(hidden[inputs.logits_indices], None, staged_rows, self._prompt_hidden(batch, hidden))
 
     def _layer_metas(self, batch: HostBatch, meta: AttentionMetadata) -> list[AttentionMetadata]:

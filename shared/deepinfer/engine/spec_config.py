@@ -7,8 +7,10 @@
 
     LLM(model, speculative_config={"method": "draft_model", "model": "path/or/name", "num_speculative_tokens": 4})
 
-Unset (None) = no speculation, the engine exactly as without it. `ngram`, `suffix` and `draft_model` are
-implemented; `mtp` is refused by name until it is (deepinfer.engine.drafter).
+    LLM(deepseek_v3, speculative_config={"method": "mtp", "num_speculative_tokens": 1})   # its MTP layer drafts
+
+Unset (None) = no speculation, the engine exactly as without it. All four methods are implemented; `mtp` drafts one
+token a step for now (engine/mtp_drafter.py: chaining the MTP layer for k > 1 is to come).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 #: Methods a config may name (vLLM's names), and those this build can run.
 KNOWN_METHODS = ("ngram", "suffix", "mtp", "draft_model")
-IMPLEMENTED_METHODS = ("ngram", "suffix", "draft_model")
+IMPLEMENTED_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 #: `num_speculative_tokens: "auto"`: the most draft tokens a request proposes (the controller verifies fewer).
 AUTO_MAX_DRAFT_TOKENS = 8
 
@@ -65,6 +67,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", k)
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1 or \"auto\", got {k!r}")
+        if self.method == "mtp" and k not in (1, "auto"):
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: method 'mtp' drafts one token a step "
+                             "for now (1 or \"auto\"; chaining its MTP layer for more is to come)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -85,6 +90,8 @@ class SpeculativeConfig:
     @property
     def max_num_draft_tokens(self) -> int:
         """The most draft tokens one request proposes per step."""
+        if self.method == "mtp":
+            return 1
         return AUTO_MAX_DRAFT_TOKENS if self.adaptive else self.num_speculative_tokens
 
     @classmethod
