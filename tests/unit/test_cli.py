@@ -132,6 +132,16 @@ def test_up_makes_a_relative_draft_model_path_absolute_as_the_target_s(tmp_path,
             "method": "draft_model", "model": want, "num_speculative_tokens": "auto"}
 
 
+def test_up_turns_on_kv_by_layer_type_on_the_decode_workers_with_no_prefill_worker():
+    from deepinfer.up.cli import _worker_env, num_prefill
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--enable-hybrid-kv-cache"])
+    assert _worker_env(args) == {"DEEPINFER_DECODE_ENABLE_HYBRID_KV_CACHE": "true"} and num_prefill(args) == 0
+    assert num_prefill(parser.parse_args(["up", "--enable-hybrid-kv-cache", "--prefill", "2"])) == 2
+    assert num_prefill(parser.parse_args(["up"])) is None
+
+
 def test_bench_run_up_takes_up_s_stack_flags_and_refuses_a_port_in_use(tmp_path):
     import socket
 
