@@ -231,7 +231,9 @@ class DecodeHandler:
                     admission = await self._admit_on_device(request, params)
             if admission is None:
                 kv: KvSource = COMPUTE
-                if handle is not None:
+                if handle is not None and engine is not None and not engine.takes_kv:
+                    self._release(handle)  # KV by layer type: computed here, so not pulled; the owner frees it now
+                elif handle is not None:
                     with self.runtime.hops.span("kv_transfer", via="data_plane", num_blocks=len(handle.block_ids)):
                         payloads = await self._pull(handle)
                     kv = COMPUTE if payloads is None else PulledKv(payloads)
