@@ -253,7 +253,9 @@ class DecodeHandler:
                     admission = await self._admit_on_device(request, params)
             if admission is None:
                 kv: KvSource = COMPUTE
-                if handle is not None:
+                if handle is not None and engine is not None and not engine.takes_kv:
+                    self._release(handle)  # KV by layer type: computed here, so not pulled; the owner frees it now
+                elif handle is not None:
                     via = "data_plane" if self._handoff_path(handle) == "dataplane" else "transfer_engine"
                     with self.runtime.hops.span("kv_transfer", via=via, num_blocks=len(handle.block_ids)):
                         payloads = await self._pull(handle)

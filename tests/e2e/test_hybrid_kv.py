@@ -93,3 +93,21 @@ def test_a_resent_conversation_hits_its_prefix_and_replays_little(case, model, h
     cold = LLM(model, dtype="float32", enable_prefix_caching=False, progress=False)
     text = cold.generate([resent], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     assert second.choices[0].text == text
+
+
+def test_behind_a_prefill_worker_the_decode_worker_computes_the_prompt(tmp_path_factory):
+    """`--prefill 1`: the prefill worker hands over KV in one table for every layer; the hybrid decode worker
+    releases it unpulled and computes the prompt itself (decode_requests{kv="recomputed"}): the cold text."""
+    from deepinfer import LLM, SamplingParams
+
+    spec = CASES["tiny"]
+    model = str(make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3-pd"), "gemma3", sliding_window=spec.window))
+    env = {**STACK_ENV, "DEEPINFER_DATA_DIR": str(tmp_path_factory.mktemp("data-pd")),
+           "DEEPINFER_DECODE_ENABLE_HYBRID_KV_CACHE": "true"}
+    with Stack(model=model, port=0, env_overrides=env, start_timeout_s=240, num_prefill=1, num_decode=1) as stack:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="e2e", max_retries=0, timeout=300)
+        got = _complete(client, spec.first).choices[0].text
+        recomputed = metrics(stack, "decode-0").get('deepinfer_decode_requests_total{kv="recomputed"}', 0)
+    cold = LLM(model, dtype="float32", enable_prefix_caching=False, progress=False)
+    want = cold.generate([spec.first], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    assert got == want and recomputed == 1

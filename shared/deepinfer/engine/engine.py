@@ -264,9 +264,15 @@ class Engine:
         """This engine's KV cache exported for same-host CUDA IPC pulls (once, at start); None: data plane only."""
         return export_for_handles(self.core, self._peers.local_host_id)
 
+    @property
+    def takes_kv(self) -> bool:
+        """False with KV by layer type (enable_hybrid_kv_cache): KV another worker or tier holds comes in one table
+        for every layer, so this engine recomputes it (`add_request`) and a caller need not fetch it."""
+        return not self.core.kv_groups
+
     def accepts_device_kv(self, handle: KvHandle) -> bool:
         """True when this handle's blocks may come as PeerDeviceKv (any thread, a hint: mapping may still fail)."""
-        return self._peers.usable(handle, self.device)
+        return self.takes_kv and self._peers.usable(handle, self.device)
 
     def close_peers(self) -> None:
         """Drop every mapped owner cache (the owners' memory stays theirs)."""
