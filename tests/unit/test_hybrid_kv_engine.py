@@ -172,3 +172,12 @@ def test_speculative_decoding_frees_rejected_drafts_in_every_group(tiny_dir, hf,
     assert core.spec_decode_stats.num_draft_tokens > 0
     pool = core.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_without_prefix_caching_local_blocks_are_freed_uncached_and_the_tokens_hold(tiny_dir, hf):
+    llm = hybrid_llm(tiny_dir, enable_prefix_caching=False, max_num_batched_tokens=16)
+    prompts = [prompt(n, seed=300 + n, vocab_size=384) for n in (9, 33, 57)]
+    for token_ids, out in zip(prompts, generate(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, token_ids)
+    pool = llm.engine.core.scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1 and not pool.cached_block_hash_to_block
