@@ -15,7 +15,8 @@ each prompt is sent once (recomputed; in `store` its blocks written behind, wait
 evict it from the device pool (made small on purpose: `--pool-prompts` x the longest prompt), then each prompt
 again: TTFT from that tier, the tier that served it (usage.prompt_tokens_details.cached_tokens_by_tier) and
 whether the greedy text equals the first send's.
-Part 2, modes tiers-off / tiers-on: bench/kv/kv_tiers_multiturn.py (working set `--mt-working-set` x the pool).
+Part 2, modes tiers-off / tiers-host / tiers-on: bench/kv/kv_tiers_multiturn.py (working set `--mt-working-set` x
+the pool; tiers-host: the host tier alone, so tiers-host against tiers-on is the store on vs off beside it).
 
 TTFT = request sent -> first streamed content token (openai client). The host mode reports "unavailable" where
 the workers have no host tier yet. Prints a table per part and one JSON line; writes the JSON to --out. Exits
@@ -51,7 +52,7 @@ from deepinfer.bench.tier_stack import (
     worker_ports,
 )
 
-TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store", "store-shm"), ("tiers-off", "tiers-on")
+TIER_MODES, MULTI_TURN_MODES = ("recompute", "host", "store", "store-shm"), ("tiers-off", "tiers-host", "tiers-on")
 EXPECTED_TIER = {"recompute": "recompute", "host": "host", "store": "store", "store-shm": "store"}
 #: What the workers read through shared memory: blocks, of them DMA'd to the device, and fallbacks to the socket.
 SHM_METRICS = ("deepinfer_worker_store_shm_blocks_total", "deepinfer_worker_store_shm_device_blocks_total",

@@ -99,10 +99,10 @@ def summarize(mode: str, turns: list[Turn], wall_s: float) -> dict:
     }
 
 
-def tiers_on_over_off(points: list[dict]) -> float | None:
-    """Output tok/s with tiers on over tiers off, when both ran."""
+def tiers_on_over_off(points: list[dict], off_mode: str = "tiers-off") -> float | None:
+    """Output tok/s with tiers on over `off_mode` (tiers-off, or tiers-host: the store's share), when both ran."""
     rates = {p["mode"]: p.get("output_tok_s") for p in points}
-    on, off = rates.get("tiers-on"), rates.get("tiers-off")
+    on, off = rates.get("tiers-on"), rates.get(off_mode)
     return round(on / off, 3) if on and off else None
 
 
@@ -119,3 +119,5 @@ def print_table(points: list[dict]) -> None:
               f"{p['cached_tokens_by_tier']}")
     if (ratio := tiers_on_over_off(points)) is not None:
         print(f"output tok/s, tiers on / tiers off: {ratio}x")
+    if (ratio := tiers_on_over_off(points, "tiers-host")) is not None:
+        print(f"output tok/s, tiers on / the host tier alone (the store on / off beside it): {ratio}x")

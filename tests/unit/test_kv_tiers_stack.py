@@ -20,7 +20,7 @@ def env_of(mode: str, host_tier: bool, monkeypatch: pytest.MonkeyPatch) -> dict[
 
 @pytest.mark.parametrize(("mode", "store", "host"), [
     ("recompute", False, False), ("tiers-off", False, False), ("host", False, True), ("store", True, False),
-    ("tiers-on", True, True),
+    ("tiers-on", True, True), ("tiers-host", False, True),
 ])
 def test_each_mode_turns_on_its_tiers_on_every_worker(mode: str, store: bool, host: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ Modes: which tiers are on.
     store-shm               as store, the shard's RAM tier in shared memory (DEEPINFER_KVCACHE_SHM_RAM): gets
                             through it, on CUDA slots DMA'd straight to the device (kv_store_shm_dma)
     tiers-on                host tier on (where it exists), one kvcache shard, store on
+    tiers-host              host tier on, store off (against tiers-on: what the store adds beside the host tier)
 
 `load_choice` is every worker's kv_load_choice: "measured" (load or recompute at the measured rates) or "load"
 (always load what a tier holds: the load path measured whatever the chooser would say).
@@ -33,7 +34,7 @@ from deepinfer.config import DecodeSettings, KvCacheSettings, PrefillSettings, W
 
 #: The worker setting of the host tier (bytes of host memory; 0 = off), in main once the host tier is.
 HOST_FIELD = "kv_host_cache_bytes"
-STORE_MODES, HOST_MODES, SHM_MODES = ("store", "store-shm", "tiers-on"), ("host", "tiers-on"), ("store-shm",)
+STORE_MODES, HOST_MODES, SHM_MODES = ("store", "store-shm", "tiers-on"), ("host", "tiers-on", "tiers-host"), ("store-shm",)
 _SAMPLE = re.compile(r"^(\w+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
 
 
