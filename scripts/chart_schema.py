@@ -98,6 +98,9 @@ def _common_schema() -> dict:
 def build_schema() -> dict:
     replicas = {"type": "integer", "minimum": 0}
     accelerators = {"type": "integer", "minimum": 1}
+    # A transfer engine's RPC and data port range (kvcache shards, prefill workers with transferEngine).
+    ports = _obj({"min": {"type": "integer", "minimum": 1024, "maximum": 65535},
+                  "max": {"type": "integer", "minimum": 1024, "maximum": 65535}})
     hpa = {"enabled": {"type": "boolean"}, "minReplicas": {"type": "integer", "minimum": 1},
            "maxReplicas": {"type": "integer", "minimum": 1}}
     return {
@@ -135,13 +138,12 @@ def build_schema() -> dict:
                 "groups": replicas,
                 "ratio": _obj({"prefill": replicas, "decode": replicas}, ("prefill", "decode")),
             }, ("groups", "ratio")),
-            "prefill": _component("prefill", {"acceleratorsPerPod": accelerators}),
+            "prefill": _component("prefill", {"acceleratorsPerPod": accelerators, "transferEnginePorts": ports}),
             "decode": _component("decode", {"acceleratorsPerPod": accelerators}),
             "kvcache": _component("kvcache", {
                 "enabled": {"type": "boolean"}, "replicas": replicas,
                 "storage": _obj({"size": {"type": "string"}, "storageClassName": {"type": "string"}}),
-                "transferEnginePorts": _obj({"min": {"type": "integer", "minimum": 1024, "maximum": 65535},
-                                             "max": {"type": "integer", "minimum": 1024, "maximum": 65535}}),
+                "transferEnginePorts": ports,
             }),
             "podDisruptionBudget": _obj({"enabled": {"type": "boolean"}, "minAvailable": {"type": "integer"}}),
             "autoscaling": _obj({

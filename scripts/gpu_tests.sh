@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All of tests/gpu in one call on a GPU machine, with its log and counts:
 #
-#     GIT_COMMIT=$(git rev-parse --short HEAD) [SHARD=1/2] bash scripts/gpu_tests.sh [PYTEST_ARGS...]   # on the device
+#     GIT_COMMIT=$(git rev-parse --short HEAD) [SHARD=1/3] bash scripts/gpu_tests.sh [PYTEST_ARGS...]   # on the device
 #
 # Installs the carried wheels once (bench/device_wheels.sh makes .whl-stack here; the device call carries it), runs
 # `pytest tests/gpu --noconftest`, and writes under $OUT (default bench/results, git-ignored):
@@ -17,7 +17,8 @@ source bench/device_env.sh
 export PYTHONUNBUFFERED=1
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # SHARD=i/n runs the i-th of n shares of the test files (every n-th file, by name, from the i-th): the whole suite
-# took over 600 s on one H200 on 2026-12-04, more than one device call, so it runs as SHARD=1/2 and SHARD=2/2.
+# took over 600 s on one H200 on 2026-12-04, more than one device call, so it runs in thirds (SHARD=1/3, 2/3, 3/3;
+# the largest took 272 s on 2026-12-05).
 files=(tests/gpu)
 if [ -n "${SHARD:-}" ]; then
     index=${SHARD%/*} count=${SHARD#*/} files=()

@@ -15,7 +15,8 @@ hook (`EngineCore.install_drafter`) on an engine built with n-gram drafting.
 
 In one run, greedy, every request a ~128-token random prompt and exactly --max-tokens output tokens:
   none        a plain engine (async scheduling on, as users get it on CUDA): the reference tokens, per concurrency
-  none-sync   the speculating engine with no drafter installed (synchronous scheduling, what speculation runs on)
+  none-sync   the speculating engine with no drafter installed (its plain steps: synchronous before its async
+              scheduling with drafts, docs/speculative.md "Async scheduling"; the name kept for comparisons)
   k=K         the oracle's drafts, K tokens verified every step, at each alpha
   auto        the oracle's drafts of up to 8 tokens, the draft controller choosing how many (engine/draft_controller.py)
 at concurrency c in --concurrency (all c requests added at once). Per user: the mean over requests of
@@ -27,7 +28,8 @@ total: all output tokens / the batch's wall time (prefill included).
                                     [--alphas 0.6,0.8,0.9] [--k 3] [--prompt-len 128] [--max-tokens 128] [--out F]
     PYTHONPATH=shared:. python bench/spec/spec_oracle_gpu.py --quick [--dtype bfloat16]   # a tiny model on the CPU: the code paths in seconds
 
-Prints progress, then a table; writes JSON to --out (default $OUT/spec-oracle-gpu.json when OUT is set).
+Prints progress, then a table; writes JSON to --out (default $OUT/spec-oracle-gpu.json when OUT is set), its commit
+GIT_COMMIT when set (the device copy's git may not know the tree's), else git's HEAD.
 """
 
 from __future__ import annotations
@@ -225,10 +227,10 @@ def measure(
 
 def make_engine(
     model_dir: Path, device: str, dtype: str, speculative: bool, max_model_len: int, permutation: list[int],
-    residual_scale: float,
+    residual_scale: float, execution_mode: str | None = None,
 ) -> EngineCore:
     """An engine over the config alone (load_format="dummy", the same seed: every engine holds one model), its
-    model made the successor model of `permutation`."""
+    model made the successor model of `permutation` (execution_mode None: the default)."""
     args = EngineArgs(
         model=model_dir,
         load_format="dummy",
@@ -243,6 +245,7 @@ def make_engine(
         gpu_memory_utilization=0.9,
         kv_host_cache_bytes=0,
         speculative_config=BUILT_FOR if speculative else None,
+        **({} if execution_mode is None else {"execution_mode": execution_mode}),
     )
     engine = EngineCore(args)
     make_successor(engine, permutation, residual_scale)
@@ -311,12 +314,16 @@ def main() -> None:
     modes = [args.k, "auto"]
     out = args.out or (Path(os.environ["OUT"]) / "spec-oracle-gpu.json" if os.environ.get("OUT") else None)
     started = time.perf_counter()
-    try:  # the device machine's copy of the tree may have no git
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    # GIT_COMMIT first (as scripts/gpu_tests.sh): the device machine's copy of the tree may have no git, or a
+    # repository whose HEAD is not the tree's (two H200 runs of 2026-12-04 recorded c77db6b for 62c4d98 and f5b85b1).
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+        except OSError:
+            commit = ""
     res: dict = {
         "bench": "spec_oracle_gpu",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -1,7 +1,7 @@
 """The decode worker. Per DecodeRequest on `decode(model, worker_id)`:
 
-    receive → pull the prompt's KV by handle (device to device on one host, else data plane) → Release to the
-    prefill worker
+    receive → pull the prompt's KV by handle (device to device on one host; else through the owner's transfer engine
+    when kv_transport takes it, falling back to the data-plane get) → Release to the prefill worker
     → join the running batch → reply DecodeAccepted
     → every engine step: one TokenBatch per gateway with the new tokens of its requests (diffs); a request that
       asked for prompt_logprobs and whose prompt was computed here gets them on its first chunk
@@ -27,7 +27,16 @@ from prometheus_client import Counter
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import DecodeSettings
-from deepinfer.dataplane import DataPlaneClient, DataPlaneError, LayoutMismatch, check_layout
+from deepinfer.dataplane import (
+    DataPlaneClient,
+    DataPlaneConnectionError,
+    DataPlaneError,
+    LayoutMismatch,
+    LeaseExpired,
+    check_layout,
+)
+from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.transfer_engine import TransferEngineUnavailable
 from deepinfer.engine import (
     COMPUTE,
     Abort,
@@ -39,6 +48,10 @@ from deepinfer.engine import (
     PeerDeviceKv,
     PulledKv,
 )
+from deepinfer.host_identity import host_id as this_host_id
+from deepinfer.kvcache.client import KvTransport
+from deepinfer.kvcache.client.remote import TransferEngineReads
+from deepinfer.kvcache.client.transport import handoff_path
 from deepinfer.protocol import (
     Cancel,
     DecodeAccepted,
@@ -120,6 +133,14 @@ class DecodeHandler:
         self._requests = counter(ctx.registry, "decode_requests", "Decode requests by how their KV arrived.",
                                  ["kv"])
         self._admitted: dict[str, Counter] = {}
+        #: Pulls through the owner's transfer engine (kv_transport, handoff_path); the engine starts at the first.
+        self._transport = KvTransport(ctx.settings.kv_transport)
+        self._handoff_reads = TransferEngineReads(ctx.settings.data_plane_host)
+        self._host_id = this_host_id()
+        self._transfer_engine_error = ""  # set once when the library does not load here: the data plane from then
+        self._pulls = counter(ctx.registry, "decode_kv_pulls", "Pulls of a prefill worker's KV by the path that "
+                              "served them (transfer_engine_fallback: the engine failed, the data plane served).",
+                              ["via"])
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     async def load(self) -> None:
@@ -187,6 +208,7 @@ class DecodeHandler:
             with contextlib.suppress(Exception):
                 await client.close()
         await self.runtime.close()
+        self._handoff_reads.close()
         if self.runtime.engine is not None:
             self.runtime.engine.close_peers()
 
@@ -231,8 +253,11 @@ class DecodeHandler:
                     admission = await self._admit_on_device(request, params)
             if admission is None:
                 kv: KvSource = COMPUTE
-                if handle is not None:
-                    with self.runtime.hops.span("kv_transfer", via="data_plane", num_blocks=len(handle.block_ids)):
+                if handle is not None and engine is not None and not engine.takes_kv:
+                    self._release(handle)  # KV by layer type: computed here, so not pulled; the owner frees it now
+                elif handle is not None:
+                    via = "data_plane" if self._handoff_path(handle) == "dataplane" else "transfer_engine"
+                    with self.runtime.hops.span("kv_transfer", via=via, num_blocks=len(handle.block_ids)):
                         payloads = await self._pull(handle)
                     kv = COMPUTE if payloads is None else PulledKv(payloads)
                 # Pulled KV with no free block right now, no handle, a failed pull: the prompt is computed here.
@@ -263,18 +288,53 @@ class DecodeHandler:
         self._release(handle)  # the copy has completed (or, no block free, never started): the owner may reuse them
         return admission
 
-    async def _pull(self, handle: KvHandle) -> list[bytes] | None:
-        """The handle's blocks, or None (lease gone, peer down, checksum): the caller recomputes."""
+    async def _pull(self, handle: KvHandle) -> list[BytesLike] | None:
+        """The handle's blocks (through the owner's transfer engine first when `_handoff_path` says so), or None
+        (lease gone, peer down, checksum): the caller recomputes."""
         try:
             client = self._client(handle.data_plane_address)
-            return await asyncio.wait_for(client.get_blocks(handle.request_id, handle.block_ids,
-                                                            layout_id=handle.layout_id),
-                                          self.settings.kv_pull_timeout_s)
+            payloads = await self._pull_through_transfer_engine(client, handle)
+            if payloads is None:
+                payloads = await asyncio.wait_for(client.get_blocks(handle.request_id, handle.block_ids,
+                                                                    layout_id=handle.layout_id),
+                                                  self.settings.kv_pull_timeout_s)
+                self._pulls.labels("data_plane").inc()
+            return payloads
         except (DataPlaneError, OSError, TimeoutError) as exc:
             log.warning("pull from %s failed (%s): recomputing the prompt", handle.owner_worker_id, exc)
             return None
         finally:
             self._release(handle)
+
+    def _handoff_path(self, handle: KvHandle) -> str:
+        """"transfer_engine" or "dataplane" (kv_transport, the handle's owner and host, the library here)."""
+        return handoff_path(self._transport, handle, self._host_id, not self._transfer_engine_error)
+
+    async def _pull_through_transfer_engine(self, client: DataPlaneClient, handle: KvHandle) -> list[BytesLike] | None:
+        """The blocks leased and read through the owner's transfer engine, checksums verified, the lease released;
+        None when this pull does not take it or it failed (then the data-plane get of the same blocks). An ended
+        lease or a lost connection raise: the data plane could not serve them either."""
+        if self._handoff_path(handle) != "transfer_engine":
+            return None
+        reads = self._handoff_reads
+        try:
+            blocks = await asyncio.wait_for(reads.get_held(client, handle.request_id, handle.block_ids,
+                                                           handle.layout_id), self.settings.kv_pull_timeout_s)
+        except (LeaseExpired, DataPlaneConnectionError):
+            raise
+        except TransferEngineUnavailable as exc:
+            self._transfer_engine_error = str(exc)
+            log.warning("P/D handoffs take the data plane: %s", exc)
+            return None
+        except Exception as exc:  # refused, no export room, torn, a transfer error, a checksum: the data plane
+            reads.num_fallbacks += 1
+            self._pulls.labels("transfer_engine_fallback").inc()
+            level = logging.WARNING if reads.num_fallbacks == 1 else logging.DEBUG  # the first says why, once
+            log.log(level, "pull from %s through its transfer engine failed (%r): the data-plane get serves it "
+                    "(fallbacks after the first are logged at debug)", handle.owner_worker_id, exc)
+            return None
+        self._pulls.labels("transfer_engine").inc()
+        return blocks
 
     def _release(self, handle: KvHandle) -> None:
         release = Release(request_id=handle.request_id)

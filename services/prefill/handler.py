@@ -2,7 +2,8 @@
 
     receive → prefill (engine computes the prompt, samples the first token, holds the KV blocks)
     → reply PrefillResult{first token, KvHandle, the prompt's logprobs when asked} → serve the blocks on the data
-    plane → Release or lease expiry
+    plane (a get; with `transfer_engine`, also a lease of export slots a decode worker's transfer engine reads)
+    → Release or lease expiry
 
 A request whose first token already ends it (eos, a stop token, max_tokens 1) releases its blocks at once and
 its result carries the finish reason and no handle.
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from deepinfer import subjects
 from deepinfer.bus import IncomingMsg, Subscriptions
 from deepinfer.config import PrefillSettings
-from deepinfer.dataplane import DataPlaneServer, LeaseExpired
+from deepinfer.dataplane import DataPlaneError, DataPlaneServer, LeaseExpired
+from deepinfer.dataplane.frames import LeaseVia
+from deepinfer.dataplane.transfer_engine import TransferEngine
 from deepinfer.engine import (
     Abort,
     EngineOutput,
@@ -30,6 +33,8 @@ from deepinfer.engine import (
     ReleaseHeld,
 )
 from deepinfer.hashing import hash_blocks
+from deepinfer.host_identity import host_id as this_host_id
+from deepinfer.kvcache.shm import SlotLease
 from deepinfer.protocol import (
     Cancel,
     ErrorCode,
@@ -46,6 +51,7 @@ from deepinfer.protocol.kv import KvDeviceExport
 from deepinfer.service import ServiceContext
 from deepinfer.telemetry import counter
 from deepinfer.worker.errors import error_detail
+from deepinfer.worker.handoff_exports import HandoffExports
 from deepinfer.worker.prompt_logprobs import wire_prompt_logprobs
 from deepinfer.worker.runtime import WorkerRuntime
 from deepinfer.worker.settings import engine_sampling
@@ -76,6 +82,9 @@ class PrefillHandler:
         self.data_plane: DataPlaneServer | None = None
         #: The KV cache exported once for same-host CUDA IPC pulls; None on the CPU (data plane only).
         self._device_export: KvDeviceExport | None = None
+        #: Export slots leased to decode workers' transfer engines (`transfer_engine`); None: the data-plane get only.
+        self._exports: HandoffExports | None = None
+        self._host_id = this_host_id()
         self._pending: dict[str, _Pending] = {}
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._tasks = self.runtime.tasks
@@ -87,12 +96,25 @@ class PrefillHandler:
         """Load the model and bind the data plane (before the internal server reports ready)."""
         await self.runtime.load()
         self._device_export = await self.runtime.run(ExportDeviceKv())
+        if self.settings.transfer_engine:
+            self._exports = await asyncio.to_thread(self._start_exports)
         secret = self.settings.common.data_plane_secret
         self.data_plane = DataPlaneServer(
             self, host=self.settings.data_plane_host, port=self.settings.data_plane_port,
             secret=secret.get_secret_value() if secret else None,
         )
         await self.data_plane.start()
+
+    def _start_exports(self) -> HandoffExports:
+        """This process's transfer engine (named data_plane_host, as its store client's) and the export slots
+        registered with it, once. Raises when the library does not load: the setting asked for it."""
+        engine = self.runtime.engine
+        assert engine is not None
+        exports = HandoffExports(TransferEngine.shared(self.settings.data_plane_host, "tcp"),
+                                 self.settings.transfer_engine_export_bytes, engine.kv_bytes_per_block)
+        log.info("handoff exports: %d slots of %d bytes registered with the transfer engine %s", exports.num_slots,
+                 exports.remote_region.slot_bytes, exports.remote_region.session_id)
+        return exports
 
     async def start(self) -> None:
         """Take prefill requests and releases; start heartbeats."""
@@ -135,6 +157,8 @@ class PrefillHandler:
         await self._subscriptions.close()
         if self.data_plane is not None:
             await self.data_plane.close(drain_timeout_s=1.0)
+        if self._exports is not None:
+            self._exports.close()
         await self.runtime.close()
 
     # -- the loop -----------------------------------------------------------------------------------------------
@@ -217,6 +241,8 @@ class PrefillHandler:
             layout_id=self.runtime.layout.layout_id(),
             lease_expires_at_unix_s=time.time() + self.settings.kv_lease_s,
             device_transfer=self._device_export,
+            transfer_engine=self._exports is not None,
+            host_id=self._host_id,
         )
         self._leases[request_id] = asyncio.get_running_loop().call_later(
             self.settings.kv_lease_s, self._expire, request_id)
@@ -249,6 +275,8 @@ class PrefillHandler:
         if handle is None:
             return
         handle.cancel()
+        if self._exports is not None:
+            self._exports.end_request(request_id)  # its export slots too (a reader past this fails the seq check)
         await self.runtime.run(ReleaseHeld(request_id))
         log.debug("lease of %s %s", request_id, why)
 
@@ -263,6 +291,26 @@ class PrefillHandler:
             return await self.runtime.run(ExportHeld(request_id, block_ids))
         except LeaseNotHeld as exc:
             raise LeaseExpired(str(exc)) from exc
+
+    async def lease_blocks(self, layout_id, block_hashes, host_id, via=LeaseVia.SHARED_MEMORY, request_id="",
+                           block_ids=()) -> SlotLease:
+        """Lease a held request's blocks to a transfer engine (the data plane calls this): exported as for a get,
+        each copied into an export slot that stays untouched until the reader's release or the request's lease
+        ends."""
+        if via != LeaseVia.TRANSFER_ENGINE or self._exports is None or not block_ids:
+            raise DataPlaneError("this worker leases held blocks by id to transfer engines only, and only with "
+                                 "transfer_engine on")
+        payloads = await self.read_blocks(request_id, block_ids, (), layout_id)
+        lease = await asyncio.to_thread(self._exports.lease, request_id, block_ids, layout_id, payloads)
+        if request_id not in self._leases:  # the request's lease ended while the blocks were exported
+            self._exports.release(lease.lease_id)
+            raise LeaseExpired(f"no lease for request {request_id!r}")
+        return lease
+
+    async def release_lease(self, lease_id) -> None:
+        """A transfer engine's reader is done with its export slots."""
+        if self._exports is not None:
+            self._exports.release(lease_id)
 
     async def write_blocks(self, layout_id, block_hashes, payloads) -> None:
         """Workers take no puts."""

@@ -1,6 +1,7 @@
 """Speculative decoding through the services (issue #32): a stack of its own per config (1 prefill + 1 decode
 worker, every service its own process over a real nats-server, the official `openai` client), the decode worker
-drafting by n-gram prompt lookup with a fixed k and with "auto", and by suffix decoding with "auto". A request that asks the default model to repeat
+drafting by n-gram prompt lookup with a fixed k and with "auto" (also with async scheduling, as a CUDA worker runs
+it), and by suffix decoding with "auto". A request that asks the default model to repeat
 a text drafts well, so most of its tokens come from accepted runs: the gateway's text is the offline engine's
 without speculation (float32, greedy), a stop string and max_tokens inside an accepted run cut it where a plain
 run would, a JSON-schema request drafts under its grammar, and the decode worker's /metrics counts the drafts."""
@@ -22,7 +23,9 @@ TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the 
 REPEAT = [{"role": "user", "content": f"Repeat this text exactly, twice:\n\n{TEXT} {TEXT}"}]
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CONFIGS = {"k4": {**NGRAM, "num_speculative_tokens": 4}, "auto": {**NGRAM, "num_speculative_tokens": "auto"},
-           "suffix": {"method": "suffix", "num_speculative_tokens": "auto"}}
+           "suffix": {"method": "suffix", "num_speculative_tokens": "auto"},
+           # async scheduling as a CUDA worker has it by default: plain steps async, verify steps synchronous
+           "auto-async": {**NGRAM, "num_speculative_tokens": "auto"}}
 SCHEMA = {
     "type": "object",
     "properties": {"text": {"type": "string"}},
@@ -42,6 +45,8 @@ def spec_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         "DEEPINFER_DATA_DIR": str(tmp_path_factory.mktemp("data")),
         "DEEPINFER_DECODE_SPECULATIVE_CONFIG": json.dumps(CONFIGS[request.param]),
     }
+    if request.param.endswith("-async"):
+        env["DEEPINFER_DECODE_ASYNC_SCHEDULING"] = "true"
     with Stack(port=0, env_overrides=env, start_timeout_s=240, num_prefill=1, num_decode=1) as running:
         yield running
 

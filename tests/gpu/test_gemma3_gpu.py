@@ -104,3 +104,29 @@ def test_greedy_tokens_match_transformers_in_every_execution_mode(checkpoint, re
     warm = llm.generate(batch, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
     assert max(o.num_cached_tokens for o in warm) > 4 * WINDOW
+
+
+def test_kv_by_layer_type_matches_transformers(checkpoint, reference):
+    """enable_hybrid_kv_cache on the GPU (eager steps, the Triton kernels reading each layer's group table, the
+    groups' layers sharing caches): transformers' tokens, prefix-cache hits giving the cold tokens, and a pool of
+    pages small enough that freed local blocks are taken by other requests meanwhile."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(str(checkpoint), device="cuda", dtype="float32", accelerator="cuda", progress=False,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, enable_hybrid_kv_cache=True,
+              hybrid_checkpoint_tokens=64, kv_cache_bytes=200 * 2 * 16 * 2 * 32 * 4)  # 200 pages of one layer
+    core = llm.engine.core
+    assert len(core.kv_groups) == 6 and core.execution_mode == "eager"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts()]
+    cold = llm.generate(batch, params, use_tqdm=False)
+    compared = 0
+    for out, (want, num_clear) in zip(cold, reference, strict=True):
+        assert out.outputs[0].token_ids[:num_clear] == want[:num_clear], (num_clear, out.outputs[0].token_ids, want)
+        compared += num_clear
+    assert compared >= MIN_COMPARED * len(LENGTHS) * NEW_TOKENS, f"only {compared} tokens compared"
+    warm = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    assert max(o.num_cached_tokens for o in warm) > 4 * WINDOW
+    pool = core.scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

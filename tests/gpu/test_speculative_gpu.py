@@ -97,3 +97,40 @@ def test_grammar_requests_verify_drafts_under_their_masks_beside_full_graphs(mod
     got = outputs(spec, params)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in reference]
     assert spec.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "full"])
+def test_a_draft_model_gives_the_plain_tokens(model_dir, mode):
+    """method draft_model with the target's own checkpoint as the draft: its nested engine (its own pool, in full
+    mode its own graphs) on the same device; greedy tokens as the plain run's with nearly every draft kept, seeded
+    ones as the plain run's."""
+    from deepinfer import LLM, SamplingParams
+
+    spec = LLM(str(model_dir), dtype="float32", execution_mode=mode, max_num_seqs=8, max_model_len=256,
+               kv_cache_bytes=64 << 20, kv_host_cache_bytes=0, progress=False,
+               speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    plain = build(model_dir, mode, speculative=False)
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
+    assert [o.token_ids for o in outputs(spec, greedy)] == [o.token_ids for o in outputs(plain, greedy)]
+    stats = spec.engine.spec_decode_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
+    seeded = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=7)
+    assert [o.token_ids for o in outputs(spec, seeded)] == [o.token_ids for o in outputs(plain, seeded)]
+
+
+def test_mtp_drafts_give_the_plain_tokens(tmp_path_factory):
+    """method mtp on a tiny DeepSeek-V3 with an MTP layer (MLA, MoE; eager, the Triton kernels): the MTP pass
+    over every step's rows writes its latent cache on the device; greedy and seeded tokens as the plain run's."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.testing import checkpoints_deepseek
+
+    path = checkpoints_deepseek.make_tiny_deepseek_checkpoint(tmp_path_factory.mktemp("mtp"), "deepseek_v3",
+                                                              std=0.1, seed=3, num_nextn_predict_layers=1)
+    common = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 256, "kv_cache_bytes": 64 << 20,
+              "kv_host_cache_bytes": 0, "progress": False, "execution_mode": "eager"}
+    plain = LLM(str(path), **common)
+    spec = LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **common)
+    for params in (SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0),
+                   SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=7)):
+        assert [o.token_ids for o in outputs(spec, params)] == [o.token_ids for o in outputs(plain, params)]
+    assert spec.engine.spec_decode_stats().num_draft_tokens > 0

@@ -131,7 +131,7 @@ async def test_a_get_through_the_transfer_engine_matches_the_data_plane_get(shar
         assert all(g is buf for g, buf in zip(got, into, strict=True))
         assert [row.tobytes() for row in rows] == over_socket
         assert engine._registered.get(rows.ctypes.data) == rows.nbytes  # registered when the engine started
-        assert [bytes(b) for b in await te.get(LAYOUT, HASHES)] == over_socket  # fresh buffers, unregistered
+        assert [bytes(b) for b in await te.get(LAYOUT, HASHES)] == over_socket  # fresh buffers, registered for the batch
         assert te.transfer_engine.num_blocks == 2 * len(HASHES) and te.transfer_engine.num_fallbacks == 0
         assert plane.transfer_engine.num_blocks == 0 and plane.shared_memory.num_blocks == 0
     finally:

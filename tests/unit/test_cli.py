@@ -119,6 +119,29 @@ def test_up_passes_a_checked_speculative_config_to_the_decode_workers():
     assert result.returncode == 2 and "num_speculative_tokens must be an int >= 1" in result.stderr
 
 
+def test_up_makes_a_relative_draft_model_path_absolute_as_the_target_s(tmp_path, monkeypatch):
+    from deepinfer.up.cli import _worker_env
+
+    (tmp_path / "draft").mkdir()
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    for model, want in (("draft", str(tmp_path / "draft")), ("smollm2-135m", "smollm2-135m")):
+        config = json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": "auto"})
+        env = _worker_env(parser.parse_args(["up", "--speculative-config", config]))
+        assert json.loads(env["DEEPINFER_DECODE_SPECULATIVE_CONFIG"]) == {
+            "method": "draft_model", "model": want, "num_speculative_tokens": "auto"}
+
+
+def test_up_turns_on_kv_by_layer_type_on_the_decode_workers_with_no_prefill_worker():
+    from deepinfer.up.cli import _worker_env, num_prefill
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--enable-hybrid-kv-cache"])
+    assert _worker_env(args) == {"DEEPINFER_DECODE_ENABLE_HYBRID_KV_CACHE": "true"} and num_prefill(args) == 0
+    assert num_prefill(parser.parse_args(["up", "--enable-hybrid-kv-cache", "--prefill", "2"])) == 2
+    assert num_prefill(parser.parse_args(["up"])) is None
+
+
 def test_bench_run_up_takes_up_s_stack_flags_and_refuses_a_port_in_use(tmp_path):
     import socket
 

@@ -328,6 +328,10 @@ def test_the_decode_worker_speculates_from_one_json_setting(monkeypatch):
     suffix = engine_args(DecodeSettings(speculative_config='{"method": "suffix", "suffix_decoding_max_tree_depth": 16}'))
     assert suffix.speculative_config == SpeculativeConfig(method="suffix", num_speculative_tokens=16,
                                                           suffix_decoding_max_tree_depth=16)
+    draft = engine_args(DecodeSettings(
+        speculative_config='{"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": "auto"}'))
+    assert draft.speculative_config == SpeculativeConfig(method="draft_model", model="/models/draft",
+                                                         num_speculative_tokens="auto")
     monkeypatch.delenv("DEEPINFER_DECODE_SPECULATIVE_CONFIG")
     assert engine_args(DecodeSettings()).speculative_config is None
     assert engine_args(PrefillSettings()).speculative_config is None  # one token per request: nothing to draft

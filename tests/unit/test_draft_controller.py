@@ -15,12 +15,14 @@ def controller_with(costs: dict[tuple[int, int], float]) -> DraftController:
     return controller
 
 
-def test_the_cost_of_an_unmeasured_cell_is_the_nearest_measured_one_below():
+def test_the_cost_of_an_unmeasured_cell_lies_on_the_line_between_its_measured_neighbours():
     table = StepCostTable()
     table.observe(2, 2, 1.0)
-    table.observe(2, 5, 3.0)
-    assert [table.cost(2, t) for t in (2, 3, 4, 5, 9)] == [1.0, 1.0, 1.0, 3.0, 3.0]
-    assert table.cost(1, 3) is None and table.cost(3, 3) is None
+    table.observe(2, 5, 4.0)
+    assert [table.cost(2, t) for t in (2, 3, 4, 5, 9)] == [1.0, 2.0, 3.0, 4.0, 4.0]  # above the last: the last
+    table.observe(2, 3, 1.5)
+    assert [table.cost(2, t) for t in (3, 4)] == [1.5, pytest.approx(2.75)]
+    assert table.cost(1, 3) is None and table.cost(3, 3) is None and table.cost(2, 1) is None
     table.observe(2, 2, 2.0)  # a moving average: a quarter weight on the newest
     assert table.cost(2, 2) == pytest.approx(1.25)
 
@@ -78,3 +80,45 @@ def test_state_of_requests_gone_is_dropped():
     controller.observe_draft("b", 2, 0)
     controller.retain({"b"})
     assert controller.acceptance("a") == 0.5 and controller.acceptance("b") < 0.5
+
+
+def test_one_measured_long_step_prices_the_shorter_ones():
+    # Plain 1.0 s at 4 rows; the first (optimistic) try verified 16 drafts in 4.0 s: each draft costs ~0.19 s on the
+    # line, more than the 0.5 ** i tokens it adds (1 token a row costs 0.25 s), so the next step verifies none.
+    controller = controller_with({(4, 4): 1.0})
+    assert sum(controller.draft_lengths({r: 4 for r in "abcd"}).values()) == 16
+    controller.observe_step(4, 20, 4.0)
+    assert controller.draft_lengths({r: 4 for r in "abcd"}) == dict.fromkeys("abcd", 0)
+
+
+def test_the_query_token_cap_bounds_rows_and_drafts_together():
+    controller = controller_with({(4, 4): 1.0})  # every draft free: all would be verified
+    lengths = controller.draft_lengths({"a": 4, "b": 4, "c": 4, "d": 0}, max_query_tokens=10)
+    assert sum(lengths.values()) == 6 and lengths["d"] == 0
+    assert controller.draft_lengths({"a": 4, "b": 4, "c": 4, "d": 0}, max_query_tokens=3) == dict.fromkeys("abcd", 0)
+
+
+def test_a_model_drafter_drafts_as_deep_as_pays_its_rounds_included():
+    """draft_depth: acceptance 0.8 (one request), a verify step costs 10 ms whatever its tokens (memory-bound), so
+    drafts are nearly free to verify; the draft model's rounds decide the depth."""
+    controller = controller_with({(1, 1): 0.010, (1, 9): 0.010})
+    for _ in range(20):
+        controller.observe_draft("a", 4, 3)  # 3 of 4 accepted: tried 4, accepted 3
+    rate = controller.acceptance("a")
+    assert DraftController().draft_depth(["a"], 8) == 0  # no plain step measured yet
+    assert controller.draft_depth(["a"], 8) == 8  # rounds never measured cost nothing (optimistic)
+    # A round of depth d costs 1 ms a position: emitted/s = (1 + sum rate^i) / (10 ms + d ms), best at this depth.
+    for depth in range(1, 9):
+        controller.observe_draft_round(1, depth, 0.001 * depth)
+    expected = max(range(1, 9), key=lambda d: (1 + sum(rate**i for i in range(1, d + 1))) / (0.010 + 0.001 * d))
+    assert controller.draft_depth(["a"], 8) == expected < 8
+
+
+def test_a_model_drafter_that_never_pays_drafts_one_probe_in_probe_every_calls():
+    from deepinfer.engine.draft_controller import PROBE_EVERY
+
+    controller = controller_with({(1, 1): 0.010, (1, 9): 0.010})
+    for depth in range(1, 9):
+        controller.observe_draft_round(1, depth, 0.050)  # a round costs five plain steps
+    depths = [controller.draft_depth(["a"], 8) for _ in range(2 * PROBE_EVERY)]
+    assert depths == ([0] * (PROBE_EVERY - 1) + [1]) * 2

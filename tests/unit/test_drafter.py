@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.engine.args import EngineArgs
-from deepinfer.engine.drafter import NgramDrafter, make_drafter, propose_ngram
+from deepinfer.engine.drafter import Draft, NgramDrafter, make_drafter, propose_drafts, propose_ngram
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec_config import SpeculativeConfig
 
@@ -51,7 +51,10 @@ def test_config_defaults_as_vllm():
     ({"method": "ngram", "num_speculative_tokens": True}, "must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": "automatic"}, "must be an int >= 1 or \"auto\""),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not implemented yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "one token a step"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required with method 'draft_model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "m"}, "model is only for method 'draft_model'"),
     ({"num_speculative_tokens": 2}, "missing method"),
 ])
 def test_bad_configs_name_what_is_wrong(config, message):
@@ -59,16 +62,40 @@ def test_bad_configs_name_what_is_wrong(config, message):
         SpeculativeConfig.of(config)
 
 
-def test_engine_args_validate_and_turn_off_async_scheduling():
+def test_engine_args_validate_and_keep_async_scheduling():
     import torch
 
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert isinstance(args.speculative_config, SpeculativeConfig)
-    assert args.resolve_async_scheduling(torch.device("cuda")) is False  # auto: off beside speculation
+    # auto: on for one CUDA device beside speculation too (verify steps run synchronously between async ones)
+    assert args.resolve_async_scheduling(torch.device("cuda")) is True
+    assert args.resolve_async_scheduling(torch.device("cpu")) is False
     assert EngineArgs().speculative_config is None
     assert EngineArgs().resolve_async_scheduling(torch.device("cuda")) is True
     for kwargs, message in (({"batch_invariant": True}, "batch_invariant=True"),
-                            ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
-                            ({"async_scheduling": True}, "async_scheduling=True")):
+                            ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kwargs)
+
+
+def test_propose_drafts_calls_a_batch_drafter_once_and_a_plain_one_per_request():
+    requests = [Request("a", [1, 2, 1], sampling_params=None), Request("b", [3, 4, 3], sampling_params=None)]
+
+    class Batched:
+        has_probs = False
+        calls: list = []
+
+        def propose(self, request, num_tokens):
+            raise AssertionError("propose_batch is used")
+
+        def propose_batch(self, batch, num_tokens):
+            self.calls.append(([r.request_id for r in batch], num_tokens))
+            return {"b": Draft([7] * num_tokens)}  # no guess for "a"
+
+    batched = Batched()
+    assert propose_drafts(batched, requests, 2) == {"a": [], "b": [7, 7]}
+    assert batched.calls == [(["a", "b"], 2)]
+    ngram = NgramDrafter(prompt_lookup_min=1, prompt_lookup_max=1)
+    assert propose_drafts(ngram, requests, 2) == {"a": [2, 1], "b": [4, 3]}
+    with pytest.raises(ValueError, match="EngineCore builds it"):
+        make_drafter(SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer.kvcache.client import KvTransport, Shard
-from deepinfer.kvcache.client.transport import path_for
+from deepinfer.kvcache.client.transport import handoff_path, path_for
 
 HERE = "host-a/boot-1"
 
@@ -49,3 +49,21 @@ def test_without_the_library_the_engine_says_why(monkeypatch):
 
     monkeypatch.setattr(transfer_engine.importlib, "import_module", no_libcurl)
     assert availability().endswith("; apt-get install libcurl4")
+
+
+@pytest.mark.parametrize(("transport", "owner_host_id", "te", "loads", "path"), [
+    (KvTransport.AUTO, "host-b/boot-9", True, True, "transfer_engine"),   # an owner on another host
+    (KvTransport.AUTO, HERE, True, True, "dataplane"),                    # same host: never the TE in auto
+    (KvTransport.AUTO, "host-b/boot-9", False, True, "dataplane"),        # the owner leases to no TE
+    (KvTransport.AUTO, "host-b/boot-9", True, False, "dataplane"),        # the library does not load here
+    (KvTransport.MOONCAKE, HERE, True, True, "transfer_engine"),
+    (KvTransport.DATAPLANE, "host-b/boot-9", True, True, "dataplane"),
+])
+def test_handoff_path_follows_the_same_rules(transport, owner_host_id, te, loads, path):
+    from deepinfer.protocol import KvHandle, KvLayout
+
+    layout = KvLayout(dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+    handle = KvHandle(request_id="r", block_hashes=[b"h" * 16], block_ids=[3, 4], num_tokens=6, owner_worker_id="p",
+                      data_plane_address="10.0.0.3:8103", layout=layout, layout_id=layout.layout_id(),
+                      lease_expires_at_unix_s=0.0, transfer_engine=te, host_id=owner_host_id)
+    assert handoff_path(transport, handle, HERE, loads) == path

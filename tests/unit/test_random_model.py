@@ -31,3 +31,13 @@ def test_an_older_config_is_written_again(tmp_path: Path) -> None:
     (target / "config.json").write_text(json.dumps(stale))
     write_random_model("llama-1b", tmp_path / "cache", source)
     assert json.loads((target / "config.json").read_text())["max_position_embeddings"] == MAX_POSITION_EMBEDDINGS
+
+
+def test_the_gemma3_shape_is_a_hybrid_gemma3_config(tmp_path: Path) -> None:
+    from deepinfer.models.config import ModelConfig
+
+    target = write_random_model("gemma3-1b", tmp_path / "cache", tokenizer_dir(tmp_path))
+    config = ModelConfig.from_hf_config(json.loads((target / "config.json").read_text()))
+    assert config.architecture == "Gemma3ForCausalLM" and config.vocab_size == 1000
+    assert config.sliding_window == 512 and config.layer_types.count("full_attention") == 4
+    assert config.num_hidden_layers == 26 and config.max_position_embeddings == 32768

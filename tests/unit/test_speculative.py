@@ -29,9 +29,11 @@ def plain(tiny_dir):
     return LLM(str(tiny_dir), block_size=4, progress=False)
 
 
-@pytest.fixture(scope="module")
-def spec(tiny_dir):
-    return LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def spec(tiny_dir, request):
+    """Drafting by n-gram (k=4) on the synchronous engine, and on the asynchronous one (its steps with drafts
+    synchronous between asynchronous ones: EngineCore._step_speculative)."""
+    return LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM, async_scheduling=request.param)
 
 
 def greedy(max_tokens=24, **kw):
@@ -221,7 +223,7 @@ def test_block_pool_after_a_run_is_as_without_speculation(tiny_dir):
 def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
     cases = {
         "method must be one of": {"method": "eagle", "num_speculative_tokens": 2},
-        "not implemented yet": {"method": "mtp", "num_speculative_tokens": 1},
+        "has no MTP layer": {"method": "mtp", "num_speculative_tokens": 1},  # a Llama
         "missing num_speculative_tokens": {"method": "ngram"},
         "num_speculative_tokens must be an int >= 1": {"method": "ngram", "num_speculative_tokens": 0},
         "unknown keys": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup": 3},
@@ -231,42 +233,115 @@ def test_a_bad_speculative_config_is_refused_at_construction(tiny_dir):
     for message, config in cases.items():
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_dir), progress=False, speculative_config=config)
-    with pytest.raises(ValueError, match="async_scheduling=True"):
-        LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        LLM(str(tiny_dir), progress=False, speculative_config=NGRAM, batch_invariant=True)
 
 
-def test_steps_with_drafts_run_eagerly_beside_prompt_graphs(tiny_dir, plain):
-    """With a (CPU, uncaptured) full-graph runner for prompt steps, a step verifying drafts still runs eagerly:
-    the full graphs keep one sampled row per sequence, the verify step needs k + 1."""
+def test_steps_with_drafts_run_the_full_graphs_while_their_rows_fit_the_slots(tiny_dir, plain):
+    """With a (CPU, uncaptured) full-graph runner of 8 sequence slots, a step verifying drafts runs the graph when
+    its k + 1 rows a sequence fit the slots (one prompt: 5 rows) and eagerly when they do not (four prompts: 20
+    rows), with the plain tokens either way."""
     from deepinfer.engine.full_graphs import FullGraphRunner
 
     reference = run(plain, greedy())
-    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM)
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM | {"num_speculative_tokens": "auto"})
     runner, core = llm.engine.core.runner, llm.engine.core
-    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
-                                         runner.device, use_graphs=False, logits=runner.model.compute_logits)
-    graph_steps = []
-    graph_run = runner.full_graphs.run
+    runner.full_graphs = graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 8, core.max_model_len, 4,
+                                                  runner.device, use_graphs=False, logits=runner.model.compute_logits)
+    graph_verifies, verifies = [], []
+    graph_run, execute_verify = graphs.run, runner.execute_verify
 
     def run_and_count(input_ids, positions, meta, logits_indices):
-        assert len(logits_indices) <= meta.num_seqs  # never a step with drafts
-        graph_steps.append(meta.num_seqs)
+        assert len(logits_indices) <= 8
+        if len(logits_indices) > meta.num_seqs:
+            graph_verifies.append(len(logits_indices))
         return graph_run(input_ids, positions, meta, logits_indices)
 
-    runner.full_graphs.run = run_and_count
-    scripted(llm, reference, wrong_every=3)
+    def verify_and_count(output, requests):
+        verifies.append(sum(s.num_draft_tokens + 1 for s in output.scheduled if s.sample))
+        return execute_verify(output, requests)
+
+    graphs.run, runner.execute_verify = run_and_count, verify_and_count
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(continuations, 3), 4)
     assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
-    assert graph_steps and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
+    assert graph_verifies and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    assert any(n > 8 for n in verifies)  # steps whose rows did not fit ran eagerly, with the same tokens
+    assert len(graph_verifies) == sum(n <= 8 for n in verifies)
+    # "auto" keeps every verify step within the graphs' 8 rows (the draft controller's cap), tokens unchanged.
+    assert runner.max_graphed_verify_tokens == 8
+    verifies.clear()
+    llm.engine.install_drafter(ScriptedDrafter(continuations), "auto")
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert verifies and max(verifies) <= 8
 
 
-def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain):
+def test_auto_proposes_no_draft_while_the_decodes_fill_the_graphs_rows(tiny_dir, plain):
+    """With "auto" and graphs that verify at most 2 rows a step, a step whose 4 decodes fill them asks the drafter
+    for nothing (no draft could be verified: its lookups would be host time for nothing); one decode alone drafts."""
+    from deepinfer.engine.full_graphs import FullGraphRunner
+
+    reference = run(plain, greedy())
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, speculative_config=NGRAM | {"num_speculative_tokens": "auto"})
+    runner, core = llm.engine.core.runner, llm.engine.core
+    runner.full_graphs = FullGraphRunner(runner.model, runner.kv_caches, 128, 2, core.max_model_len, 4, runner.device,
+                                         use_graphs=False, logits=runner.model.compute_logits)
+    assert runner.max_graphed_verify_tokens == 2
+    drafter = ScriptedDrafter({tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)})
+    proposals, propose = [], drafter.propose
+    drafter.propose = lambda request, k: proposals.append(request.request_id) or propose(request, k)
+    llm.engine.install_drafter(drafter, "auto")
+    assert [o.token_ids for o in run(llm, greedy())] == [o.token_ids for o in reference]
+    assert proposals == []
+    assert [o.token_ids for o in run(llm, greedy(), PROMPTS[:1])] == [reference[0].token_ids]
+    assert proposals and llm.engine.spec_decode_stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_async_scheduling_with_drafts_gives_the_plain_tokens(tiny_dir, plain, k):
+    """With async scheduling, steps with drafts run synchronously between asynchronous ones (auto: the engine
+    steps asynchronously until drafting may pay, then proposes): the plain tokens and logprobs, greedy and seeded,
+    both kinds of step taken, the block pool as after a plain run."""
+    reference = run(plain, greedy(logprobs=2))
+    seeded = run(plain, SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True))
+    llm = LLM(str(tiny_dir), block_size=4, progress=False, async_scheduling=True,
+              speculative_config=NGRAM | {"num_speculative_tokens": k if k == "auto" else 4})
+    core = llm.engine.core
+    assert core.async_scheduling
+    counts = {"execute_async": 0, "execute_verify": 0}
+    for name in counts:
+        method = getattr(core.runner, name)
+
+        def counted(*args, _method=method, _name=name):
+            counts[_name] += 1
+            return _method(*args)
+
+        setattr(core.runner, name, counted)
+    continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, reference, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(continuations, 3), k)
+    outs = run(llm, greedy(logprobs=2))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert [[sorted(p) for p in o.logprobs] for o in outs] == [[sorted(p) for p in o.logprobs] for o in reference]
+    assert counts["execute_async"] > 0 and counts["execute_verify"] > 0
+    assert llm.engine.spec_decode_stats().num_accepted_tokens > 0
+    seeded_continuations = {tuple(p["prompt_token_ids"]): o.token_ids for p, o in zip(PROMPTS, seeded, strict=True)}
+    llm.engine.install_drafter(ScriptedDrafter(seeded_continuations, 2), k)
+    again = run(llm, SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in again] == [o.token_ids for o in seeded]
+    pool = core.scheduler.block_pool
+    assert pool.num_free_blocks == plain.engine.core.scheduler.block_pool.num_free_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_with_drafts_gives_the_plain_tokens(tiny_dir, plain, async_scheduling):
     # 16 blocks of 4 tokens cannot hold four 22+20-token sequences at once: requests are preempted (and resumed
     # from the prefix cache) between steps that verify drafts; the drafts never preempt by themselves.
     prompts = [{"prompt_token_ids": list(range(40, 60)) + [40, 41 + i]} for i in range(4)]
     reference = run(plain, greedy(max_tokens=20), prompts)
     bytes_per_block = plain.engine.core.kv_plan.bytes_per_block
     small = LLM(str(tiny_dir), block_size=4, kv_cache_bytes=16 * bytes_per_block, max_model_len=48, progress=False,
-                speculative_config=NGRAM)
+                speculative_config=NGRAM, async_scheduling=async_scheduling)
     scripted(small, reference, prompts, wrong_every=3)
     scheduler, preempted = small.engine.core.scheduler, []
     preempt = scheduler._preempt

@@ -385,10 +385,12 @@ class WorkerSettings(ServiceSettings):
         "or evicted block; the checksum guards a RAM tier corrupted in place. The CPU path always verifies.",
     )
     kv_transport: Literal["auto", "dataplane", "mooncake"] = Field(
-        "auto", description="How store gets move their bytes: auto = a same-host shard's shared memory, a shard on "
-        "another host through Mooncake Transfer Engine when it serves one and the library loads here, else the "
-        "data plane; dataplane = always the data plane; mooncake = the transfer engine for every shard that "
-        "serves one, this host's too (docs/kvstore.md, \"Worker settings\"). Any failure: the data plane.",
+        "auto", description="How store gets (and a decode worker's pulls of a prefill worker's KV) move their bytes: "
+        "auto = a same-host shard's shared memory, a shard (or prefill worker) on another host through Mooncake "
+        "Transfer Engine when it serves one and the library loads here, else the data plane; dataplane = always the "
+        "data plane; mooncake = the transfer engine for every peer that serves one, this host's too (docs/kvstore.md, "
+        "\"Worker settings\"; docs/dataplane.md, \"P/D handoff through the same transport\"). Any failure: the "
+        "data plane.",
     )
 
     _worker_id = field_validator("worker_id")(_check_subject_id)
@@ -414,6 +416,18 @@ class PrefillSettings(WorkerSettings):
     kv_lease_s: float = Field(
         30.0, gt=0, description="How long handed-off KV stays pinned waiting for the decode worker's pull."
     )
+    transfer_engine: bool = Field(
+        False, description="Lease handed-off KV to decode workers' Mooncake Transfer Engines (this worker's engine "
+        "named data_plane_host, over TCP): a decode worker whose kv_transport takes it reads the blocks with one "
+        "batch instead of the data-plane get. Needs the `transfer-engine` extra and libibverbs1; any process that "
+        "reaches the engine's ports can read the blocks being handed off (docs/dataplane.md, \"P/D handoff through "
+        "the same transport\").",
+    )
+    transfer_engine_export_bytes: ByteSize = Field(
+        ByteSize(1 << 30), ge=1, description="With transfer_engine: host memory of the blocks leased to transfer "
+        "engines at once (mapped and registered whole at start, its pages touched as leases fill them); a lease "
+        "that does not fit takes the data plane.",
+    )
 
 
 class DecodeSettings(WorkerSettings):
@@ -431,9 +445,22 @@ class DecodeSettings(WorkerSettings):
     speculative_config: str | None = Field(
         None, description="Speculative decoding as vLLM's speculative_config, a JSON object (docs/speculative.md), "
         'e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
-        '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs); '
-        "checked when the engine is built (a bad one stops the start). Unset = off. Needs synchronous scheduling "
-        "(unset async_scheduling resolves to off with it).",
+        '(num_speculative_tokens "auto": draft lengths chosen per step from acceptance and measured step costs), '
+        'or {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4} (a smaller checkpoint '
+        "with the target's tokenizer, loaded beside it); "
+        "checked when the engine is built (a bad one stops the start). Unset = off. With async scheduling, steps "
+        "that verify drafts run synchronously between asynchronous ones.",
+    )
+    enable_hybrid_kv_cache: bool = Field(
+        False, description="KV by layer type for sliding-window models (Gemma 3; docs/models.md): local layers' "
+        "blocks freed as the window moves, prefix hits replayed from a window checkpoint. For now eager steps and "
+        "no host tier; KV handed over by a prefill worker or loaded from the store is recomputed here (run it with "
+        "no prefill worker: `deepinfer up --prefill 0`).",
+    )
+    hybrid_checkpoint_tokens: int = Field(
+        1024, ge=1, description="With enable_hybrid_kv_cache: the local layers' window before every multiple of this "
+        "many tokens is evicted last, so a prefix hit replays at most about this many tokens (a multiple of "
+        "block_size).",
     )
 
     @field_validator("speculative_config")

@@ -176,18 +176,21 @@ class DataPlaneClient(PeerConnection):
         return present
 
     async def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str,
-                           via: LeaseVia = LeaseVia.SHARED_MEMORY) -> FrameHeader:
+                           via: LeaseVia = LeaseVia.SHARED_MEMORY, *, request_id: str = "",
+                           block_ids: Sequence[int] = ()) -> FrameHeader:
         """Lease the blocks' slots in the peer's shared-memory region (a peer on this host: `host_id` is ours;
         `via=TRANSFER_ENGINE`: a peer anywhere that serves its region to transfer engines); the reply carries
         `lease_id`, `region_path`, one `slots` grant per hash and, via a transfer engine, `remote_region`.
-        Raises like get_blocks, and DataPlaneError when the peer has no region, is on another host, or runs
-        no transfer engine. Release with release_lease."""
-        hashes = [bytes(h) for h in block_hashes]
+        `block_ids` (with `request_id`, via a transfer engine): a prefill worker's held blocks by id under the
+        owner's request id instead of hashes (no region file). Raises like get_blocks, and DataPlaneError when
+        the peer has no region, is on another host, or runs no transfer engine. Release with release_lease."""
+        hashes, ids = [bytes(h) for h in block_hashes], [int(i) for i in block_ids]
         request = FrameHeader(op=FrameOp.LEASE, correlation_id=self._new_correlation_id(), layout_id=layout_id,
-                              block_hashes=hashes, host_id=host_id, via=via)
+                              block_hashes=hashes, host_id=host_id, via=via, request_id=request_id, block_ids=ids)
         reply, _ = await self._request(request, [], None)
-        if len(reply.slots) != len(hashes) or not reply.lease_id or not reply.region_path:
-            raise DataPlaneError(f"{self.address} answered a lease of {len(reply.slots)} slots for {len(hashes)}")
+        num_blocks = len(ids) or len(hashes)
+        if len(reply.slots) != num_blocks or not reply.lease_id or not (reply.region_path or ids):
+            raise DataPlaneError(f"{self.address} answered a lease of {len(reply.slots)} slots for {num_blocks}")
         if via == LeaseVia.TRANSFER_ENGINE and reply.remote_region is None:
             raise DataPlaneError(f"{self.address} answered a transfer-engine lease without its remote region")
         return reply

@@ -107,7 +107,7 @@ class FrameHeader(Message):
     op: FrameOp
     #: Echoed by the reply so a client can tell its answer from a stale one.
     correlation_id: NonNegativeInt
-    #: The lease a `get` by block id reads under (the owner's request id); empty for the store.
+    #: The lease a `get` (or a `lease`) by block id reads under (the owner's request id); empty for the store.
     request_id: str = ""
     layout_id: str = ""
     #: Owner-local block ids (get); meaningless on any other worker.
@@ -122,7 +122,8 @@ class FrameHeader(Message):
     error_code: str = ""
     error_message: str = ""
     #: lease: the reader's host id (a provider on another host refuses); the reply's lease id, region file and
-    #: one grant per hash; release: the lease id.
+    #: one grant per hash (or per block id: a lease of a prefill worker's held blocks under `request_id`, via a
+    #: transfer engine; no region file then); release: the lease id.
     host_id: str = ""
     lease_id: str = ""
     region_path: str = ""

@@ -260,7 +260,8 @@ class DataPlaneServer:
         raise FrameError(f"op {request.op!r} is not a request")
 
     async def _lease(self, request: FrameHeader) -> FrameHeader:
-        """lease / release of shared-memory slots, for a provider that has them (the store with shm_dir)."""
+        """lease / release of slots, for a provider that has them: the store's shared-memory RAM tier (by hash),
+        a prefill worker's handoff exports (by block id under a request id, via a transfer engine)."""
         cid = request.correlation_id
         if request.op == FrameOp.RELEASE:
             release = getattr(self.provider, "release_lease", None)
@@ -271,6 +272,8 @@ class DataPlaneServer:
         if lease_blocks is None:
             raise DataPlaneError("this peer leases no shared memory")
         via = {} if request.via == LeaseVia.SHARED_MEMORY else {"via": request.via}  # older providers: no `via`
+        if request.block_ids:  # a worker's held blocks by id under the owner's request id (the store has none)
+            via |= {"request_id": request.request_id, "block_ids": request.block_ids}
         lease = await call_provider(lease_blocks, layout_id=request.layout_id, block_hashes=request.block_hashes,
                                     host_id=request.host_id, **via)
         slots = [SlotGrant(slot=r.slot, seq=r.seq, size=r.size, checksum=r.checksum, key_digest=r.key_digest)

@@ -123,9 +123,19 @@ class EngineArgs:
     prefill_chunk_s: float | None = None
     #: Speculative decoding, vLLM's dict (deepinfer.engine.spec_config; docs/speculative.md), e.g.
     #: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}; held as a
-    #: validated SpeculativeConfig once built. None = off. Runs with synchronous scheduling (async_scheduling
-    #: None resolves to off), its verify steps eagerly; not with batch_invariant or tensor parallelism yet.
+    #: validated SpeculativeConfig once built. None = off. With async scheduling, steps run asynchronously while no
+    #: request carries a draft and synchronously when some do (EngineCore._step_speculative); not with
+    #: batch_invariant or tensor parallelism yet.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    #: KV by layer type for models with sliding-window layers (Gemma 3, Mistral; engine/hybrid_kv_manager.py,
+    #: docs/models.md): a local layer's blocks are freed as its window moves and a prefix hit replays at most about
+    #: hybrid_checkpoint_tokens. For now: eager steps (the execution mode is lowered to eager), synchronous
+    #: scheduling, one device, no host tier, no P/D handoff or store loads (refused, or recomputed). Off = every
+    #: layer keeps every block (vLLM turns its hybrid manager off with --disable-hybrid-kv-cache-manager).
+    enable_hybrid_kv_cache: bool = False
+    #: With enable_hybrid_kv_cache: the windows before every multiple of this many tokens are evicted last, so a
+    #: hit replays at most about this many tokens (a multiple of block_size).
+    hybrid_checkpoint_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -150,12 +160,32 @@ class EngineArgs:
             raise ValueError(f"kv_host_cache_bytes must be >= 0, got {self.kv_host_cache_bytes}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
-            for name, value, refused in (("async_scheduling", self.async_scheduling, True),
-                                         ("batch_invariant", self.batch_invariant, True)):
-                if value == refused:
-                    raise ValueError(f"speculative_config does not run with {name}={value} yet")
+            if self.batch_invariant:
+                raise ValueError("speculative_config does not run with batch_invariant=True yet")
             if self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config does not run with tensor_parallel_size > 1 yet")
+            if self._mtp and self.async_scheduling:
+                raise ValueError("speculative_config method 'mtp' does not run with async_scheduling=True yet")
+        if self.enable_hybrid_kv_cache:
+            self._check_hybrid_kv_cache()
+
+    def _check_hybrid_kv_cache(self) -> None:
+        """ValueError naming the first setting enable_hybrid_kv_cache does not run with yet."""
+        n = self.hybrid_checkpoint_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < self.block_size or n % self.block_size:
+            raise ValueError(f"hybrid_checkpoint_tokens must be a multiple of block_size={self.block_size}, got {n!r}")
+        for name, bad in (("async_scheduling=True", self.async_scheduling is True),
+                          ("kv_host_cache_bytes", bool(self.kv_host_cache_bytes)),
+                          ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                          ("batch_invariant=True", self.batch_invariant)):
+            if bad:
+                raise ValueError(f"enable_hybrid_kv_cache does not run with {name} yet")
+
+    @property
+    def _mtp(self) -> bool:
+        """Speculative decoding by the model's MTP layer (eager and synchronous steps for now: engine/mtp_drafter.py)."""
+        spec = self.speculative_config
+        return spec is not None and getattr(spec, "method", None) == "mtp"
 
     def resolve_device(self) -> torch.device:
         """The torch device to run on."""
@@ -167,12 +197,14 @@ class EngineArgs:
         """Whether the engine schedules step N+1 while step N runs (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device.type == "cuda" and self.tensor_parallel_size == 1 and self.speculative_config is None
+        return (device.type == "cuda" and self.tensor_parallel_size == 1 and not self.enable_hybrid_kv_cache
+                and not self._mtp)
 
     def resolve_execution_mode(self, device: torch.device, accelerator: str) -> ExecutionMode:
         """The execution mode this engine builds: the one asked for, lowered to what it can run (module docstring
         of deepinfer.engine.execution)."""
-        if self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1:
+        if (self.enforce_eager or device.type != "cuda" or accelerator != "cuda" or self.tensor_parallel_size > 1
+                or self.enable_hybrid_kv_cache or self._mtp):
             return ExecutionMode.EAGER
         mode = ExecutionMode(self.execution_mode)
         return mode.at_most(ExecutionMode.DECODE) if self.batch_invariant else mode

@@ -16,6 +16,9 @@ Stops discovered late (eos, stop id, max_tokens only once update(N) sees the tok
 token too many for that request: update(N) finishes it and frees its blocks, update(N+1) drops the extra token.
 A request whose pending tokens already reach max_tokens or max_model_len is not scheduled (update(N) ends it).
 A request preempted while its step is in flight keeps its placeholder; update() still appends that token.
+Speculative decoding: a step that feeds draft tokens is scheduled only with no step in flight (EngineCore finishes
+it first) and is built and updated as the base Scheduler does (num_computed_tokens advanced by update(), the
+rejected drafts' blocks freed there): a synchronous step between asynchronous ones.
 Mixed prefill+decode steps need nothing special: prefill chunks only feed known tokens (a request is never
 re-admitted, nor resumed from the host tier, while it holds a placeholder, since preemption steps admit nobody
 and update(N) runs before schedule(N+2)).
@@ -76,7 +79,10 @@ class AsyncScheduler(Scheduler):
 
     def _build_output(self, step: _Step) -> SchedulerOutput:
         """As the base, in the same loop: a fed placeholder samples and counts one more, and num_computed_tokens
-        advances now (module doc)."""
+        advances now (module doc). A step with draft tokens is the base's (nothing may be in flight)."""
+        if step.draft_token_ids:
+            assert not self._in_flight, "a step with draft tokens is scheduled with no step in flight"
+            return super()._build_output(step)
         output = SchedulerOutput(
             preempted_request_ids=step.preempted_request_ids,
             finished_request_ids=self._finished_request_ids,
@@ -126,7 +132,10 @@ class AsyncScheduler(Scheduler):
         return self._update(output, sampled, True)
 
     def _update(self, output: SchedulerOutput, sampled_token_ids: Mapping, with_tokens: bool) -> list[RequestUpdate]:
-        """update(); with_tokens: the mapping's values are SampledTokens (update_sampled)."""
+        """update(); with_tokens: the mapping's values are SampledTokens (update_sampled). A step with draft tokens
+        was the base's, and is updated as the base does."""
+        if output.num_draft_tokens and not (self._in_flight and self._in_flight[0][0] is output):
+            return super()._update(output, sampled_token_ids, with_tokens)
         if not self._in_flight or self._in_flight[0][0] is not output:
             raise ValueError("update() must take the oldest scheduled step that has not been updated")
         get_tokens = sampled_token_ids.get

@@ -10,6 +10,12 @@ Free queue order (head = next to be reused):
 A freed block that holds no hash is worthless and goes to the head; a cached one goes to the tail, so cached
 blocks are evicted last and in LRU order. Callers free a sequence's blocks in reverse order so its tail blocks
 (least likely to be shared) are evicted before its head.
+
+A cached block freed with `protected` set (a hybrid model's checkpoint window, engine/hybrid_kv_manager.py) waits in
+a second queue that is drawn from only once the first is empty: it is evicted after every other free block.
+
+Blocks of a KV group other than 0 (engine/kv_groups.py) are cached under group-tagged hashes that no one outside
+this pool knows: they enter no Stored/Removed event and no `newly_cached` list.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    #: The KV group whose layers the block holds while it is cached (engine/kv_groups.py; 0 for a plain model).
+    group: int = 0
+    #: Freed into the protected queue (evicted last) while cached.
+    protected: bool = False
     # Links of the free queue; None while the block is not in it (a block is in it iff ref_cnt == 0).
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
@@ -126,6 +136,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        #: Free cached blocks freed with `protected` set: evicted after every block of free_block_queue.
+        self.protected_queue = FreeBlockQueue(())
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self._events: list[KvCacheEvent] = []
         #: True = remember each block entering the prefix cache in `newly_cached` (the host tier's write-through
@@ -136,7 +148,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, cached or not)."""
-        return self.free_block_queue.num_free_blocks
+        return self.free_block_queue.num_free_blocks + self.protected_queue.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -155,8 +167,10 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Register request_blocks[num_cached_blocks:num_full_blocks] under their hashes and emit Stored.
+        """Register request_blocks[num_cached_blocks:num_full_blocks] under their hashes and emit Stored (group 0:
+        other groups' blocks, under group-tagged hashes, are cached silently).
 
         A hash already held by another block (two requests computed the same block) keeps that block; this one
         stays uncached and is reused first once freed. Stored lists only newly cached hashes, one event per
@@ -169,8 +183,10 @@ class BlockPool:
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = request_blocks[i], block_hashes[i]
             if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
-                block.block_hash = block_hash
+                block.block_hash, block.group = block_hash, group
                 self.cached_block_hash_to_block[block_hash] = block
+                if group:
+                    continue
                 if self.track_cached:
                     self.newly_cached.append((block, block_hash))
                 if not run:
@@ -188,11 +204,16 @@ class BlockPool:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks, evicted = [], []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+            if self.free_block_queue.num_free_blocks:
+                block = self.free_block_queue.popleft()
+            else:
+                block = self.protected_queue.popleft()
+                block.protected = False
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
+                if not block.group:
+                    evicted.append(block.block_hash)
                 del self.cached_block_hash_to_block[block.block_hash]
-                block.block_hash = None
+                block.block_hash, block.group = None, 0
             block.ref_cnt = 1
             blocks.append(block)
         if evicted:
@@ -203,11 +224,16 @@ class BlockPool:
         """Take a reference on (cached) blocks; a free one leaves the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                if block.protected:
+                    self.protected_queue.remove(block)
+                    block.protected = False
+                else:
+                    self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference on each block; those reaching 0 are queued in the given order (first = evicted first)."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], protect: bool = False) -> None:
+        """Drop a reference on each block; those reaching 0 are queued in the given order (first = evicted first);
+        `protect`: cached ones into the protected queue (evicted after every other free block)."""
         for block in ordered_blocks:
             assert block.ref_cnt > 0 and block is not self.null_block, (
                 f"double free of block {block.block_id}"
@@ -217,6 +243,9 @@ class BlockPool:
                 continue
             if block.block_hash is None:
                 self.free_block_queue.appendleft(block)
+            elif protect:
+                block.protected = True
+                self.protected_queue.append(block)
             else:
                 self.free_block_queue.append(block)
 
@@ -225,7 +254,11 @@ class BlockPool:
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
+            block.block_hash, block.group = None, 0
+        while self.protected_queue.num_free_blocks:  # worthless now: reused first, like any uncached block
+            block = self.protected_queue.popleft()
+            block.protected = False
+            self.free_block_queue.appendleft(block)
         self.cached_block_hash_to_block.clear()
         self.newly_cached.clear()
         self._emit(AllCleared())

@@ -11,6 +11,7 @@ from deepinfer.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from deepinfer.engine.kv_groups import KVGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,12 @@ class EngineConfig:
     #: New requests arriving in a burst while others run wait up to this long to join one step (0 = off;
     #: deepinfer.engine.admission_window).
     admission_window_s: float = DEFAULT_ADMISSION_WINDOW_S
+    #: KV by layer type (EngineArgs.enable_hybrid_kv_cache): the model's KV groups, each request holding one block
+    #: table per group (engine/hybrid_kv_manager.py); empty = one table for every layer. num_blocks then counts
+    #: pages of one group's layers.
+    kv_groups: tuple[KVGroup, ...] = ()
+    #: With kv_groups: the local groups' windows before every multiple of this many tokens are evicted last.
+    hybrid_checkpoint_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.admission_window_s < 0:
@@ -47,7 +54,7 @@ class EngineConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be positive, got {self.long_prefill_token_threshold}"
             )
-        min_blocks = -(-self.max_model_len // self.block_size) + 1
+        min_blocks = -(-self.max_model_len // self.block_size) * max(1, len(self.kv_groups)) + 1
         if self.num_blocks < min_blocks:
             # A request that cannot fit even alone would preempt itself forever.
             raise ValueError(

@@ -18,10 +18,11 @@ from deepinfer.engine.block_pool import KvCacheEvent
 from deepinfer.engine.chunk_timer import ChunkTimer
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.draft_controller import DraftController
-from deepinfer.engine.drafter import Drafter, make_drafter
+from deepinfer.engine.drafter import Drafter, make_drafter, propose_drafts
 from deepinfer.engine.errors import ContextLengthExceeded
 from deepinfer.engine.execution import RunnerConfig
 from deepinfer.engine.host_tier import HostTier
+from deepinfer.engine.kv_groups import KVGroup, kv_groups
 from deepinfer.engine.kv_transfer import block_nbytes
 from deepinfer.engine.memory import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -30,6 +31,7 @@ from deepinfer.engine.memory import (
     plan_kv_cache,
     zeroed_kv_cache,
 )
+from deepinfer.engine.mtp_drafter import MtpDrafter
 from deepinfer.engine.outputs import EngineOutput, PromptLogprobs, SampledToken
 from deepinfer.engine.piecewise_graphs import MAX_BUCKET_TOKENS
 from deepinfer.engine.request import Request
@@ -46,6 +48,7 @@ from deepinfer.loader.dummy import load_dummy_model
 from deepinfer.loader.hf import load_generation_config, load_model, load_model_config
 from deepinfer.model_store import resolve_model
 from deepinfer.models import cpu as cpu_modules
+from deepinfer.models.layers import Attention
 from deepinfer.sampling.params import SamplingParams, check_vocab
 from deepinfer.sampling.seeds import draw_seed
 from deepinfer.structured import GrammarMatcher, Grammars
@@ -61,6 +64,10 @@ CUDA_CONTEXT_BYTES = 512 << 20
 
 #: Default cap on max_model_len when the model's own limit is larger.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+#: Async scheduling with "auto" drafts: asynchronous steps between two checks whether drafting may pay (the check
+#: sorts every running request's k draft positions: ~0.3 ms at 64 requests x 8 in Python, too much for every step).
+WORTH_DRAFTING_EVERY = 8
 
 #: How long an engine with only host-tier copies in flight sleeps between polls.
 HOST_COPY_POLL_S = 0.0002
@@ -103,6 +110,13 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         #: The execution mode asked for, resolved for this device (the runner's `mode` is what it built).
         self.execution_mode = args.resolve_execution_mode(self.device, self.ops.accelerator)
+        #: KV by layer type (EngineArgs.enable_hybrid_kv_cache): the model's KV groups; () = one block table.
+        self.kv_groups: tuple[KVGroup, ...] = self._kv_groups(model)
+        #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
+        #: its draft length) and the drafter (None = off). A draft model is built before the KV plan: on CUDA
+        #: its weights and KV are then this engine's allocations, which the target's KV budget leaves out.
+        self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
+        self.drafter: Drafter | None = self._make_drafter(model, progress)
         self.kv_plan = self._plan_kv_cache(model)
         if self.tokenizer is not None:
             self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -127,24 +141,29 @@ class EngineCore:
                 model_fingerprint=self.fingerprint,
                 enable_kv_events=args.enable_kv_events,
                 admission_window_s=args.admission_window_s,
+                kv_groups=self.kv_groups,
+                hybrid_checkpoint_tokens=args.hybrid_checkpoint_tokens if self.kv_groups else None,
             )
         )
-        #: Speculative decoding (EngineArgs.speculative_config): the config in force (`install_drafter` may change
-        #: its draft length), the drafter (None = off) and its counters.
-        self.spec_config: SpeculativeConfig | None = (spec := args.speculative_config)
-        self.drafter: Drafter | None = None if spec is None else make_drafter(spec)
+        #: Speculative decoding's counters.
         self.spec_decode_stats = SpecDecodeStats()
         #: num_speculative_tokens="auto": chooses each step's draft lengths; with an int every draft is verified.
         self.draft_controller = DraftController() if spec is not None and spec.adaptive else None
         self._auto_controller = self.draft_controller  # kept while install_drafter switches to a fixed k and back
         #: (auto) request_id -> first token of a draft the controller did not verify: scored against the step's token.
         self._unverified_drafts: dict[str, int] = {}
+        #: Some running request carries draft tokens for the next step (it then runs synchronously).
+        self._drafts_scheduled = False
+        #: (async scheduling, auto) asynchronous steps left before the next `_worth_drafting` check.
+        self._steps_until_worth_check = 1
         #: Time-bounded prompt steps (synchronous scheduling): None = the token budget alone.
         self.chunk_timer = self._make_chunk_timer()
         #: Measured prefill and load rates (deepinfer.kv_rates): load-or-recompute at admission, the heartbeat.
         self.rates = MeasuredRates.for_device(self.device.type, always_load=self.args.kv_load_choice == "load")
         with self.compiles.starting():  # CUDA graph capture and the warm-ups compile the kernels
             self.runner = self._make_runner(model, progress)
+            if spec is not None and spec.method == "mtp":  # it reads the runner's steps and drafts after each
+                self.drafter = MtpDrafter(model, self.runner, self._allocate_mtp_cache(), self.scheduler.requests)
             progress.begin("allocating the host KV tier")
             #: The host-memory KV tier (None = off).
             self.host_tier = self._make_host_tier()
@@ -187,6 +206,7 @@ class EngineCore:
             batch_invariant=args.batch_invariant,
             mixed_step_decode_kernel=args.mixed_step_decode_kernel,
             eager_step_switch_interval_s=args.eager_step_switch_interval_s,
+            kv_group_of_layer=self._kv_group_of_layer(),
         ))
         if self.ops.accelerator == "cuda" and args.tensor_parallel_size == 1:
             progress.begin("warming up")
@@ -278,9 +298,10 @@ class EngineCore:
         if self.host_tier is not None:
             self.host_tier.close()
             self.host_tier = None
-        close = getattr(self.runner.model, "close", None)
-        if close is not None:
-            close()
+        for part in (self.runner.model, self.drafter):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is running or waiting, or a host-tier copy is in flight (steps poll it)."""
@@ -303,7 +324,12 @@ class EngineCore:
                 self.last_step_kind = "empty"
                 return []
         started_s = time.monotonic()
-        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if not self.async_scheduling:
+            outputs = self._step_sync()
+        elif self.drafter is None:
+            outputs = self._step_async()
+        else:
+            outputs = self._step_speculative()
         if self.last_step_kind in ("prefill", "mixed"):  # async: the call's time is mostly its wait for that step
             self.rates.observe_step(self.last_step_tokens, time.monotonic() - started_s, self.args.block_size)
         if host_tier is not None:
@@ -332,14 +358,59 @@ class EngineCore:
         if self.draft_controller is not None:
             self._observe_acceptance(scheduled, sampled, outputs)
         if self.drafter is not None:
+            observe_step = getattr(self.drafter, "observe_step", None)  # the MTP drafter runs over every step
+            if observe_step is not None:
+                observe_step(scheduled)
             self._propose_drafts()
         return outputs
+
+    def _step_speculative(self) -> list[EngineOutput]:
+        """Async scheduling with a drafter: asynchronous steps while no request carries a draft; a step whose
+        requests carry drafts runs synchronously (`_step_sync`: verify, update, propose), after the step in flight
+        is finished. After an asynchronous step the engine finishes it and proposes drafts when drafting may pay
+        (`_worth_drafting`), so the next step verifies them (docs/speculative.md, "Async scheduling")."""
+        if self._drafts_scheduled:
+            outputs = self.finish_in_flight() if self._in_flight is not None else []
+            return outputs + self._step_sync()
+        waited, started_s = self._in_flight, time.monotonic()
+        outputs = self._step_async()
+        controller = self.draft_controller
+        if controller is not None and waited is not None and waited[0].kind == "decode":
+            # A plain step's period with the host work hidden: what a verify step must beat.
+            controller.observe_step(len(waited[0].scheduled), waited[0].num_batched_tokens,
+                                    time.monotonic() - started_s)
+        if self._in_flight is not None and self._worth_drafting():
+            outputs += self.finish_in_flight()
+            self._propose_drafts()
+        return outputs
+
+    def _worth_drafting(self) -> bool:
+        """Whether to stop stepping asynchronously and propose drafts: always with a fixed k (every draft is
+        verified); with "auto", when the draft controller would verify a draft of the full length from every
+        running request (checked every WORTH_DRAFTING_EVERY steps, and never while the decodes fill the graphs'
+        verify rows)."""
+        controller = self.draft_controller
+        if controller is None:
+            return True
+        running = self.scheduler.running
+        max_query_tokens = self.runner.max_graphed_verify_tokens
+        if max_query_tokens is not None and len(running) >= max_query_tokens:
+            return False
+        self._steps_until_worth_check -= 1
+        if self._steps_until_worth_check > 0:
+            return False
+        self._steps_until_worth_check = WORTH_DRAFTING_EVERY
+        k = self.spec_config.max_num_draft_tokens
+        if getattr(self.drafter, "propose_batch", None) is not None:  # a model drafter: its rounds' cost counted
+            return controller.draft_depth([r.request_id for r in running], k, max_query_tokens) > 0
+        lengths = controller.draft_lengths({r.request_id: k for r in running}, max_query_tokens)
+        return any(lengths.values())
 
     def _update_verified(
         self, scheduled: SchedulerOutput, verified: dict[str, list[SampledToken]]
     ) -> list[EngineOutput]:
-        """Update after a step whose decodes carried draft tokens (speculative decoding, synchronous scheduling
-        only) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
+        """Update after a step whose decodes carried draft tokens (speculative decoding, a synchronous step
+        always) with every emitted token, count acceptance, and attach the emitted tokens' logprobs."""
         updates = self.scheduler.update(scheduled, {rid: [t.token_id for t in ts] for rid, ts in verified.items()})
         for s in scheduled.scheduled:
             if s.num_draft_tokens and s.request_id in verified:
@@ -354,7 +425,7 @@ class EngineCore:
         """Replace the drafter `speculative_config.method` made with one no method names (the GPU bench's oracle,
         deepinfer.testing's ScriptedDrafter), optionally with another draft length (an int k, or "auto"); None
         stops drafting (plain steps) until another is installed. Only on an engine built with a speculative_config
-        (its logits budget and synchronous scheduling are that config's), never with more draft tokens than it
+        (its logits budget is that config's), never with more draft tokens than it
         sized for; from the next step's drafts on. The draft controller's measured step costs outlive a change."""
         built = self.args.speculative_config
         if built is None:
@@ -369,31 +440,54 @@ class EngineCore:
             self._auto_controller = DraftController()
         self.draft_controller = self._auto_controller if auto else None
         self._unverified_drafts = {}
+        self._drafts_scheduled = False
         for request in self.scheduler.running:
             request.draft_token_ids = ()
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every running request that decodes next (with a grammar,
         each cut before the first token it forbids: never verified); with "auto", keep only the leading tokens
-        the draft controller finds worth verifying."""
+        the draft controller finds worth verifying, rows and drafts within what the runner's graphs verify. With
+        "auto", when the decodes alone fill the graphs' rows no draft could be verified: none is proposed (n-gram
+        lookups cost 0.1-0.4 ms a request on the dev VM, bench/spec/suffix_cost.py: 256 of them, a step or more).
+        A drafter with `propose_batch` (a draft model) is called once for all decodes; with "auto", asked for as many
+        tokens as the controller would verify at most."""
         drafter, k = self.drafter, self.spec_config.max_num_draft_tokens
-        proposed: dict[str, list[int]] = {}
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         for request in self.scheduler.running:
             request.draft_token_ids = ()
-            if request.num_tokens - request.num_computed_tokens == 1:
-                draft = drafter.propose(request, k).token_ids
-                if draft and request.grammar is not None:  # cut at the first token the grammar forbids
-                    draft = draft[: request.grammar.num_allowed(draft)]
-                proposed[request.request_id] = draft
-        if self.draft_controller is None:
-            for request in self.scheduler.running:
-                request.draft_token_ids = proposed.get(request.request_id, ())
+        self._drafts_scheduled = False
+        max_query_tokens = self.runner.max_graphed_verify_tokens
+        if self.draft_controller is not None and max_query_tokens is not None and len(decodes) >= max_query_tokens:
+            self._unverified_drafts = {}
             return
-        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()})
+        model_round = self.draft_controller is not None and getattr(drafter, "propose_batch", None) is not None
+        if model_round:
+            # A model drafter pays a forward a draft position before the step: as deep as pays, the round's measured
+            # seconds counted (DraftController.draft_depth); no round at all when none does (but a probe now and then).
+            k = self.draft_controller.draft_depth([r.request_id for r in decodes], k, max_query_tokens)
+            if k == 0:
+                self._unverified_drafts = {}
+                return
+        started = time.perf_counter()
+        proposed = propose_drafts(drafter, decodes, k)
+        if model_round:
+            self.draft_controller.observe_draft_round(len(decodes), k, time.perf_counter() - started)
+        for request in decodes:
+            draft = proposed[request.request_id]
+            if draft and request.grammar is not None:  # cut at the first token the grammar forbids
+                proposed[request.request_id] = draft[: request.grammar.num_allowed(draft)]
+        if self.draft_controller is None:
+            for request in decodes:
+                request.draft_token_ids = proposed[request.request_id]
+            self._drafts_scheduled = any(proposed.values())
+            return
+        lengths = self.draft_controller.draft_lengths({rid: len(d) for rid, d in proposed.items()}, max_query_tokens)
         self._unverified_drafts = {rid: d[0] for rid, d in proposed.items() if d and lengths[rid] == 0}
-        for request in self.scheduler.running:
-            if lengths.get(request.request_id):
+        for request in decodes:
+            if lengths[request.request_id]:
                 request.draft_token_ids = proposed[request.request_id][: lengths[request.request_id]]
+        self._drafts_scheduled = any(lengths.values())
 
     def _observe_acceptance(self, scheduled: SchedulerOutput, sampled: dict, outputs: list[EngineOutput]) -> None:
         """(auto) Feed the draft controller this step's verified drafts, its unverified drafts' first tokens
@@ -445,6 +539,52 @@ class EngineCore:
         self.scheduler.max_prefill_tokens = timer.max_prefill_tokens
         return timer
 
+    def _make_drafter(self, model: torch.nn.Module, progress: StartProgress) -> Drafter | None:
+        """The drafter `speculative_config.method` names (None without a config); a draft model is loaded here,
+        into an engine of its own (engine/draft_model.py) with its own KV (`_draft_kv_tokens`); `mtp` is built
+        once the runner is (None here; a model without an MTP layer is refused now)."""
+        spec = self.spec_config
+        if spec is None:
+            return None
+        if spec.method == "mtp":
+            if getattr(model, "num_mtp_layers", 0) < 1:
+                raise ValueError(f"speculative_config.method='mtp': {self.model_config.architecture} has no MTP layer "
+                                 "(num_nextn_predict_layers in config.json and its tensors in the checkpoint)")
+            return None
+        if spec.method != "draft_model":
+            return make_drafter(spec)
+        from deepinfer.engine.draft_model import DraftModelDrafter
+
+        progress.begin("loading the draft model")
+        args = self.args
+        draft_dir = resolve_model(spec.model, args.model_cache_dir or default_model_cache_dir(), progress=args.progress)
+        draft_config = load_model_config(draft_dir)
+        block_size = args.block_size
+        draft_bytes_per_token = draft_config.kv_bytes_per_token(self.dtype)
+        # The target's tokens, then per sequence a draft past them and the partial block a round recomputes.
+        num_blocks = (-(-self._draft_kv_tokens(draft_bytes_per_token) // block_size) + 1
+                      + args.max_num_seqs * (-(-spec.max_num_draft_tokens // block_size) + 1))
+        return DraftModelDrafter.build(
+            draft_dir, args, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+            kv_cache_bytes=num_blocks * block_size * draft_bytes_per_token,
+            target_vocab_size=self.model_config.vocab_size, target_tokenizer=self.tokenizer,
+        )
+
+    def _draft_kv_tokens(self, draft_bytes_per_token: int) -> int:
+        """Tokens a draft model's KV pool holds beside the target's: as many as the target's pool (a round then
+        never waits for draft blocks while the target holds its requests' KV), at most max_num_seqs full-length
+        sequences. On CUDA without kv_cache_bytes the two pools split the device budget so both hold that many;
+        otherwise the target's budget is its own and the draft's comes on top."""
+        target_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        budget = self.args.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            num_tokens = self._device_kv_budget() // (target_bytes_per_token + draft_bytes_per_token)
+        else:
+            if budget is None:
+                budget = self._cpu_kv_budget(target_bytes_per_token * self.args.block_size)
+            num_tokens = budget // target_bytes_per_token
+        return max(0, min(num_tokens, self.args.max_num_seqs * self.max_model_len))
+
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
         if self.args.max_model_len is None:
@@ -458,16 +598,43 @@ class EngineCore:
     def _plan_kv_cache(self, model: torch.nn.Module) -> KvCachePlan:
         # The model config says what one token costs: K/V heads, or one latent row per layer for MLA models.
         per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.args.block_size
+        if self.spec_config is not None and self.spec_config.method == "mtp":  # the MTP layer's cache: one layer more
+            per_block += per_block // self.model_config.num_hidden_layers
         budget = self.args.kv_cache_bytes
         if budget is None:
             budget = self._device_kv_budget() if self.device.type == "cuda" else self._cpu_kv_budget(per_block)
+        num_layers = self.model_config.num_hidden_layers
+        group_size = len(self.kv_groups[0].layers) if self.kv_groups else num_layers
         return plan_kv_cache(
             budget_bytes=budget,
-            bytes_per_block=per_block,
+            bytes_per_block=per_block * group_size // num_layers,  # KV groups: a block (page) holds one group
             block_size=self.args.block_size,
             max_model_len=self.max_model_len,
             what=str(self.device),
+            tables_per_sequence=max(1, len(self.kv_groups)),
         )
+
+    def _kv_groups(self, model: torch.nn.Module) -> tuple[KVGroup, ...]:
+        """The model's KV groups by attention window when enable_hybrid_kv_cache is set (ValueError for a model
+        without sliding-window layers or whose layers are not all paged K/V attention), else ()."""
+        if not self.args.enable_hybrid_kv_cache:
+            return ()
+        windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+        if len(windows) != self.model_config.num_hidden_layers or self.model_config.mla is not None:
+            raise ValueError(f"enable_hybrid_kv_cache: {self.model_config.architecture} has layers other than "
+                             "paged K/V attention; KV by layer type is for sliding-window models (Gemma 3, Mistral)")
+        if all(w is None for w in windows):
+            raise ValueError(f"enable_hybrid_kv_cache: {self.model_config.architecture} has no sliding-window "
+                             "layer: every layer keeps every block anyway")
+        groups = tuple(kv_groups(windows))
+        logger.info("KV by layer type: %d groups of %d layers (%s)", len(groups), len(groups[0].layers),
+                    ", ".join("global" if g.sliding_window is None else f"window {g.sliding_window}" for g in groups))
+        return groups
+
+    def _kv_group_of_layer(self) -> tuple[int, ...]:
+        """Each layer's KV group index (() without groups)."""
+        group_of = {layer: g for g, group in enumerate(self.kv_groups) for layer in group.layers}
+        return tuple(group_of[layer] for layer in range(len(group_of)))
 
     def _cpu_kv_budget(self, bytes_per_block: int) -> int:
         """Room for CPU_KV_SEQUENCES full-length sequences, capped at DEFAULT_CPU_KV_CACHE_BYTES: a small model does
@@ -523,8 +690,9 @@ class EngineCore:
             if budget:
                 logger.info("host KV tier off: tensor_parallel_size > 1")
             return None
-        if budget is None:  # unset: on for one CUDA device, sized from the host's memory
-            budget = default_host_tier_bytes(usable_memory()) if self.device.type == "cuda" else 0
+        if budget is None:  # unset: on for one CUDA device, sized from the host's memory (not with KV groups yet)
+            on = self.device.type == "cuda" and not self.kv_groups
+            budget = default_host_tier_bytes(usable_memory()) if on else 0
         if budget == 0 or not self.args.enable_prefix_caching:
             return None
         kv_caches = self.runner.kv_caches
@@ -538,8 +706,19 @@ class EngineCore:
         logger.info("host KV tier: %d blocks (%.2f GiB)", num_slots, tier.capacity_bytes / (1 << 30))
         return tier
 
+    def _allocate_mtp_cache(self) -> torch.Tensor:
+        """The MTP layer's latent cache: one main layer's shape, under the same block ids (engine/mtp_drafter.py)."""
+        shape = self.model_config.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
+        return zeroed_kv_cache(shape, self.dtype, self.device)
+
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        """One cache per layer; with KV groups one per position in a group, shared by the groups' layers at that
+        position (a page is one block of one group's layers: engine/kv_groups.py)."""
         cfg = self.model_config
         shape = cfg.kv_cache_shape(self.kv_plan.num_blocks, self.args.block_size)
-        return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        if not self.kv_groups:
+            return [zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        slots = [zeroed_kv_cache(shape, self.dtype, self.device) for _ in self.kv_groups[0].layers]
+        position = {layer: j for group in self.kv_groups for j, layer in enumerate(group.layers)}
+        return [slots[position[layer]] for layer in range(cfg.num_hidden_layers)]
 

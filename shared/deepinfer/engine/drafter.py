@@ -2,14 +2,18 @@
 
 One protocol, `Drafter.propose(request, num_tokens) -> Draft`, called by EngineCore after each step's update for
 every running request that decodes next; the scheduler feeds the draft with the request's last token in its next
-step (k + 1 query positions) and the runner verifies it (deepinfer.sampling.rejection). A drafter that has a
-distribution (a draft model, MTP) returns it as `Draft.probs`; one that has none (n-gram lookup) leaves it None and
-is treated as one-hot. Suffix decoding is `SuffixDrafter` (engine/suffix_drafter.py); MTP and a draft model are to
-come behind the same protocol.
+step (k + 1 query positions) and the runner verifies it (deepinfer.sampling.rejection). A drafter that runs a model
+(`BatchDrafter`, a draft model) also has `propose_batch(requests, num_tokens)`: one forward per draft position for
+all requests together; EngineCore calls it instead of `propose` when a drafter has it (`propose_drafts`). A drafter
+that has a distribution returns it as `Draft.probs`; one that has none (n-gram lookup, a greedy draft model) leaves it
+None and is treated as one-hot. Suffix decoding is `SuffixDrafter` (engine/suffix_drafter.py), the draft model
+`DraftModelDrafter` (engine/draft_model.py, built by EngineCore: it needs the target's device, dtype and KV plan),
+the MTP layer `MtpDrafter` (engine/mtp_drafter.py, built by EngineCore beside the runner, whose steps it reads).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +47,25 @@ class Drafter(Protocol):
     def propose(self, request: Request, num_tokens: int) -> Draft:
         """At most `num_tokens` draft tokens (fewer, or none, when the drafter has no good guess)."""
         ...
+
+
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that proposes for many requests at once (a draft model: one forward per draft position for the
+    whole batch, not per request)."""
+
+    def propose_batch(self, requests: Sequence[Request], num_tokens: int) -> dict[str, Draft]:
+        """Drafts of at most `num_tokens` tokens by request_id (a request without a guess may be absent). The
+        requests are every running request that decodes next: a drafter may drop the state of any other."""
+        ...
+
+
+def propose_drafts(drafter: Drafter, requests: Sequence[Request], num_tokens: int) -> dict[str, list[int]]:
+    """Every request's draft token ids (possibly empty), through `propose_batch` when the drafter has it."""
+    propose_batch = getattr(drafter, "propose_batch", None)  # BatchDrafter
+    if propose_batch is not None:
+        drafts = propose_batch(requests, num_tokens)
+        return {r.request_id: drafts.get(r.request_id, NO_DRAFT).token_ids for r in requests}
+    return {r.request_id: drafter.propose(r, num_tokens).token_ids for r in requests}
 
 
 class NgramDrafter:
@@ -90,4 +113,7 @@ def make_drafter(config: SpeculativeConfig) -> Drafter:
 
         return SuffixDrafter(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    if config.method == "draft_model":
+        raise ValueError("speculative_config.method='draft_model': its drafter runs a model, EngineCore builds it "
+                         "(deepinfer.engine.draft_model.DraftModelDrafter.build)")
     raise ValueError(f"speculative_config.method={config.method!r} has no drafter yet")

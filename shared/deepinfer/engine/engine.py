@@ -101,8 +101,10 @@ class Engine:
     def add_request(self, request: EngineRequest) -> Admission:
         """Admit a request, its prompt's KV from where `request.kv` says (requests.py); ValueError (naming what is
         wrong) for an invalid request, DeviceTransferError when a PeerDeviceKv export cannot be mapped here.
-        A request asking for prompt_logprobs is computed here whatever its source: KV from elsewhere has no logits."""
-        if request.sampling_params.prompt_logprobs is not None:
+        A request asking for prompt_logprobs is computed here whatever its source: KV from elsewhere has no logits;
+        so is every request of an engine with KV by layer type (enable_hybrid_kv_cache): KV from elsewhere comes in
+        one table for every layer, not per group, yet."""
+        if request.sampling_params.prompt_logprobs is not None or self.core.kv_groups:
             return self._compute(request)
         match request.kv:
             case ComputeKv():
@@ -176,6 +178,12 @@ class Engine:
         """Current load (engine thread, or any thread as a hint)."""
         return engine_stats(self.core)
 
+    @property
+    def num_replayed_tokens(self) -> int:
+        """KV by layer type: tokens prefix hits recomputed although the global layers had them cached (a hit needs
+        the local layers' window before it: engine/hybrid_kv_manager.py); 0 without KV groups. Any thread, a hint."""
+        return getattr(self.core.scheduler.kv_manager, "num_replayed_tokens", 0)
+
     def spec_decode_stats(self) -> SpecDecodeStats:
         """Speculative decoding's acceptance counters since start, a copy (all zero when it is off); any thread, as
         a hint (the engine thread only ever increases them)."""
@@ -196,7 +204,10 @@ class Engine:
         """(every block hash in the device prefix cache, every block hash in the host tier)."""
         host_tier = self.core.host_tier
         host = host_tier.pool.block_hashes() if host_tier is not None else []
-        return list(self.core.scheduler.block_pool.cached_block_hash_to_block), host
+        cached = self.core.scheduler.block_pool.cached_block_hash_to_block
+        if self.core.kv_groups:  # only group 0's hashes are the requests' own (others are group-tagged)
+            return [h for h, block in cached.items() if not block.group], host
+        return list(cached), host
 
     def cached_prefix_tiers(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """(leading blocks in the device prefix cache, the blocks after them held by the host tier), as admission
@@ -253,9 +264,15 @@ class Engine:
         """This engine's KV cache exported for same-host CUDA IPC pulls (once, at start); None: data plane only."""
         return export_for_handles(self.core, self._peers.local_host_id)
 
+    @property
+    def takes_kv(self) -> bool:
+        """False with KV by layer type (enable_hybrid_kv_cache): KV another worker or tier holds comes in one table
+        for every layer, so this engine recomputes it (`add_request`) and a caller need not fetch it."""
+        return not self.core.kv_groups
+
     def accepts_device_kv(self, handle: KvHandle) -> bool:
         """True when this handle's blocks may come as PeerDeviceKv (any thread, a hint: mapping may still fail)."""
-        return self._peers.usable(handle, self.device)
+        return self.takes_kv and self._peers.usable(handle, self.device)
 
     def close_peers(self) -> None:
         """Drop every mapped owner cache (the owners' memory stays theirs)."""

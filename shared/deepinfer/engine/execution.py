@@ -77,9 +77,19 @@ class RunnerConfig:
     mixed_step_decode_kernel: bool = DEFAULT_MIXED_STEP_DECODE_KERNEL
     #: Python's switch interval while a step with prompt rows launches its layers (None: unchanged).
     eager_step_switch_interval_s: float | None = None
+    #: KV by layer type (engine/kv_groups.py): each layer's KV group; the scheduler sends every group's block ids
+    #: interleaved and each layer reads its group's table. () = one table for every layer.
+    kv_group_of_layer: tuple[int, ...] = ()
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Block tables per request (1 without KV groups)."""
+        return max(self.kv_group_of_layer, default=0) + 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))  # a name is accepted too
+        if self.kv_group_of_layer and self.execution_mode != ExecutionMode.EAGER:
+            raise ValueError("KV groups (enable_hybrid_kv_cache) run eager steps only")
         if self.batch_invariant and self.max_model_len is None:
             raise ValueError("batch_invariant needs max_model_len (the fixed split of decode attention)")
         if self.execution_mode.decode_graphs and self.max_model_len is None:

@@ -15,7 +15,8 @@ kernels.triton_graph_attention), refilled before each replay:
 A step of T tokens over B sequences runs the smallest bucket n >= T (piecewise_graphs.token_buckets) with
 S = min(max_num_seqs, n) sequence slots (B <= T <= n, B <= max_num_seqs): its B sequences, then empty slots
 (no new row, seq_len 0). The graph ends at the hidden states of the step's sampled rows (the last row of each
-sampling sequence, gathered by the static row list: S slots, the unused ones row 0), and with `logits` given
+sampling sequence, or a sequence's k + 1 last rows when it verifies k draft tokens, gathered by the static row list:
+S slots, the unused ones row 0; a step with more rows to sample than S runs elsewhere), and with `logits` given
 (the model's compute_logits) computes their float32 logits into the decode graphs' static buffer and each row's
 greedy token with its raw logprob, as the decode graphs do (cuda_graphs): an all-greedy step without penalties,
 bias or top logprobs launches no LM head and no sampler. The host work of a step is the tile list (numpy), those
@@ -108,7 +109,7 @@ class GraphStepBuffers:
         """Write `step`'s layout and its rows to sample for bucket n and copy them to the static buffers
         (non_blocking on CUDA)."""
         starts, num_seqs, slots, num_sampled = step.query_start_loc_cpu, step.num_seqs, self.slots(n), len(sampled_rows)
-        assert num_sampled <= num_seqs <= slots and starts[-1] <= n, (num_sampled, num_seqs, slots, starts[-1], n)
+        assert num_sampled <= slots and num_seqs <= slots and starts[-1] <= n, (num_sampled, num_seqs, slots, starts[-1], n)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer
         h, seq_off, capacity = self._h, self.seq_off, self.capacity(n)
@@ -173,9 +174,13 @@ class FullGraphRunner:
         """Graphs captured (0 without graphs)."""
         return len(self.graphs)
 
-    def can_run(self, num_tokens: int) -> bool:
-        """True once captured (or, without graphs, at once), for a step of 1..largest bucket tokens."""
-        return (bool(self.graphs) or not self.use_graphs) and 0 < num_tokens <= self.buckets[-1]
+    def can_run(self, num_tokens: int, num_sampled: int = 1) -> bool:
+        """True once captured (or, without graphs, at once), for a step of 1..largest bucket tokens whose
+        num_sampled rows to sample fit its bucket's slots (a step without drafts samples at most a row a sequence:
+        always; one verifying drafts samples k + 1 rows a sequence)."""
+        if not (bool(self.graphs) or not self.use_graphs) or not 0 < num_tokens <= self.buckets[-1]:
+            return False
+        return num_sampled <= self.attention.slots(smallest_bucket(self.buckets, num_tokens))
 
     def _step(self, n: int, meta: AttentionMetadata) -> GraphStep:
         """The captured work: the forward, the sampled rows' hidden states, then (with compute_logits) their logits

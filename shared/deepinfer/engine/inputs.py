@@ -134,6 +134,8 @@ class HostBatch:
     #: Speculative decoding: draft tokens fed by the step's sequences. A sampled sequence with k drafts has k + 1
     #: entries in logits_indices (its last k + 1 rows, verified together), one entry in `sampled`.
     num_draft_tokens: int = 0
+    #: KV groups (`group_slots`): each group's slot mapping [T]; `slot_mapping` is then group 0's.
+    group_slot_mappings: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +219,22 @@ def build_host_batch(
     if requests is not None and (len(input_ids) > len(batch.seq_lens) or len(batch.sampled) < len(batch.seq_lens)):
         _add_prompt_rows(batch, scheduled, requests)
     return batch
+
+
+def group_slots(batch: HostBatch, scheduled: Sequence[ScheduledRequest], block_table: BlockTable, block_size: int,
+                num_groups: int) -> None:
+    """With KV groups a table row holds every group's block ids interleaved (block i of group g at column
+    i * num_groups + g: HybridKVCacheManager.block_ids_from); set each group's slot mapping on the batch that
+    build_host_batch made from those rows (its own `slot_mapping`, read as one table, is replaced by group 0's)."""
+    rows, all_block_ids = block_table.rows, block_table.block_ids
+    mappings: list[list[int]] = [[] for _ in range(num_groups)]
+    for s in scheduled:
+        block_ids = all_block_ids[rows[s.request_id]]
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        for g, mapping in enumerate(mappings):
+            mapping.extend(block_slots(block_ids[g::num_groups], start, end, block_size))
+    batch.group_slot_mappings = mappings
+    batch.slot_mapping = mappings[0]
 
 
 def _add_prompt_rows(batch: HostBatch, scheduled: Sequence[ScheduledRequest], requests: Mapping[str, Request]) -> None:

@@ -60,10 +60,12 @@ def plan_kv_cache(
     block_size: int,
     max_model_len: int,
     what: str,
+    tables_per_sequence: int = 1,
 ) -> KvCachePlan:
-    """Turn a byte budget into a block count; fail with the numbers when one full-length sequence cannot fit."""
+    """Turn a byte budget into a block count; fail with the numbers when one full-length sequence cannot fit (in
+    each of its `tables_per_sequence` block tables: KV groups, whose blocks are pages of one group's layers)."""
     num_blocks = max(budget_bytes, 0) // bytes_per_block
-    min_blocks = -(-max_model_len // block_size) + 1  # + the reserved padding block
+    min_blocks = -(-max_model_len // block_size) * tables_per_sequence + 1  # + the reserved padding block
     if num_blocks < min_blocks:
         raise KvCacheTooSmall(
             f"KV cache too small on {what}: {_gib(budget_bytes)} left for KV gives {num_blocks} blocks of "

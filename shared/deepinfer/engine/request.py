@@ -175,6 +175,14 @@ class Request:
             self._block_hashes.extend(hash_blocks(new_tokens, block_size, b"", "", start_parent=parent))
         return self._block_hashes
 
+    def adopt_block_hashes(self, block_hashes: Sequence[bytes]) -> None:
+        """Start `block_hashes` from the hashes of its leading full blocks that another Request computed for the same
+        tokens under the same hashing (a draft model's mirror of the round before: engine/draft_model.py), so they
+        are not hashed again. Only before any hash of its own, once bound (Scheduler.add_request)."""
+        assert self._block_size is not None and not self._block_hashes, self.request_id
+        assert len(block_hashes) * self._block_size <= self.num_tokens, self.request_id
+        self._block_hashes = list(block_hashes)
+
     def finish(self, status: RequestStatus, reason: FinishReason, stop_reason: int | None = None) -> None:
         """Move to a terminal status."""
         assert status.is_finished, status

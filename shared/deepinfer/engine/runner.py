@@ -15,7 +15,8 @@ Llama-family model one graph per token bucket with attention inside (`full_graph
 attention, `piecewise_graphs`); every other step, and every step on the CPU or in eager mode, runs eagerly.
 
 Speculative decoding: a decode that carries k draft tokens feeds them after its last token and is sampled at
-all k + 1 rows (`execute_verify`, always eager); it emits the target's tokens up to the first draft it disagrees
+all k + 1 rows (`execute_verify`: through the full graphs while its rows fit a bucket's sequence slots, else the
+piecewise graphs or eagerly); it emits the target's tokens up to the first draft it disagrees
 with (deepinfer.sampling.rejection).
 
 Batch-invariant mode: linears go through a fixed-tile matmul (`kernels.triton_matmul`), decode attention
@@ -29,18 +30,27 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from deepinfer.engine.async_step import PendingSample, SampledTokenBuffer, SampleLanding, sampled_tokens
 from deepinfer.engine.execution import ExecutionMode, RunnerConfig
-from deepinfer.engine.inputs import BlockTable, HostBatch, InputStager, ModelInputs, build_host_batch
+from deepinfer.engine.inputs import (
+    BlockTable,
+    HostBatch,
+    InputStager,
+    ModelInputs,
+    build_host_batch,
+    group_slots,
+)
 from deepinfer.engine.outputs import SampledToken
 from deepinfer.engine.prompt_logprobs import PromptRows, score_prompt_rows
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.kernels import batch_invariant_linear
+from deepinfer.kernels.metadata import AttentionMetadata
 from deepinfer.sampling.metadata import SamplingMetadata, SamplingMetadataBuilder
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rejection import accepted_prefix
@@ -114,6 +124,10 @@ class ModelRunner:
             self._capture_graphs(mode)
         #: The execution mode that was built (the one asked for, lowered to what this device and model run).
         self.mode = _built_mode(self.graphs, self.full_graphs, self.piecewise)
+        #: True: an eager forward keeps its inputs and every row's hidden states in `last_step` (the MTP drafter
+        #: reads them after the step, engine/mtp_drafter.py); None after a step forwarded otherwise.
+        self.keep_last_step = False
+        self.last_step: tuple[ModelInputs, torch.Tensor] | None = None
 
     def _capture_graphs(self, mode: ExecutionMode) -> None:
         """Capture the mode's graphs: decode graphs, then (piecewise, full) those of steps with prompt rows in
@@ -188,7 +202,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_verify(self, output: SchedulerOutput, requests: Mapping[str, Request]) -> dict[str, list[SampledToken]]:
-        """`execute` for a step whose decodes carry draft tokens (speculative decoding), always eager: every
+        """`execute` for a step whose decodes carry draft tokens (speculative decoding): every
         sampled request's emitted tokens. A request with k drafts is sampled at its k + 1 rows as a step without
         drafts would sample each (same processing, same noise for its seed and position), and emits the target's
         tokens of its first m + 1 rows, m = the drafts equal to the target's (deepinfer.sampling.rejection)."""
@@ -246,7 +260,7 @@ class ModelRunner:
         if not sampled:
             return None
         if num_draft_tokens:
-            return self._sample_with_drafts(forward.hidden, sampled, requests)
+            return self._sample_with_drafts(forward, sampled, requests)
         chosen = [requests[s.request_id] for s in sampled]
         params = [r.sampling_params for r in chosen]
         graph_step, num_sampled = forward.graph_step, len(sampled)
@@ -280,14 +294,17 @@ class ModelRunner:
         return _Sampled(self.sampler(logits, meta), chosen, sampled, needs_sync, forward.staged_sampled_rows)
 
     def _sample_with_drafts(
-        self, hidden: torch.Tensor, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
+        self, forward: ForwardResult, sampled: list[ScheduledRequest], requests: Mapping[str, Request]
     ) -> _Sampled:
         """Sample every verified row: row j of a request with k drafts samples the token at position
         num_computed_tokens + j + 1 after its output and drafts 0 .. j-1 (what penalties and min_tokens read)."""
         rows = [(requests[s.request_id], s, j) for s in sampled for j in range(s.num_draft_tokens + 1)]
         chosen = [r for r, _, _ in rows]
-        with self._linear_mode():
-            logits = self.model.compute_logits(hidden)  # [sum(k + 1), V]
+        if forward.graph_step is not None:  # the full graph computed every verified row's logits
+            logits = forward.graph_step.logits[: len(rows)]
+        else:
+            with self._linear_mode():
+                logits = self.model.compute_logits(forward.hidden)  # [sum(k + 1), V]
         meta = self.sampling_metadata.build(
             [r.sampling_params for r in chosen],
             positions=[s.num_computed_tokens + j + 1 for _, s, j in rows],
@@ -311,8 +328,11 @@ class ModelRunner:
     ) -> HostBatch:
         """Free released rows, apply the new block ids and flatten the step into a HostBatch (host only); with
         `requests`, the rows that score prompt tokens (prompt logprobs) are listed too."""
-        return build_host_batch(self._release_rows(output, requests or {}), self.block_table, self.block_size,
-                                requests or None)
+        scheduled = self._release_rows(output, requests or {})
+        batch = build_host_batch(scheduled, self.block_table, self.block_size, requests or None)
+        if self.config.kv_group_of_layer:
+            group_slots(batch, scheduled, self.block_table, self.block_size, self.config.num_kv_groups)
+        return batch
 
     def _release_rows(
         self, output: SchedulerOutput | Sequence[ScheduledRequest], requests: Mapping[str, Request]
@@ -328,6 +348,17 @@ class ModelRunner:
             self.block_table.free_stale(lambda rid: getattr(requests.get(rid), "status", None) is running)
         return output
 
+    @property
+    def max_graphed_verify_tokens(self) -> int | None:
+        """The most query tokens (rows and draft tokens) a decode step verifying drafts may have and still replay
+        graphs: the full graphs sample at most a bucket's sequence slots (max_num_seqs), the piecewise graphs any
+        row of their largest bucket; None when verify steps run eagerly whatever their size (no graphs for them)."""
+        if self.full_graphs is not None:
+            return min(self.full_graphs.attention.max_seqs, self.full_graphs.buckets[-1])
+        if self.piecewise is not None:
+            return self.piecewise.buckets[-1]
+        return None
+
     # -- the forward: one dispatcher over the mode's graphs ------------------------------------------------------
     def forward(self, batch: HostBatch, *, invariant_prefill: bool = False) -> ForwardResult:
         """The step's sampled rows: a decode graph replay when one fits the batch; for a step with prompt rows the
@@ -342,11 +373,14 @@ class ModelRunner:
         inputs = self.stager.stage(batch, self.block_table)
         if not self.mixed_step_decode_kernel:
             inputs.meta.num_decodes = None  # not counted: one attention kernel for the step
+        if self.config.kv_group_of_layer:
+            inputs.meta.layer_metas = self._layer_metas(batch, inputs.meta)
         staged_rows = self._fill_placeholders(batch, inputs.input_ids) if batch.placeholder_indices else None
-        # A step verifying drafts runs eagerly in every mode: the prompt graphs keep one sampled row per sequence.
-        if not batch.is_decode_only and not batch.num_draft_tokens:
+        # A step verifying drafts (k + 1 rows to sample a sequence) runs the full graphs while its rows fit the
+        # bucket's sequence slots, else the piecewise graphs (every row's hidden states) or eagerly.
+        if not batch.is_decode_only:
             if (self.full_graphs is not None and not batch.prompt_logits_indices
-                    and self.full_graphs.can_run(batch.num_tokens)):
+                    and self.full_graphs.can_run(batch.num_tokens, len(batch.logits_indices))):
                 step = self.full_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, batch.logits_indices)
                 return ForwardResult(step.hidden, step if step.logits is not None else None, staged_rows)
             if self.piecewise is not None and self.piecewise.can_run(batch.num_tokens):
@@ -355,7 +389,20 @@ class ModelRunner:
                 return ForwardResult(hidden[inputs.logits_indices], None, staged_rows,
                                      self._prompt_hidden(batch, hidden))
         hidden = self._forward_eager(batch, inputs, invariant_prefill)
+        if self.keep_last_step:
+            self.last_step = (inputs, hidden)
         return ForwardResult(hidden[inputs.logits_indices], None, staged_rows, self._prompt_hidden(batch, hidden))
+
+    def _layer_metas(self, batch: HostBatch, meta: AttentionMetadata) -> list[AttentionMetadata]:
+        """KV groups: each layer's metadata, its group's columns of the interleaved block table and its group's
+        slot mapping (eager steps only)."""
+        num_groups = self.config.num_kv_groups
+        groups = [
+            replace(meta, block_tables=meta.block_tables[:, g::num_groups].contiguous(), layer_shared={},
+                    slot_mapping=torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True))
+            for g, slots in enumerate(batch.group_slot_mappings)
+        ]
+        return [groups[g] for g in self.config.kv_group_of_layer]
 
     def _prompt_hidden(self, batch: HostBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         """The hidden states of the rows that score prompt tokens, from every row's [T, hidden] (None: no row does)."""

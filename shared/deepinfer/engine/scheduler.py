@@ -35,6 +35,7 @@ from deepinfer.engine.admission_window import AdmissionWindow
 from deepinfer.engine.block_pool import BlockPool, KVCacheBlock, KvCacheEvent
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.errors import ContextLengthExceeded
+from deepinfer.engine.hybrid_kv_manager import HybridKVCacheManager
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import EngineOutput, SampledToken
 from deepinfer.engine.request import (
@@ -47,6 +48,10 @@ from deepinfer.engine.request import (
 from deepinfer.engine.scheduler_loading import LoadingRequests
 from deepinfer.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from deepinfer.protocol import FinishReason
+
+#: What KV by layer type (EngineConfig.kv_groups) cannot do yet, said where a request asks for it.
+HYBRID_NO_HANDOFF = ("KV by layer type (enable_hybrid_kv_cache) cannot hand KV to or from another worker or tier yet "
+                     "(a prefill lease, a prefilled request, a host-tier or store load)")
 
 
 class _Step:
@@ -79,7 +84,10 @@ class Scheduler(LoadingRequests):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.enable_kv_events)
-        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        #: One block table per request, or (KV by layer type) one per KV group.
+        self.kv_manager: KVCacheManager | HybridKVCacheManager = (
+            HybridKVCacheManager(self.block_pool, config.block_size, config.kv_groups, config.hybrid_checkpoint_tokens)
+            if config.kv_groups else KVCacheManager(self.block_pool, config.block_size))
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         #: Sorted by arrival, so the last one is the preemption victim and is never scheduled before it.
@@ -139,6 +147,8 @@ class Scheduler(LoadingRequests):
                 f"request {request.request_id!r}: {request.num_tokens} tokens are longer than "
                 f"max_model_len={self.config.max_model_len}"
             )
+        if request.hold_blocks and self.config.kv_groups:
+            raise ValueError(HYBRID_NO_HANDOFF)
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
         self.requests[request.request_id] = request
         self._arrival_key[request.request_id] = (request.arrival_time, next(self._add_order))
@@ -335,6 +345,8 @@ class Scheduler(LoadingRequests):
         The request's output may already hold tokens (the prefill worker's first token); they are computed
         by the next step like any decode. Call `commit_prefilled` once the blocks hold the KV.
         """
+        if self.config.kv_groups:
+            raise ValueError(HYBRID_NO_HANDOFF)
         if not 0 < num_prefilled_tokens < request.num_tokens or self._num_seqs() >= self.config.max_num_seqs:
             return None
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
@@ -471,8 +483,11 @@ class Scheduler(LoadingRequests):
         return output
 
     def _send_block_ids(self, request_id: str, blocks: Sequence[KVCacheBlock], num_sent: int | None) -> list[int]:
-        """The ids of a request's blocks the runner has not been sent (all of them when num_sent is None)."""
+        """The ids of a request's blocks the runner has not been sent (all of them when num_sent is None; with KV
+        groups, every group's, interleaved: HybridKVCacheManager.block_ids_from)."""
         self._num_sent_blocks[request_id] = len(blocks)
+        if self.config.kv_groups:
+            return self.kv_manager.block_ids_from(request_id, num_sent or 0)
         return [block.block_id for block in (blocks if num_sent is None else blocks[num_sent:])]
 
     def _retire(self, request: Request) -> None:

@@ -38,7 +38,10 @@ class LoadingRequests:
     def add_loading_request(self, request: Request, num_stored_blocks: int) -> tuple[int, list[int]] | None:
         """Hold a new request (or a preempted one, taken from the queue) whose first `num_stored_blocks` full blocks
         are in a lower tier: device hits reused, blocks allocated for the stored ones past them. (index of the first
-        block to load, block ids to fill); None: nothing to load or no room, nothing changed (queue a new one)."""
+        block to load, block ids to fill); None: nothing to load or no room, nothing changed (queue a new one);
+        also None with KV groups (not loaded per group yet: the request is recomputed)."""
+        if self.config.kv_groups:
+            return None
         request.bind_block_hashing(self.config.block_size, self.config.model_fingerprint)
         computed_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(request)
         max_blocks = min(num_stored_blocks, (request.num_tokens - 1) // self.config.block_size)

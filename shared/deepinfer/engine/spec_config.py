@@ -5,19 +5,24 @@
 
     LLM(model, speculative_config={"method": "suffix", "num_speculative_tokens": 8})   # vLLM's suffix_decoding_*
 
-Unset (None) = no speculation, the engine exactly as without it. `ngram` and `suffix` are implemented; the other
-methods of issue #32 (mtp, draft_model) are refused by name until they are (deepinfer.engine.drafter).
+    LLM(model, speculative_config={"method": "draft_model", "model": "path/or/name", "num_speculative_tokens": 4})
+
+    LLM(deepseek_v3, speculative_config={"method": "mtp", "num_speculative_tokens": 1})   # its MTP layer drafts
+
+Unset (None) = no speculation, the engine exactly as without it. All four methods are implemented; `mtp` drafts one
+token a step for now (engine/mtp_drafter.py: chaining the MTP layer for k > 1 is to come).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 #: Methods a config may name (vLLM's names), and those this build can run.
 KNOWN_METHODS = ("ngram", "suffix", "mtp", "draft_model")
-IMPLEMENTED_METHODS = ("ngram", "suffix")
+IMPLEMENTED_METHODS = ("ngram", "suffix", "draft_model", "mtp")
 #: `num_speculative_tokens: "auto"`: the most draft tokens a request proposes (the controller verifies fewer).
 AUTO_MAX_DRAFT_TOKENS = 8
 
@@ -43,6 +48,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    #: "draft_model" only (required there): the draft checkpoint, a Hugging Face directory, a .gguf file or a known
+    #: name, resolved as the target's `model` is (engine/draft_model.py).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in KNOWN_METHODS:
@@ -52,12 +60,16 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method={self.method!r} is not implemented yet "
                              f"(implemented: {', '.join(IMPLEMENTED_METHODS)})")
         _check_suffix_decoding(self)
+        _check_model(self)
         k = self.num_speculative_tokens
         if k is None and self.method == "suffix":
             k = self.suffix_decoding_max_tree_depth
             object.__setattr__(self, "num_speculative_tokens", k)
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1 or \"auto\", got {k!r}")
+        if self.method == "mtp" and k not in (1, "auto"):
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: method 'mtp' drafts one token a step "
+                             "for now (1 or \"auto\"; chaining its MTP layer for more is to come)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -78,6 +90,8 @@ class SpeculativeConfig:
     @property
     def max_num_draft_tokens(self) -> int:
         """The most draft tokens one request proposes per step."""
+        if self.method == "mtp":
+            return 1
         return AUTO_MAX_DRAFT_TOKENS if self.adaptive else self.num_speculative_tokens
 
     @classmethod
@@ -98,6 +112,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: missing {', '.join(missing)}")
         return cls(**value)
 
+
+def _check_model(config: SpeculativeConfig) -> None:
+    """ValueError when "draft_model" has no `model`, or another method has one."""
+    model = config.model
+    if config.method == "draft_model":
+        if isinstance(model, os.PathLike):
+            object.__setattr__(config, "model", model := os.fspath(model))
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model is required with method 'draft_model': the draft checkpoint "
+                             f"(a model directory, .gguf file or known name), got {model!r}")
+    elif model is not None:
+        raise ValueError(f"speculative_config.model is only for method 'draft_model', not {config.method!r}")
 
 
 def _check_suffix_decoding(config: SpeculativeConfig) -> None:

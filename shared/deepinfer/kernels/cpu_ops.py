@@ -103,9 +103,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch_ops.fused_add_rms_norm` over this module's rms_norm: (rms_norm(x + residual), x + residual)."""
-    assert x.shape == residual.shape, f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ"
-    summed = residual + x
-    return rms_norm(summed, weight, eps), summed
+    return torch_ops.fused_add_rms_norm(x, residual, weight, eps, rms_norm)
 
 
 def overrides() -> dict[str, Callable[..., Any]]:

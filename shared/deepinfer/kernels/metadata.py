@@ -39,6 +39,9 @@ class AttentionMetadata:
     #: Work of one step that a kernel would otherwise redo in every layer (every layer reads the same tables),
     #: by the kernel's key: the CPU attention's gather indices (kernels.sdpa_paged). Filled by the first layer.
     layer_shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    #: KV by layer type (engine/kv_groups.py): each layer's own metadata (its group's block tables and slot
+    #: mapping), which the decoder stack hands that layer; None = this one for every layer.
+    layer_metas: list[AttentionMetadata] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -12,7 +12,8 @@ and explicit masks. Per sequence, its context gathered from the paged cache once
                                                    (square: top-left = bottom-right), the two merged by their
                                                    log-sum-exps
     one row (a decode)                          -> every key, no mask, the query heads of a KV head as one block
-    a sliding window shorter than S             -> the keys of the window only, a boolean band mask
+    a sliding window shorter than S             -> the keys of the window only (only the blocks a row can see
+                                                   are gathered), a boolean band mask
 
 A step's decode rows (q_len == 1) take one gather and one call: the gather indices built by the first layer (the
 step's `_DecodePlan`, kept in `meta.layer_shared`) land the context heads-first and contiguous, padded to the
@@ -116,7 +117,8 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 class _DecodePlan:
     """One step's gather of its single-row sequences, built by the first layer, shared by the others.
 
-        row_ids [2 * R * Hkv * S]: for K then V (kv = 0, 1), row r, KV head h, key position p, the index of that
+        row_ids [2 * R * Hkv * S]: for K then V (kv = 0, 1), row r, KV head h, key p (of its window under a
+        sliding window: position first_r + p), the index of that
         vector of D elements in kv_cache.view(-1, D): kv * num_slots * Hkv + slot(r, p) * Hkv + h, where
         slot = block * block_size + p % block_size -> one index_select along dim 0 (split over the threads) lands
         the context heads-first and contiguous, [2, R, Hkv, S, D], as the kernel likes it
@@ -129,7 +131,7 @@ class _DecodePlan:
     token_rows: torch.Tensor  # [R] the rows' indices in the flat batch
     row_ids: torch.Tensor  # [2 * R * Hkv * S] int64
     key_mask: torch.Tensor | None  # [R, S] bool, True = attend; None when every row sees all S keys
-    num_keys: int  # S: the longest row's context
+    num_keys: int  # S: the most keys a row sees (its context, or its window)
 
 
 def _decode_plan(
@@ -144,18 +146,24 @@ def _decode_plan(
         return plan
     device = kv_cache.device
     seq_lens = [meta.seq_lens_cpu[b] for b in rows]
-    num_keys = max(seq_lens)
+    # A row sees keys [first, seq_len): all of them, or under a window the last sliding_window (gathered alone).
+    firsts = [0 if sliding_window is None else max(0, n - sliding_window) for n in seq_lens]
+    spans = [n - first for n, first in zip(seq_lens, firsts, strict=True)]
+    num_keys = max(spans)
     tables = meta.block_tables[torch.tensor(rows, device=device)].long()  # [R, max_blocks], padded with block 0
     pos = torch.arange(num_keys, device=device)
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [R, S]
+    if any(firsts):
+        at = torch.tensor(firsts, device=device)[:, None] + pos[None, :]  # [R, S]: key j of row r's window
+        columns = (at // block_size).clamp_(max=tables.shape[1] - 1)  # past a row's end: padding, masked
+        slots = tables.gather(1, columns) * block_size + at % block_size
+    else:
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [R, S]
     k_ids = (slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=device)[None, :, None]).flatten()
     row_ids = torch.cat((k_ids, k_ids + kv_cache[0].numel() // kv_cache.shape[4]))  # V's rows follow K's
     key_mask = None
-    if min(seq_lens) < num_keys or (sliding_window is not None and num_keys > sliding_window):
-        lens = torch.tensor(seq_lens, device=device)[:, None]
-        key_mask = pos[None, :] < lens  # the row's own token sits at seq_len - 1; past it: padding
-        if sliding_window is not None:
-            key_mask &= pos[None, :] > lens - 1 - sliding_window
+    if min(spans) < num_keys:
+        # the row's own token is its key spans - 1; past it: padding
+        key_mask = pos[None, :] < torch.tensor(spans, device=device)[:, None]
     token_rows = torch.tensor([meta.query_start_loc_cpu[b] for b in rows], device=device)
     plan = _DecodePlan(list(meta.seq_lens_cpu), list(meta.query_start_loc_cpu), meta.block_tables.clone(), token_rows,
                        row_ids, key_mask, num_keys)
@@ -208,8 +216,11 @@ def paged_attention(
         if q_end - q_start <= 1:  # empty, or a decode row (done above)
             continue
         assert q_end - q_start <= seq_len, f"sequence {b}: {q_end - q_start} new tokens but seq_len {seq_len}"
-        num_blocks = -(-seq_len // kv_cache.shape[2])
-        k, v = _gather(kv_cache, meta.block_tables[b, :num_blocks].long())[:, :seq_len]  # [S, Hkv, D] each
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-seq_len // block_size)
+        # Under a window, from the block of the first key any of these rows sees (the keys before: never read).
+        first_block = 0 if sliding_window is None else max(0, seq_len - (q_end - q_start) - sliding_window + 1) // block_size
+        k, v = _gather(kv_cache, meta.block_tables[b, first_block:num_blocks].long())[:, :seq_len - first_block * block_size]
         attended = causal_attention(_heads_first(query[q_start:q_end]), _heads_first(k), _heads_first(v), scale,
                                     sliding_window)
         out[q_start:q_end] = attended[0].transpose(0, 1)

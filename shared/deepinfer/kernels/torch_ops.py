@@ -169,12 +169,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, norm=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (rms_norm(x + residual), x + residual)."""
+    """Return (rms_norm(x + residual), x + residual); `norm` in rms_norm's place when given (the CPU's own)."""
     assert x.shape == residual.shape, f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ"
     summed = residual + x
-    return rms_norm(summed, weight, eps), summed
+    return (norm or rms_norm)(summed, weight, eps), summed
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:

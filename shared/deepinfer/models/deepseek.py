@@ -118,13 +118,26 @@ class DeepseekForCausalLM(nn.Module):
         `kv_cache` (a main layer's shape) under the same block tables and slots. RoPE sees only position
         differences, so this equals running the pair at t+1's positions (as transformers' MtpModel does).
         """
+        return self.compute_logits(self.mtp_hidden(hidden_states, next_token_ids, positions, kv_cache, meta, depth))
+
+    def mtp_hidden(
+        self,
+        hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """`mtp_forward` up to its head: the MTP layer's normed output [T, hidden], whose logits (compute_logits)
+        predict token t+2; every row's latents are written to `kv_cache` (a drafter takes the logits of a few)."""
         if depth >= len(self.mtp_layers):
             raise ValueError(f"MTP depth {depth} requested but the checkpoint has {len(self.mtp_layers)} MTP layer(s)")
         layer: MtpLayer = self.mtp_layers[depth]
         embeds = layer.enorm(self.model.embed_tokens(next_token_ids))
         hidden = layer.eh_proj(torch.cat((embeds, layer.hnorm(hidden_states)), dim=-1))
         hidden, residual = layer(positions, hidden, None, kv_cache, meta)
-        return self.compute_logits(layer.shared_head.norm(hidden + residual))
+        return layer.shared_head.norm(hidden + residual)
 
     def ignores_weight(self, name: str) -> bool:
         """Checkpoint tensors that carry nothing we load (a tied model's lm_head copy)."""

@@ -240,8 +240,9 @@ class DecoderStack(nn.Module):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         hidden = self.embed(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        metas = meta.layer_metas or [meta] * len(kv_caches)  # KV groups: each layer reads its group's tables
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, layer_meta)
         return self.final_norm(hidden, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

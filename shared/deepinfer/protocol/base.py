@@ -29,7 +29,9 @@ PROTOCOL_MAJOR = 2
 #: 2.8: WorkerLoad's measured costs (kv_bytes_per_block, prefill_tokens_per_s, host_load_bytes_per_s,
 #:      store_load_bytes_per_s): the router credits a cached prefix with the time it saves on that worker; from an
 #:      older worker (None) it falls back to fixed weights.
-PROTOCOL_MINOR = 8
+#: 2.9: KvHandle.transfer_engine and host_id (the owner leases the blocks to transfer engines by id over its data
+#:      plane; an older decode worker ignores them and takes the data-plane get).
+PROTOCOL_MINOR = 9
 
 
 class ProtocolError(ValueError):

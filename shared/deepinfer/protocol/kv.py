@@ -87,6 +87,10 @@ class KvHandle(Message):
     #: Set when the owner exported its cache for CUDA IPC: a receiver on the same host may copy the blocks
     #: device to device instead of pulling them over the data plane (added in 1.0; old readers ignore it).
     device_transfer: KvDeviceExport | None = None
+    #: The owner leases these blocks to transfer engines (a `lease` by block id on its data plane, which alone names
+    #: the engine's session and addresses: none travel here) and the host it runs on (`deepinfer.host_identity`).
+    transfer_engine: bool = False
+    host_id: str = ""
 
     @model_validator(mode="after")
     def _layout_id_matches(self) -> KvHandle:

@@ -154,5 +154,5 @@ def build_async_engine(batch: int, context: int, block_size: int, max_tokens: in
     host_tier.offload_batch_blocks, host_tier.offload_max_steps = OFFLOAD_BATCH_BLOCKS, OFFLOAD_MAX_STEPS
     core = EngineCore.__new__(EngineCore)
     core.scheduler, core.runner, core.host_tier = scheduler, runner, host_tier
-    core.async_scheduling, core._in_flight = True, None
+    core.async_scheduling, core._in_flight, core.drafter = True, None, None
     return core

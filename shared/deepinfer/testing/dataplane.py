@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from deepinfer.dataplane.errors import BlockNotFound, LeaseExpired
-from deepinfer.dataplane.frames import BytesLike
+from deepinfer.dataplane.errors import BlockNotFound, DataPlaneError, LeaseExpired
+from deepinfer.dataplane.frames import BytesLike, LeaseVia
+
+if TYPE_CHECKING:
+    from deepinfer.kvcache.shm import SlotLease
+    from deepinfer.worker.handoff_exports import HandoffExports
 
 
 class InMemoryBlockProvider:
     """A BlockProvider over two dicts; `read_delay_s` makes every read slow (for in-flight / timeout tests).
 
     leases: request_id → {block_id: (block_hash or None, payload)}; blocks: (layout_id, hash) → payload.
+    With `exports` it also leases a request's blocks by id to transfer engines, as a prefill worker with
+    `transfer_engine` on (services/prefill/handler.py): export slots held until release or the request's lease ends.
     """
 
-    def __init__(self, read_delay_s: float = 0.0) -> None:
+    def __init__(self, read_delay_s: float = 0.0, exports: HandoffExports | None = None) -> None:
         self.read_delay_s = read_delay_s
+        self.exports = exports
         self.leases: dict[str, dict[int, tuple[bytes | None, bytes]]] = {}
         self.blocks: dict[tuple[str, bytes], bytes] = {}
         self.num_reads = 0
@@ -37,8 +45,24 @@ class InMemoryBlockProvider:
         }
 
     def end_lease(self, request_id: str) -> None:
-        """Forget a lease; later reads under it raise LeaseExpired."""
+        """Forget a lease (and end its export leases); later reads under it raise LeaseExpired."""
         self.leases.pop(request_id, None)
+        if self.exports is not None:
+            self.exports.end_request(request_id)
+
+    async def lease_blocks(self, layout_id: str, block_hashes: Sequence[bytes], host_id: str,
+                           via: LeaseVia = LeaseVia.SHARED_MEMORY, request_id: str = "",
+                           block_ids: Sequence[int] = ()) -> SlotLease:
+        """A request's blocks by id copied into export slots and leased to a transfer engine."""
+        if via != LeaseVia.TRANSFER_ENGINE or self.exports is None or not block_ids:
+            raise DataPlaneError("this provider leases held blocks by id to transfer engines only")
+        payloads = self._read_leased(request_id, block_ids, block_hashes)
+        return self.exports.lease(request_id, block_ids, layout_id, payloads)
+
+    async def release_lease(self, lease_id: str) -> None:
+        """A transfer engine's reader is done with its export slots."""
+        if self.exports is not None:
+            self.exports.release(lease_id)
 
     async def read_blocks(
         self, request_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], layout_id: str

@@ -77,6 +77,11 @@ def add_stack_arguments(
         help='the decode workers\' speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (docs/speculative.md; default: off)',
     )
+    parser.add_argument(
+        "--enable-hybrid-kv-cache", action="store_true",
+        help="KV by layer type on the decode workers for sliding-window models such as Gemma 3 (docs/models.md); "
+        "no prefill worker unless --prefill says (a prefill worker's KV would be recomputed there)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +127,7 @@ def local_stack(args: argparse.Namespace, echo_logs: bool) -> Iterator[Stack]:
         model=args.model,
         device=args.device,
         port=args.port,
-        num_prefill=args.prefill,
+        num_prefill=num_prefill(args),
         num_decode=args.decode,
         num_schedulers=args.schedulers,
         num_gateways=args.gateways,
@@ -247,23 +252,38 @@ def _port(text: str) -> int:
 
 
 def _speculative_config(text: str) -> str:
-    """The flag's JSON, checked as the engine will check it (a bad one stops `up` before anything starts)."""
+    """The flag's JSON, checked as the engine will check it (a bad one stops `up` before anything starts); a
+    draft_model's `model` that names an existing path made absolute, as --model is (children may run elsewhere)."""
     from deepinfer.engine.spec_config import SpeculativeConfig
+    from deepinfer.up.stack import absolute_if_path
 
     try:
-        SpeculativeConfig.of(json.loads(text))
+        value = json.loads(text)
+        config = SpeculativeConfig.of(value)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if config is not None and config.method == "draft_model" and absolute_if_path(config.model) != config.model:
+        return json.dumps({**value, "model": absolute_if_path(config.model)})
     return text
 
 
 def _worker_env(args: argparse.Namespace) -> dict[str, str]:
     """Settings of the flags that only some children read, by environment."""
-    if args.speculative_config is None:
-        return {}
-    return {"DEEPINFER_DECODE_SPECULATIVE_CONFIG": args.speculative_config}
+    env = {}
+    if args.speculative_config is not None:
+        env["DEEPINFER_DECODE_SPECULATIVE_CONFIG"] = args.speculative_config
+    if args.enable_hybrid_kv_cache:
+        env["DEEPINFER_DECODE_ENABLE_HYBRID_KV_CACHE"] = "true"
+    return env
+
+
+def num_prefill(args: argparse.Namespace) -> int | None:
+    """--prefill; with --enable-hybrid-kv-cache and no --prefill, none (None: the stack's default)."""
+    if args.prefill is None and args.enable_hybrid_kv_cache:
+        return 0
+    return args.prefill
 
 
 def _count(text: str) -> int:

@@ -114,7 +114,7 @@ class Stack:
             num_schedulers = default_num_schedulers()
         if min(num_prefill, num_decode) < 0 or num_schedulers < 1:
             raise ValueError("need num_prefill >= 0, num_decode >= 0 and num_schedulers >= 1")
-        self.model = _absolute_if_path(model)
+        self.model = absolute_if_path(model)
         self.device = device
         self.port = port or free_port(HOST)
         self.num_prefill, self.num_decode, self.num_schedulers = num_prefill, num_decode, num_schedulers
@@ -377,7 +377,7 @@ def _generate_data_plane_secret() -> str:
     return generate_secret()
 
 
-def _absolute_if_path(model: str) -> str:
+def absolute_if_path(model: str) -> str:
     """A model that names an existing file or directory becomes absolute (children may run elsewhere)."""
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model

@@ -184,6 +184,11 @@ class WorkerRuntime:
             self.host_tier_metrics.update(report)
         if engine.args.speculative_config is not None:
             self.spec_decode_metrics = SpecDecodeMetrics(self._registry)
+        if engine.args.enable_hybrid_kv_cache:
+            gauge(self._registry, "worker_kv_replayed_tokens",
+                  "KV by layer type: tokens prefix hits recomputed although the global layers had them cached (a "
+                  "hit needs the local layers' window before it; a counter).").set_function(
+                      lambda: engine.num_replayed_tokens)
         self.kv_cost_metrics = KvCostMetrics(self._registry, engine.rates)
         gauge(self._registry, "worker_kernel_compiles_serving",
               "Triton compiles since the engine started (a step waited for each; the log names the kernel)."
@@ -197,8 +202,9 @@ class WorkerRuntime:
         engine_loop.after_command = self._heartbeat_on_load_change
         engine_loop.on_step_time = StepTimes(self._registry).observe
         engine_loop.start()
-        # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads.
-        if client is not None and engine.args.tensor_parallel_size == 1:
+        # A tensor-parallel engine stays out of the store: rank 0's cache holds only its share of the KV heads; so
+        # does one with KV by layer type: its blocks are pages of one group's layers, not a block of every layer.
+        if client is not None and engine.args.tensor_parallel_size == 1 and not engine.args.enable_hybrid_kv_cache:
             self.store = StoreTier(self.settings, self._registry, engine, engine_loop, client)
         elif client is not None:
             await client.close()

@@ -48,7 +48,16 @@ def engine_args(settings: WorkerSettings) -> EngineArgs:
         model_cache_dir=common.model_cache_dir,
         progress=False,
         speculative_config=speculative_config(settings),
+        **hybrid_kv_cache(settings),
     )
+
+
+def hybrid_kv_cache(settings: WorkerSettings) -> dict[str, Any]:
+    """A decode worker's KV-by-layer-type settings as EngineArgs fields (a prefill worker hands its KV over in one
+    table for every layer: never)."""
+    if not isinstance(settings, DecodeSettings) or not settings.enable_hybrid_kv_cache:
+        return {}
+    return {"enable_hybrid_kv_cache": True, "hybrid_checkpoint_tokens": settings.hybrid_checkpoint_tokens}
 
 
 def speculative_config(settings: WorkerSettings) -> dict[str, Any] | None:

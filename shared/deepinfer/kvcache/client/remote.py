@@ -16,6 +16,9 @@ Why the header is read after the bytes, and once: `seq` only grows, and a writer
 slot's bytes (deepinfer.kvcache.shm.region); the header batch starts after the bytes batch has completed, so a
 seq still equal to the leased one means no write began before the bytes were copied. A lease that ended under
 a slow reader (`shm_lease_s`) lets the slot be rewritten: the seq check catches it, the get falls back.
+
+The P/D handoff reads a prefill worker's export slots the same way (`get_held`: a lease by block id under the
+owner's request id, deepinfer.worker.handoff_exports), into one buffer registered for the batch.
 """
 
 from __future__ import annotations
@@ -86,9 +89,28 @@ class TransferEngineReads:
                                              None if into is None else into[start:end])
         return blocks
 
+    async def get_held(self, client: DataPlaneClient, request_id: str, block_ids: Sequence[int],
+                       layout_id: str) -> list[BytesLike]:
+        """A prefill worker's held blocks by id under its request id (the P/D handoff), through its transfer
+        engine into one buffer registered for the batch, every one seq- and checksum-checked; raises
+        DataPlaneError (the caller then pulls them with the data-plane get)."""
+        engine = self.engine()
+        blocks: list[BytesLike] = []
+        for start in range(0, len(block_ids), MAX_BLOCKS_PER_LEASE):
+            ids = list(block_ids[start:start + MAX_BLOCKS_PER_LEASE])
+            lease = await client.lease_blocks(layout_id, (), "", LeaseVia.TRANSFER_ENGINE, request_id=request_id,
+                                              block_ids=ids)
+            blocks += await self._read_lease(engine, client, lease, None)
+        return blocks
+
     async def _get_leased(self, engine: TransferEngine, client: DataPlaneClient, layout_id: str,
                           block_hashes: Sequence[bytes], into: Sequence[memoryview] | None) -> list[BytesLike]:
         lease = await client.lease_blocks(layout_id, block_hashes, "", via=LeaseVia.TRANSFER_ENGINE)
+        return await self._read_lease(engine, client, lease, into)
+
+    async def _read_lease(self, engine: TransferEngine, client: DataPlaneClient, lease: FrameHeader,
+                          into: Sequence[memoryview] | None) -> list[BytesLike]:
+        """Copy a lease's slots (on a thread: the engine blocks), then release it."""
         try:
             copy = asyncio.ensure_future(asyncio.to_thread(self._copy, engine, lease, into))  # blocks a thread
             try:
@@ -97,23 +119,34 @@ class TransferEngineReads:
                 await asyncio.wait([copy])  # the engine writes the caller's buffers: return only once it is done
                 raise
         finally:
-            with contextlib.suppress(Exception):  # a lease not released ends by time on the shard
+            with contextlib.suppress(Exception):  # a lease not released ends by time (the shard; the owner's lease)
                 await client.release_lease(lease.lease_id)
 
     def _copy(self, engine: TransferEngine, lease: FrameHeader, into: Sequence[memoryview] | None) -> list[BytesLike]:
         region = lease.remote_region
         if region is None:
             raise DataPlaneError("a transfer-engine lease without its remote region")
+        arena = None
+        if into is None:  # one buffer for every block, registered for this batch (RDMA reads only into such)
+            arena = np.empty(sum(grant.size for grant in lease.slots), np.uint8)
+            offsets = np.cumsum([0] + [grant.size for grant in lease.slots])
+            into = [memoryview(arena[offsets[i]:offsets[i + 1]]) for i in range(len(lease.slots))]
         buffers: list[memoryview] = []
         transfers: list[Transfer] = []
         for i, grant in enumerate(lease.slots):
-            buffer = memoryview(np.empty(grant.size, np.uint8)) if into is None else into[i]
+            buffer = into[i]
             address, length = buffer_address(buffer)
             if length != grant.size or grant.size > region.slot_bytes:
                 raise DataPlaneError(f"a {length}-byte buffer for a {grant.size}-byte block")
             buffers.append(buffer)
             transfers.append(Transfer(address, region.slots_address + grant.slot * region.slot_bytes, grant.size))
-        engine.read(region.session_id, transfers)
+        if arena is not None and arena.nbytes:
+            engine.register_buffer(arena)
+        try:
+            engine.read(region.session_id, transfers)
+        finally:
+            if arena is not None and arena.nbytes:
+                engine.unregister(arena.ctypes.data)
         headers = np.zeros((len(lease.slots), SLOT_HEADER_WORDS), "<u8")  # [num_blocks, 4]: seq|size|xxh3|key
         header_address, _ = buffer_address(headers)
         engine.register(header_address, max(headers.nbytes, 1))

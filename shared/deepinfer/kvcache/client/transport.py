@@ -7,7 +7,9 @@
       dataplane     always the data-plane get (today's path)
       mooncake      the transfer engine for every shard that serves one, this host's too (one machine standing in
                     for two: tests, benches); the data-plane get for the others
-    per shard       choose_reads(shard) → SharedMemoryReads | TransferEngineReads | None (the data-plane get)
+    per shard       KvStoreClient.reads_for(shard) → SharedMemoryReads | TransferEngineReads | None (the data-plane get)
+    per handoff     handoff_path(handle): a decode worker's pull of a prefill worker's blocks, the same rules
+                    (no shared memory: the transfer engine or the data-plane get)
 
 Both readers lease the blocks over the authenticated data plane (lease / release), copy each leased slot into its
 buffer, check the slot's seq and the block's xxh3-64, release; any failure falls back to the data-plane get of the
@@ -23,6 +25,7 @@ from typing import Protocol
 from deepinfer.dataplane import DataPlaneClient
 from deepinfer.dataplane.frames import BytesLike
 from deepinfer.kvcache.client.shards import Shard
+from deepinfer.protocol import KvHandle
 
 
 class KvTransport(StrEnum):
@@ -52,13 +55,25 @@ class LeasedReads(Protocol):
 
 def path_for(transport: KvTransport, shard: Shard, host_id: str, transfer_engine_loads: bool) -> str:
     """"shm", "transfer_engine" or "dataplane": the path a get from `shard` takes first."""
-    same_host = bool(shard.host_id) and shard.host_id == host_id
+    return _path(transport, shard.host_id, shard.shm, shard.transfer_engine, host_id, transfer_engine_loads)
+
+
+def handoff_path(transport: KvTransport, handle: KvHandle, host_id: str, transfer_engine_loads: bool) -> str:
+    """"transfer_engine" or "dataplane": the path a decode worker's pull of a prefill worker's blocks takes first
+    (the same rules as a store get: the handle says whether its owner leases to transfer engines, and where it
+    runs)."""
+    return _path(transport, handle.host_id, False, handle.transfer_engine, host_id, transfer_engine_loads)
+
+
+def _path(transport: KvTransport, peer_host_id: str, shm: bool, transfer_engine: bool, host_id: str,
+          transfer_engine_loads: bool) -> str:
+    same_host = bool(peer_host_id) and peer_host_id == host_id
     if transport == KvTransport.DATAPLANE:
         return "dataplane"
     if transport == KvTransport.MOONCAKE:
-        return "transfer_engine" if shard.transfer_engine and transfer_engine_loads else "dataplane"
-    if same_host and shard.shm:
+        return "transfer_engine" if transfer_engine and transfer_engine_loads else "dataplane"
+    if same_host and shm:
         return "shm"
-    if not same_host and shard.transfer_engine and transfer_engine_loads:
+    if not same_host and transfer_engine and transfer_engine_loads:
         return "transfer_engine"
     return "dataplane"

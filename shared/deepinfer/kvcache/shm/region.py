@@ -127,25 +127,22 @@ class _Mapped:
 
 class SlotRegion:
     """The shard's side: creates the file, writes slots under the seqlock. Not thread-safe (one writer: the
-    store's state lock serialises it)."""
+    store's state lock serialises it).
 
-    def __init__(self, directory: Path, num_slots: int, slot_bytes: int) -> None:
+    `directory=None`: the region is anonymous memory of this process (no file, `path` None), for a region only
+    transfer engines read (a prefill worker's handoff exports, deepinfer.worker.handoff_exports)."""
+
+    def __init__(self, directory: Path | None, num_slots: int, slot_bytes: int) -> None:
         if num_slots <= 0 or slot_bytes <= 0 or slot_bytes % PAGE:
             raise ValueError(f"a region needs num_slots > 0 and slot_bytes a positive multiple of {PAGE}, "
                              f"got {num_slots} x {slot_bytes}")
         self.layout = RegionLayout(num_slots, slot_bytes)
-        self.path = Path(directory) / f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # Reserve every page now: a tmpfs that is too small (a container's 64 MiB /dev/shm) fails here with
-            # ENOSPC, not later with a SIGBUS on a write into the mapping.
-            os.posix_fallocate(fd, 0, self.layout.size_bytes)
-            mapping = mmap.mmap(fd, self.layout.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        self.path: Path | None = None
+        if directory is None:
+            mapping = mmap.mmap(-1, self.layout.size_bytes)  # MAP_SHARED | MAP_ANONYMOUS, page-aligned
+        else:
+            self.path = Path(directory) / f"{REGION_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+            mapping = _create_file(self.path, self.layout.size_bytes)
         mapping[:_REGION_HEADER.size] = _REGION_HEADER.pack(MAGIC, num_slots, slot_bytes, self.layout.data_offset)
         self._mapped = _Mapped(mapping, self.layout, writable=True)
 
@@ -176,7 +173,23 @@ class SlotRegion:
     def close(self) -> None:
         """Unmap and unlink: mappings workers hold stay valid (their pages live until the last unmap)."""
         self._mapped.close()
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def _create_file(path: Path, size_bytes: int) -> mmap.mmap:
+    """A new mode-0600 file of size_bytes, every page reserved, mapped shared read-write."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Reserve every page now: a tmpfs that is too small (a container's 64 MiB /dev/shm) fails here with
+        # ENOSPC, not later with a SIGBUS on a write into the mapping.
+        os.posix_fallocate(fd, 0, size_bytes)
+        return mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
 
 
 class SlotReader:
