@@ -48,6 +48,7 @@ def spec_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if request.param.endswith("-async"):
         env["DEEPINFER_DECODE_ASYNC_SCHEDULING"] = "true"
     with Stack(port=0, env_overrides=env, start_timeout_s=240, num_prefill=1, num_decode=1) as running:
+        running.spec_config = CONFIGS[request.param]
         yield running
 
 
@@ -72,6 +73,13 @@ def _offline(llm, messages, **params):
 
     out = llm.chat([messages], SamplingParams(temperature=0, **params), use_tqdm=False)[0].outputs[0]
     return out.text, out.finish_reason, len(out.token_ids)
+
+
+def _drafts_every_step(stack: Stack) -> bool:
+    """Whether the stack verifies drafts whatever a step costs: a fixed num_speculative_tokens. With "auto" the draft
+    controller decides from measured step times (engine/draft_controller.py), so on a busy machine it may verify
+    none of a short request's drafts; its text is the plain run's either way, which is what every config is held to."""
+    return isinstance(stack.spec_config.get("num_speculative_tokens"), int)
 
 
 def _accepted(stack: Stack) -> tuple[float, float]:
@@ -103,12 +111,13 @@ def test_greedy_text_is_the_plain_run_s_streamed_or_not(client, spec_stack, plai
     itl_observations, num_tokens = metrics(spec_stack, "gateway-0")[ITL_COUNT] - itl_before, want[2]
     assert 2 * (num_tokens - 8) <= itl_observations <= 2 * (num_tokens - 1)
     # The counters reach /metrics with the worker's next heartbeat. Many of the 2 x 64 tokens came from drafts.
-    wait_until(lambda: _accepted(spec_stack)[1] - before[1] > 16, 10, "accepted draft tokens on /metrics")
-    drafts, accepted = _accepted(spec_stack)
-    assert drafts > before[0]
+    if _drafts_every_step(spec_stack):
+        wait_until(lambda: _accepted(spec_stack)[1] - before[1] > 16, 10, "accepted draft tokens on /metrics")
+        assert _accepted(spec_stack)[0] > before[0]
+        samples = metrics(spec_stack, "decode-0")
+        assert samples['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
     samples = metrics(spec_stack, "decode-0")
-    assert samples['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
-    assert samples["vllm:spec_decode_num_draft_tokens_total"] >= accepted
+    assert samples.get("vllm:spec_decode_num_draft_tokens_total", 0.0) >= samples.get(ACCEPTED, 0.0)
 
 
 def test_a_stop_string_and_max_tokens_inside_an_accepted_run_cut_as_a_plain_run(
@@ -122,7 +131,8 @@ def test_a_stop_string_and_max_tokens_inside_an_accepted_run_cut_as_a_plain_run(
         model=spec_stack.model_name, messages=REPEAT, temperature=0, stop=["lazy"], max_tokens=64
     )
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == stopped[:2]
-    wait_until(lambda: _accepted(spec_stack)[1] > before, 10, "accepted drafts of the stopped request")
+    if _drafts_every_step(spec_stack):
+        wait_until(lambda: _accepted(spec_stack)[1] > before, 10, "accepted drafts of the stopped request")
     cut = _offline(plain_llm, REPEAT, max_tokens=13)
     reply = client.chat.completions.create(
         model=spec_stack.model_name, messages=REPEAT, temperature=0, max_tokens=13
@@ -155,4 +165,5 @@ def test_a_json_schema_request_drafts_under_its_grammar(client, spec_stack, plai
     choice = reply.choices[0]
     assert (choice.message.content, choice.finish_reason) == want[:2]
     assert json.loads(want[0]).keys() == {"text"}
-    wait_until(lambda: _accepted(spec_stack)[1] > before[1], 10, "accepted drafts of the JSON request")
+    if _drafts_every_step(spec_stack):
+        wait_until(lambda: _accepted(spec_stack)[1] > before[1], 10, "accepted drafts of the JSON request")
