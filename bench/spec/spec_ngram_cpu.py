@@ -1,4 +1,4 @@
-"""Speculative decoding on the CPU, n-gram and suffix drafts: tokens/s per user, greedy, no speculation vs drafts.
+"""Speculative decoding on the CPU, n-gram and suffix drafts: tokens/s per user, no speculation vs drafts.
 
 Tasks: "edit" (fix the spelling of a text and repeat it: the answer mostly repeats the prompt, prompt lookup drafts
 well), "chat" (a multi-turn chat whose last turn asks to restate an earlier answer with one change), "open" (a
@@ -7,8 +7,9 @@ each run: "story-again" (the short story, its keeper named; open-ended, the stor
 "code-again" (a Fibonacci function, its name given; the answers share most of their code). The default model;
 --concurrency requests at once (copies of the task's chat). Prints tokens/s per user of each mode (best of
 --repeats, the mean of them in the -again tasks, whose runs are different requests; the modes interleaved run by
-run, so a neighbour's load falls on all alike), whether every run's outputs equal the plain ones, and the
-acceptance counters (accepted draft tokens per request: the decode steps drafts saved, whatever the load).
+run, so a neighbour's load falls on all alike), whether every run's outputs equal the plain ones (greedy; with
+--temperature, seeded sampling, whose outputs follow the target's distribution but not the plain run's draws), and
+the acceptance counters (accepted draft tokens per request: the decode steps drafts saved, whatever the load).
 Figures:
 docs/journal/speculative-2026-12.md (design: docs/speculative.md).
 
@@ -19,6 +20,7 @@ from earlier runs, which are this very request again) but in the -again tasks or
     PYTHONPATH=shared:. python bench/spec/spec_ngram_cpu.py [--task edit|chat|open|story-again|code-again]
                                    [--modes none,4,auto,suffix:4,suffix:auto] [--concurrency 1] [--max-tokens 160]
                                    [--repeats 3] [--threads 1] [--dtype float32] [--suffix-history]
+                                   [--temperature 0.7 --seed 0]
 """
 
 from __future__ import annotations
@@ -98,11 +100,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32 (the default): in bf16 a verify step's other GEMM shapes part greedy at one-ulp ties")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (2 on 2 shared cores: OpenMP spins)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (seeded; > 0: the outputs are the target's distribution, not the "
+                             "plain run's tokens, so they are not compared)")
+    parser.add_argument("--seed", type=int, default=0, help="each request's seed when --temperature > 0")
     parser.add_argument("--suffix-history", action="store_true",
                         help="keep suffix decoding's global tree across runs (always with the -again tasks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sampled = args.temperature > 0
+    params = SamplingParams(temperature=args.temperature, seed=args.seed if sampled else None,
+                            max_tokens=args.max_tokens)
     modes = args.modes.split(",")
     configs = {m: spec_config(m, args.lookup_min, args.lookup_max) for m in modes}
     llms = {m: LLM(progress=False, enable_prefix_caching=False, dtype=args.dtype, speculative_config=configs[m])
@@ -129,13 +137,14 @@ def main() -> None:
     again = args.task in AGAIN
     figure = {m: sum(r) / len(r) if again else max(r) for m, r in runs.items()}
     base = figure.get("none")
-    print(f"task {args.task}, concurrency {args.concurrency}, {'mean' if again else 'best'} of {args.repeats}, "
+    print(f"task {args.task}, concurrency {args.concurrency}, temperature {args.temperature}, "
+          f"{'mean' if again else 'best'} of {args.repeats}, "
           f"{sum(map(len, tokens[modes[0]])) / args.concurrency:.0f} tokens per request (the last run)")
     for m in modes:
         line = f"{m:>11}: {figure[m]:6.1f} tok/s per user"
         if base:
             line += f"  ({figure[m] / base:.2f}x)"
-        if "none" in tokens:
+        if "none" in tokens and not sampled:
             line += f"  identical to none: {identical[m]}"
         if m in warm:
             stats, before = llms[m].engine.spec_decode_stats(), warm[m]
