@@ -111,12 +111,13 @@ def test_greedy_text_is_the_plain_run_s_streamed_or_not(client, spec_stack, plai
     itl_observations, num_tokens = metrics(spec_stack, "gateway-0")[ITL_COUNT] - itl_before, want[2]
     assert 2 * (num_tokens - 8) <= itl_observations <= 2 * (num_tokens - 1)
     # The counters reach /metrics with the worker's next heartbeat. Many of the 2 x 64 tokens came from drafts.
-    if _drafts_every_step(spec_stack):
+    fixed_k = _drafts_every_step(spec_stack)
+    if fixed_k:
         wait_until(lambda: _accepted(spec_stack)[1] - before[1] > 16, 10, "accepted draft tokens on /metrics")
-        assert _accepted(spec_stack)[0] > before[0]
-        samples = metrics(spec_stack, "decode-0")
+    samples = metrics(spec_stack, "decode-0")  # one scrape for every check below
+    if fixed_k:
+        assert samples.get(DRAFTS, 0.0) > before[0]
         assert samples['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
-    samples = metrics(spec_stack, "decode-0")
     assert samples.get("vllm:spec_decode_num_draft_tokens_total", 0.0) >= samples.get(ACCEPTED, 0.0)
 
 
